@@ -1,0 +1,29 @@
+"""Model checkpoints: where a model comes from and how its weights become device arrays."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from checkpoints.default_model import NAME as DEFAULT_MODEL_NAME
+from checkpoints.default_model import default_model_dir
+from checkpoints.hf import load_hf_params
+
+
+def resolve_model(model: str | None) -> Path:
+    """A local directory, the built-in default (None or "jaxserve-tiny"), or a hub id (needs internet)."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise FileNotFoundError(f"model {model!r} is not a directory (nor a Hugging Face hub id 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+    except Exception as e:  # network or hub errors: all say the same thing to the user
+        raise FileNotFoundError(f"model {model!r} is not a local directory and could not be downloaded: {e}") from e
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "load_hf_params", "resolve_model"]

@@ -1,0 +1,215 @@
+"""Typed, frozen, validated-once configuration.
+
+`ModelConfig` is what the decoder needs to know about a Hugging Face checkpoint
+(read from its `config.json`); `EngineConfig` is what the serving engine needs
+(from the CLI or the `LLM(...)` keyword arguments), including the shape buckets
+that every jitted step is padded to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+# HF `architectures` entry -> the family features it switches on.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings (HF `rope_parameters` / `rope_scaling`)."""
+
+    theta: float
+    type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear and llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # biases on q/k/v projections (Qwen2, Llama's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None  # attend to at most this many most recent positions
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `config.json` (and `generation_config.json` for EOS ids)."""
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: a model directory needs a Hugging Face config.json")
+        hf = json.loads(path.read_text())
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or hf.get('model_type')!r} in {path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        family = SUPPORTED_ARCHITECTURES[arch]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
+        num_heads = hf["num_attention_heads"]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope=_rope_from_hf(hf, path),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family["qkv_bias"] or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            qk_norm=family["qk_norm"],
+            sliding_window=_sliding_window_from_hf(hf, arch, path),
+            eos_token_ids=_eos_ids(model_dir, hf),
+        )
+
+
+def _rope_from_hf(hf: dict, path: Path) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files
+    # have `rope_theta` and an optional `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}), in {path}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor is not supported, in {path}")
+    fields = {f.name for f in dataclasses.fields(RopeConfig)} - {"theta", "type"}
+    return RopeConfig(theta=float(theta), type=rope_type, **{k: v for k, v in params.items() if k in fields})
+
+
+def _sliding_window_from_hf(hf: dict, arch: str, path: Path) -> int | None:
+    if arch == "MistralForCausalLM":
+        return hf.get("sliding_window")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window=true (per-layer windows) is not supported yet, in {path}")
+    return None
+
+
+def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
+    """All EOS ids of generation_config.json, else of config.json."""
+    eos = None
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        eos = json.loads(gen_path.read_text()).get("eos_token_id")
+    if eos is None:
+        eos = hf.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2*lo, 4*lo, ... below hi, then hi itself."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving limits. `resolve` fills the model-dependent defaults."""
+
+    max_model_len: int  # prompt + generated tokens per sequence
+    max_num_seqs: int = 64  # sequences per step
+    max_num_batched_tokens: int = 512  # tokens per step (the token budget)
+    page_size: int = 16  # tokens per KV page
+    num_pages: int = 0  # KV pages in the cache, including the null page 0
+    dtype: str = "float32"  # weights, activations and KV cache
+    seed: int = 0  # draws the seeds of requests that set none
+    min_token_bucket: int = 16  # smallest padded step size
+
+    def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "min_token_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages and self.num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+
+    @classmethod
+    def resolve(
+        cls,
+        model: ModelConfig,
+        *,
+        max_model_len: int | None = None,
+        num_pages: int | None = None,
+        kv_cache_bytes: int = 2 << 30,
+        **kwargs,
+    ) -> EngineConfig:
+        """Defaults: max_model_len from the model; enough pages for
+        max_num_seqs full-length sequences, capped at `kv_cache_bytes`."""
+        if max_model_len is None:
+            max_model_len = model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                f"{model.max_position_embeddings}; pass a smaller max_model_len"
+            )
+        cfg = cls(max_model_len=max_model_len, **kwargs)
+        if not num_pages:
+            itemsize = 4 if cfg.dtype == "float32" else 2
+            page_bytes = 2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim * itemsize
+            wanted = cfg.max_num_seqs * cfg.max_pages_per_seq
+            num_pages = 1 + max(cfg.max_pages_per_seq, min(wanted, kv_cache_bytes // page_bytes))
+        return dataclasses.replace(cfg, num_pages=num_pages)
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return math.ceil(self.max_model_len / self.page_size)
+
+    @property
+    def token_buckets(self) -> tuple[int, ...]:
+        """Padded numbers of tokens per step."""
+        return _powers_of_two(min(self.min_token_bucket, self.max_num_batched_tokens), self.max_num_batched_tokens)
+
+    @property
+    def page_buckets(self) -> tuple[int, ...]:
+        """Padded page-table widths (pages per sequence), in steps of 4x:
+        a wider table costs only attention over masked positions."""
+        out, b = [], 4
+        while b < self.max_pages_per_seq:
+            out.append(b)
+            b *= 4
+        return tuple(out) + (self.max_pages_per_seq,)
+
+    def seqs_bucket(self, token_bucket: int) -> int:
+        """Sequences per step for a token bucket: every sequence brings >= 1 token."""
+        return min(token_bucket, self.max_num_seqs)

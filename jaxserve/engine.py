@@ -1,0 +1,165 @@
+"""The engine loop and the offline Python API.
+
+`Engine` owns the scheduler and the runner and advances them one step at a
+time (`step` is the three verbs: schedule, run, update). `LLM` is the
+vLLM-style offline API on top: tokenize, add every prompt, step until all are
+finished, detokenize. Neither knows anything about HTTP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from checkpoints import load_hf_params, resolve_model
+from checkpoints.default_model import cache_root
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.runner import Runner
+from jaxserve.sampling import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.sequence import Sequence
+from jaxserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float  # sum of the sampled tokens' logprobs (see sampling.sample)
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    stop_reason: int | None = None  # the stop token id that ended it; None for EOS or length
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+def enable_compilation_cache() -> None:
+    """XLA's persistent compilation cache, so a restart reuses the compiled buckets."""
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+class Engine:
+    """Scheduler + runner + the step loop. Requests are token ids; no tokenizer here."""
+
+    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig, *,
+                 warmup: bool = True):
+        enable_compilation_cache()
+        self.model_config = model_config
+        self.config = config
+        graphdef, state = load_hf_params(model_dir, model_config, config.dtype)
+        self.runner = Runner(model_config, config, graphdef, state)
+        self.scheduler = Scheduler(config, model_config.eos_token_ids)
+        self._seeds = np.random.default_rng(config.seed)
+        self._seq_ids = itertools.count()
+        if warmup:
+            self.runner.warmup()
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue one sequence; ValueError for an empty, out-of-vocabulary or too long prompt."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.config.max_model_len - len(prompt_token_ids)
+            if max_tokens < 1:
+                raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
+                                 f"max_model_len ({self.config.max_model_len})")
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       params=params, seed=seed, max_tokens=max_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
+            self.scheduler.abort(seq.seq_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """One step of every running sequence -> the sequences that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.rows:
+            return []
+        out = self.runner.step(batch)
+        return self.scheduler.update(batch, out)
+
+
+PromptInput = str | list[int] | dict
+
+
+class LLM:
+    """Offline generation, vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    With `model=None` it loads the built-in `jaxserve-tiny` (RANDOM weights: gibberish by design).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
+                 num_pages: int | None = None, seed: int = 0):
+        model_dir = resolve_model(model)
+        model_config = ModelConfig.from_hf(model_dir)
+        config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype,
+                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      page_size=page_size, seed=seed)
+        self.tokenizer = Tokenizer(model_dir)
+        self.engine = Engine(model_dir, model_config, config)
+        self._request_ids = itertools.count()
+
+    def generate(self, prompts: PromptInput | list[PromptInput],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        seqs: list[tuple[str | None, Sequence]] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                text, ids = self._tokenize(prompt)
+                seqs.append((text, self.engine.add_request(str(next(self._request_ids)), ids, p)))
+        except ValueError:
+            for _, seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(text, seq) for text, seq in seqs]
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(index=0, text=self.tokenizer.decode(seq.output_token_ids),
+                                      token_ids=seq.output_token_ids, cumulative_logprob=seq.cumulative_logprob,
+                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=[completion], finished=seq.is_finished)

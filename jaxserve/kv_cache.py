@@ -1,0 +1,64 @@
+"""The paged KV cache: device page arrays allocated once, and the host-side allocator.
+
+Page 0 is the null page: padding tokens write into it and padded page-table
+entries point at it, always behind an attention mask, so it is never handed
+out. A sequence's page table is the list of page ids it owns, in order
+(`Sequence.page_ids`); this module only hands pages out and takes them back.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model import KVCache
+
+NULL_PAGE = 0
+
+
+def allocate_kv_cache(model: ModelConfig, engine: EngineConfig) -> KVCache:
+    """Zeroed K and V pages for every layer: [num_pages, page_size, num_kv_heads, head_dim] each."""
+    shape = (engine.num_pages, engine.page_size, model.num_kv_heads, model.head_dim)
+    dtype = jnp.dtype(engine.dtype)
+    return KVCache(k=[jnp.zeros(shape, dtype) for _ in range(model.num_layers)],
+                   v=[jnp.zeros(shape, dtype) for _ in range(model.num_layers)])
+
+
+class PageAllocator:
+    """Free list of page ids 1..num_pages-1."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Popped from the end: low ids first, which keeps tests readable.
+        self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def grow(self, page_ids: list[int], num_tokens: int) -> bool:
+        """Append pages to `page_ids` until it holds `num_tokens`; False (nothing taken) if too few are free."""
+        missing = self.pages_for(num_tokens) - len(page_ids)
+        if missing > len(self._free):
+            return False
+        for _ in range(max(missing, 0)):
+            page_ids.append(self._free.pop())
+        return True
+
+    def release(self, page_ids: list[int]) -> None:
+        """Return every page of `page_ids` and empty it."""
+        self._free.extend(reversed(page_ids))
+        page_ids.clear()
+
+    def free_page_ids(self) -> list[int]:
+        return list(self._free)

@@ -1,0 +1,99 @@
+"""The device side of a step: pad the plan to a shape bucket, run one jitted call.
+
+`step_fn` is the only jitted entry point: model forward (KV written into the
+donated cache) and the sampler, for one padded batch. Its shapes come from
+`EngineConfig`'s buckets (tokens T, sequences B = min(T, max_num_seqs), page
+table width P); `warmup` compiles every (T, P) pair once, so serving never
+compiles. The runner reads nothing but the scheduler's plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
+from jaxserve.model import KVCache, ModelInputs, forward
+from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.scheduler import ScheduledBatch, StepOutput
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv",))
+def step_fn(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
+            sampling: SamplingTensors):
+    """(weights, cache, step) -> (cache, token ids i32[B], logprobs f32[B])."""
+    kv, logits = forward(graphdef, state, kv, inputs)
+    tokens, logprobs = sample(logits, sampling)
+    return kv, tokens, logprobs
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class Runner:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State):
+        self.model_config = model_config
+        self.config = config
+        self.graphdef = graphdef
+        self.state = state
+        self.kv = allocate_kv_cache(model_config, config)
+
+    def step(self, batch: ScheduledBatch) -> StepOutput:
+        inputs, sampling = self.prepare(batch)
+        self.kv, tokens, logprobs = step_fn(self.graphdef, self.state, self.kv, inputs, sampling)
+        rows = len(batch.rows)
+        return StepOutput(token_ids=np.asarray(tokens)[:rows], logprobs=np.asarray(logprobs)[:rows])
+
+    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
+                ) -> tuple[ModelInputs, SamplingTensors]:
+        """Host arrays of the plan, padded to its buckets, or to `shape` = (tokens, page-table width)."""
+        cfg = self.config
+        num_tokens, width = shape or (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
+                                      _bucket(max((len(r.page_ids) for r in batch.rows), default=1),
+                                              cfg.page_buckets))
+        num_rows = cfg.seqs_bucket(num_tokens)
+        token_ids = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        slot_mapping = np.full(num_tokens, NULL_PAGE * cfg.page_size, np.int32)
+        kv_lens = np.zeros(num_rows, np.int32)
+        page_table = np.full((num_rows, width), NULL_PAGE, np.int32)
+        query_start = np.zeros(num_rows + 1, np.int32)
+        logits_indices = np.zeros(num_rows, np.int32)
+        start = 0
+        for b, row in enumerate(batch.rows):
+            n = len(row.token_ids)
+            pos = np.arange(row.start_position, row.start_position + n)
+            pages = np.asarray(row.page_ids, np.int32)
+            token_ids[start:start + n] = row.token_ids
+            positions[start:start + n] = pos
+            slot_mapping[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+            kv_lens[b] = row.start_position + n
+            page_table[b, :len(pages)] = pages
+            start += n
+            query_start[b + 1] = start
+            logits_indices[b] = start - 1
+        query_start[len(batch.rows) + 1:] = start
+        inputs = ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
+                             page_table=page_table, query_start=query_start,
+                             num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
+        sampling = SamplingTensors.from_rows(
+            [r.params for r in batch.rows], [r.seed for r in batch.rows],
+            [r.start_position + len(r.token_ids) for r in batch.rows], num_rows, self.model_config.vocab_size)
+        return inputs, sampling
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every (tokens, pages) bucket with an empty batch (it writes only the null page)."""
+        cfg = self.config
+        pairs = list(itertools.product(cfg.token_buckets, cfg.page_buckets))
+        empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
+            inputs, sampling = self.prepare(empty, shape)
+            self.kv, _, _ = step_fn(self.graphdef, self.state, self.kv, inputs, sampling)
+        jax.block_until_ready(self.kv)

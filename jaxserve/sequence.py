@@ -1,0 +1,56 @@
+"""Host-side state of one sequence (one generated choice of a request)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+from jaxserve.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not in the batch: new, or preempted (pages freed, to be recomputed)
+    RUNNING = "running"  # holds pages; scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # the request's seed, or one drawn by the engine
+    max_tokens: int  # params.max_tokens, resolved against max_model_len
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+    cumulative_logprob: float = 0.0
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,82 @@
+"""The jnp reference of ragged paged attention: the semantics every kernel matches.
+
+Layout
+  k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], one pair per
+  layer. Page 0 is the null page: padding tokens write there and padded
+  page-table entries point there, always behind a mask.
+
+A step is a ragged batch: sequence b owns the query rows
+`query_start[b]:query_start[b+1]` (a prefill chunk or one decode token), whose
+keys are the first `kv_lens[b]` positions of its pages, the new tokens
+included (they are written with `write_kv` before attention). Query row i of
+sequence b sits at position `kv_lens[b] - q_len_b + i` and attends causally.
+Rows of `query_start` past `num_seqs` repeat the total, so padding sequences
+are empty; padding query rows return zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row gives no NaN
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping):
+    """Write the step's new keys and values into their pages (in place when donated).
+
+    k, v: [T, num_kv_heads, head_dim]; slot_mapping: i32[T] = page * page_size + offset.
+    """
+    page_size = k_pages.shape[1]
+    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype))
+    v_pages = v_pages.at[pages, offsets].set(v.astype(v_pages.dtype))
+    return k_pages, v_pages
+
+
+def token_positions(query_start, kv_lens, num_seqs, num_tokens):
+    """Per query row: its sequence (i32[T]), its position (i32[T]), and whether it is real (bool[T])."""
+    num_rows = kv_lens.shape[0]
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.searchsorted(query_start[1:], t, side="right").astype(jnp.int32)
+    seq = jnp.minimum(seq, num_rows - 1)
+    q_len = query_start[seq + 1] - query_start[seq]
+    pos = kv_lens[seq] - q_len + (t - query_start[seq])
+    return seq, pos, t < query_start[num_seqs]
+
+
+def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, *,
+                              sm_scale: float, sliding_window: int | None = None,
+                              soft_cap: float | None = None, token_block: int = 32):
+    """Attention of each query row over its own sequence's paged keys.
+
+    q: [T, num_heads, head_dim]; kv_lens: i32[B]; page_table: i32[B, P];
+    query_start: i32[B + 1]; num_seqs: i32[] -> [T, num_heads, head_dim] in q.dtype.
+    Grouped-query: query head h reads kv head h // (num_heads // num_kv_heads).
+    Scores and softmax are float32. `sliding_window` w keeps keys at positions
+    > pos - w; `soft_cap` c maps scores s to c * tanh(s / c).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_pages.shape
+    pages_per_seq = page_table.shape[1]
+    context = pages_per_seq * page_size
+    group = num_heads // num_kv_heads
+    seq, pos, valid = token_positions(query_start, kv_lens, num_seqs, num_tokens)
+    key_pos = jnp.arange(context)
+
+    def attend(row):
+        q_t, pages_t, pos_t = row  # [H, D], i32[P], i32[]
+        k = k_pages[pages_t].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        v = v_pages[pages_t].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
+        qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)
+        s = jnp.einsum("kgd,ckd->kgc", qg, k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        mask = key_pos <= pos_t
+        if sliding_window is not None:
+            mask &= key_pos > pos_t - sliding_window
+        p = jax.nn.softmax(jnp.where(mask, s, _MASKED), axis=-1)
+        return jnp.einsum("kgc,ckd->kgd", p, v).reshape(num_heads, head_dim)
+
+    out = jax.lax.map(attend, (q, page_table[seq], pos), batch_size=min(token_block, num_tokens))
+    return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)
