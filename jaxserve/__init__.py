@@ -1,6 +1,23 @@
-"""jaxserve: LLM inference on JAX with a paged KV cache and continuous batching."""
+"""jaxserve: LLM inference on JAX with a paged KV cache and continuous batching.
 
-from jaxserve.engine import LLM, CompletionOutput, Engine, RequestOutput
-from jaxserve.sampling import SamplingParams
+`from jaxserve import LLM, SamplingParams` is the offline API. The names are
+resolved lazily so that `checkpoints` (which needs `jaxserve.config`) and
+`jaxserve.engine` (which needs `checkpoints`) can import each other's modules.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "RequestOutput", "SamplingParams"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxserve.engine",
+    "Engine": "jaxserve.engine",
+    "RequestOutput": "jaxserve.engine",
+    "CompletionOutput": "jaxserve.engine",
+    "SamplingParams": "jaxserve.sampling",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")

@@ -1,0 +1,58 @@
+"""Tiny random Hugging Face models of every supported architecture, built with transformers.
+
+Weights are redrawn at std 0.2 (norm weights around 1, biases too) so that
+greedy paths are diverse rather than one repeated token, and every parameter
+(biases, q/k norms) actually matters. The byte-level tokenizer of
+jaxserve-tiny goes with each, so prompts can be text too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+
+from checkpoints.default_model import BYTE_VOCAB_SIZE, write_byte_tokenizer
+
+COMMON = dict(vocab_size=BYTE_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+              initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# name -> (config class, model class, architecture-specific settings)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-linear-rope": ("LlamaConfig", "LlamaForCausalLM",
+                          {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
+                    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                     "rope_theta": 500000.0, "num_key_value_heads": 1}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 4}),
+}
+
+
+def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+    config_cls, model_cls, extra = ARCHITECTURES[name]
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def save_hf_model(model: transformers.PreTrainedModel, directory: Path, **save_kwargs) -> Path:
+    """config.json, safetensors, generation_config.json (no EOS) and the byte tokenizer."""
+    model.save_pretrained(directory, safe_serialization=True, **save_kwargs)
+    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    write_byte_tokenizer(directory)
+    return directory
