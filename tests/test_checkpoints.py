@@ -1,0 +1,108 @@
+"""Loading HF checkpoints: sharded files, dtypes, the default model, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hf_models import build_hf_model, save_hf_model
+
+from checkpoints import default_model_dir, load_hf_params, resolve_model
+from jaxserve.config import ModelConfig
+
+
+def _leaves(state):
+    import jax
+
+    return [np.asarray(x) for x in jax.tree.leaves(state)]
+
+
+def test_sharded_checkpoint_with_index_equals_single_file(hf_checkpoint, tmp_path):
+    model, single = hf_checkpoint("qwen3")
+    sharded = save_hf_model(model, tmp_path / "sharded", max_shard_size="100KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    cfg = ModelConfig.from_hf(single)
+    for a, b in zip(_leaves(load_hf_params(single, cfg, "float32")[1]),
+                    _leaves(load_hf_params(sharded, cfg, "float32")[1])):
+        np.testing.assert_array_equal(a, b)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_missing_files_are_named(hf_checkpoint, tmp_path):
+    _, src = hf_checkpoint("llama")
+    d = _copy(src, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
+        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+    (d / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelConfig.from_hf(d)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        resolve_model(str(tmp_path / "nowhere"))
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel.*LlamaForCausalLM"):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_unsupported_rope_type_is_refused(hf_checkpoint, tmp_path):
+    _, src = hf_checkpoint("llama")
+    d = _copy(src, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_hf(d)
+
+
+def test_shape_mismatch_names_the_tensor(hf_checkpoint, tmp_path):
+    _, src = hf_checkpoint("llama")
+    d = _copy(src, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 96
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.\w+_proj\.weight.*shape"):
+        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+
+
+def test_missing_tensor_is_reported(tmp_path):
+    model = build_hf_model("llama")
+    state = {k: v for k, v in model.state_dict().items() if k != "model.norm.weight"}
+    d = tmp_path / "m"
+    model.save_pretrained(d, state_dict=state)
+    with pytest.raises(ValueError, match="lacks 1 tensors.*norm.weight"):
+        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+
+
+def test_default_model_is_real_hf_format_and_matches_transformers():
+    import transformers
+
+    d = default_model_dir()
+    assert default_model_dir() == d  # generated once, then reused
+    assert "Random weights" in (d / "README.md").read_text()
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    text = "héllo, wörld ✓"
+    ids = tok(text).input_ids
+    assert tok.decode(ids) == text and len(ids) == len(text.encode())
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    model = transformers.AutoModelForCausalLM.from_pretrained(d).eval()
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.eos_token_ids == (259, 257)
+
+    from test_parity import chunked_logits
+
+    ids = np.random.default_rng(0).integers(0, 256, size=30).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(chunked_logits(d, ids, [30]), want, atol=1e-4, rtol=0)

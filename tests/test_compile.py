@@ -1,0 +1,53 @@
+"""After warm-up, serving never compiles: every step shape is a pre-compiled bucket."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+
+
+class CompileCounter:
+    """Counts jaxpr traces and backend compiles reported through jax.monitoring
+    (`test_counter_sees_a_compilation` guards against the event names changing)."""
+
+    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **kwargs):
+        if event in self.EVENTS:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def test_fifty_mixed_requests_after_warmup_compile_nothing():
+    llm = LLM(None, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=20)
+    rng = np.random.default_rng(0)
+    prompts, params = [], []
+    for i in range(50):
+        prompts.append(rng.integers(0, 256, size=int(rng.integers(1, 90))).tolist())
+        params.append(SamplingParams(
+            max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.7, 1.5])),
+            top_k=int(rng.choice([-1, 1, 5])), top_p=float(rng.choice([1.0, 0.8])),
+            min_p=float(rng.choice([0.0, 0.1])), seed=int(rng.integers(0, 2**40)) if i % 3 else None,
+            ignore_eos=bool(i % 2), stop_token_ids=[int(rng.integers(0, 256))] if i % 4 == 0 else []))
+    with CompileCounter() as counter:
+        outputs = llm.generate(prompts, params)
+    assert counter.count == 0
+    assert all(o.finished for o in outputs)
+    assert llm.engine.scheduler.num_preemptions > 0  # the mix includes preemption and recompute
+
+
+def test_counter_sees_a_compilation():
+    with CompileCounter() as counter:
+        jax.jit(lambda x: x * 3 + 1)(np.arange(7))
+    assert counter.count >= 1

@@ -1,0 +1,57 @@
+"""The offline `LLM` API: prompt forms, outputs, and stopping at the model's EOS ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import SMALL_ENGINE
+
+from jaxserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def default_llm():
+    return LLM(**SMALL_ENGINE)  # model=None: the built-in jaxserve-tiny (random weights)
+
+
+def test_prompt_forms_and_output_shape(default_llm):
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = default_llm.tokenizer.encode("hello")
+    by_text = default_llm.generate("hello", greedy)
+    assert len(by_text) == 1 and by_text[0].prompt == "hello" and by_text[0].prompt_token_ids == ids
+    by_ids, by_dict = default_llm.generate([ids, {"prompt_token_ids": ids}], greedy)
+    out = by_text[0].outputs[0]
+    assert by_ids.outputs[0].token_ids == out.token_ids == by_dict.outputs[0].token_ids
+    assert len(out.token_ids) == 6 and out.finish_reason == "length" and by_text[0].finished
+    assert out.text == default_llm.tokenizer.decode(out.token_ids)
+    assert out.cumulative_logprob < 0
+
+
+def test_default_max_tokens_is_16_and_list_of_params(default_llm):
+    outs = default_llm.generate(["a", "b"], [SamplingParams(ignore_eos=True),
+                                             SamplingParams(max_tokens=3, ignore_eos=True)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [16, 3]
+    with pytest.raises(ValueError, match="SamplingParams for"):
+        default_llm.generate(["a", "b"], [SamplingParams()])
+
+
+def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
+    _, src = hf_checkpoint("llama")
+    prompt = [5, 6, 7, 8]
+    free = LLM(str(src), **SMALL_ENGINE).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    tokens = free[0].outputs[0].token_ids
+    assert len(tokens) == 12  # this checkpoint has no EOS
+    eos = tokens[4]
+    d = shutil.copytree(src, tmp_path / "with-eos")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos]}))
+    llm = LLM(str(d), **SMALL_ENGINE)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
+    first = tokens.index(eos)
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    kept = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert kept.token_ids == tokens and kept.finish_reason == "length"
+    stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                    stop_token_ids=[tokens[2]]))[0].outputs[0]
+    assert stopped.token_ids == tokens[: tokens.index(tokens[2]) + 1] and stopped.stop_reason == tokens[2]

@@ -1,0 +1,80 @@
+"""The jnp paged-attention reference against dense float64 numpy attention on contiguous K/V."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from kernels import paged_attention, write_kv
+
+
+def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
+    """float64 attention of one sequence's queries (at `positions`) over its keys 0..len(k)-1."""
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.einsum("thd,chd->htc", q, k) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * np.tanh(s / soft_cap)
+    c = np.arange(k.shape[0])[None, :]
+    mask = c <= positions[:, None]
+    if sliding_window is not None:
+        mask &= c > positions[:, None] - sliding_window
+    s = np.where(mask[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("htc,chd->thd", p, v)
+
+
+@pytest.mark.parametrize("num_kv_heads", [4, 1])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0)])
+def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
+    rng = np.random.default_rng(0)
+    num_heads, head_dim, page_size, num_pages = 4, 8, 4, 40
+    # (tokens already cached, new tokens this step): prefill, chunk, decodes, length 1
+    seqs = [(0, 9), (5, 6), (13, 1), (0, 1), (22, 1)]
+    width, rows = 8, 8
+    k_pages = rng.normal(size=(num_pages, page_size, num_kv_heads, head_dim)).astype(np.float32)
+    v_pages = rng.normal(size=k_pages.shape).astype(np.float32)
+    free = list(rng.permutation(np.arange(1, num_pages)))  # pages in random order; 0 is the null page
+    page_table = np.zeros((rows, width), np.int32)
+    full_k, full_v, qs, slots, query_start, kv_lens = [], [], [], [], [0], []
+    for b, (cached, new) in enumerate(seqs):
+        total = cached + new
+        n_pages = -(-total // page_size)
+        page_table[b, :n_pages] = [free.pop() for _ in range(n_pages)]
+        k = rng.normal(size=(total, num_kv_heads, head_dim)).astype(np.float32)
+        v = rng.normal(size=k.shape).astype(np.float32)
+        pos = np.arange(total)
+        flat = page_table[b, pos // page_size] * page_size + pos % page_size
+        k_pages.reshape(-1, num_kv_heads, head_dim)[flat[:cached]] = k[:cached]  # the cached part
+        v_pages.reshape(-1, num_kv_heads, head_dim)[flat[:cached]] = v[:cached]
+        full_k.append(k), full_v.append(v), slots.append(flat[cached:])
+        qs.append(rng.normal(size=(new, num_heads, head_dim)).astype(np.float32))
+        query_start.append(query_start[-1] + new)
+        kv_lens.append(total)
+    num_tokens = 24  # padded
+    real = query_start[-1]
+    pad = num_tokens - real
+    q = np.concatenate(qs + [rng.normal(size=(pad, num_heads, head_dim)).astype(np.float32)])
+    new_k = np.concatenate([k[c:] for k, (c, _) in zip(full_k, seqs)] + [np.ones((pad, num_kv_heads, head_dim))])
+    new_v = np.concatenate([v[c:] for v, (c, _) in zip(full_v, seqs)] + [np.ones((pad, num_kv_heads, head_dim))])
+    slot_mapping = np.concatenate(slots + [np.zeros(pad, np.int64)]).astype(np.int32)
+    query_start = np.array(query_start + [real] * (rows - len(seqs)), np.int32)
+    kv_lens = np.array(kv_lens + [0] * (rows - len(seqs)), np.int32)
+
+    k_out, v_out = jax.jit(write_kv)(k_pages, v_pages, new_k.astype(np.float32), new_v.astype(np.float32),
+                                     slot_mapping)
+    for b, (cached, new) in enumerate(seqs):  # every new token landed in its slot
+        got = np.asarray(k_out).reshape(-1, num_kv_heads, head_dim)[slot_mapping[query_start[b]:query_start[b + 1]]]
+        np.testing.assert_array_equal(got, full_k[b][cached:])
+    out = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
+        q, k_out, v_out, kv_lens, page_table, query_start, np.asarray(len(seqs), np.int32),
+        sm_scale=head_dim**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    out = np.asarray(out)
+    for b, (cached, new) in enumerate(seqs):
+        want = dense_attention(qs[b].astype(np.float64), full_k[b].astype(np.float64),
+                               full_v[b].astype(np.float64), np.arange(cached, cached + new),
+                               head_dim**-0.5, sliding_window, soft_cap)
+        np.testing.assert_allclose(out[query_start[b]:query_start[b + 1]], want, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(out[real:], 0.0)  # padding rows

@@ -1,0 +1,147 @@
+"""Continuous batching: the plan (host only, fake device outputs) and the engine under churn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.scheduler import Scheduler, StepOutput
+from jaxserve.sequence import Sequence
+
+EOS = 99
+
+
+def make_scheduler(**kwargs) -> Scheduler:
+    cfg = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=33)
+    return Scheduler(EngineConfig(**{**cfg, **kwargs}), eos_token_ids=(EOS,))
+
+
+def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Sequence:
+    return Sequence(seq_id=seq_id, request_id=f"r{seq_id}", prompt_token_ids=list(range(1, prompt_len + 1)),
+                    params=SamplingParams(max_tokens=max_tokens, **params), seed=0, max_tokens=max_tokens)
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    batch = sched.schedule()
+    n = len(batch.rows)
+    sched.update(batch, StepOutput(token_ids=np.full(n, token, np.int32), logprobs=np.zeros(n, np.float32)))
+    return batch
+
+
+def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
+    sched = make_scheduler()
+    sched.add(make_seq(0, 3))
+    run_step(sched)  # prefill of seq 0, samples its first token
+    sched.add(make_seq(1, 40))
+    batch = run_step(sched)
+    assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 1, True), (1, 15, False)]
+    assert batch.num_tokens == 16
+    batch = run_step(sched)
+    assert [(r.seq_id, len(r.token_ids), r.start_position) for r in batch.rows] == [(0, 1, 4), (1, 15, 15)]
+    batch = run_step(sched)
+    assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 1, True), (1, 10, True)]
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(5):
+        sched.add(make_seq(i, 2))
+    assert [r.seq_id for r in run_step(sched).rows] == [0, 1]
+    assert len(sched.waiting) == 3
+
+
+def test_newest_running_sequence_is_preempted_when_pages_run_out():
+    sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
+    sched.add(make_seq(0, 8, max_tokens=8))  # 2 pages, then grows
+    sched.add(make_seq(1, 8, max_tokens=8))  # 2 pages
+    run_step(sched)
+    assert sched.allocator.num_free == 0
+    batch = run_step(sched)  # seq 0 needs a third page: seq 1 (newest) gives its pages back
+    assert batch.preempted == [1] and [r.seq_id for r in batch.rows] == [0]
+    seq1 = sched.seqs[1]
+    assert seq1.num_computed_tokens == 0 and seq1.page_ids == [] and sched.waiting[0] is seq1
+    assert seq1.num_tokens == 9  # it keeps its sampled token and recomputes it later
+
+
+def test_stops_eos_stop_ids_max_tokens_and_ignore_eos():
+    sched = make_scheduler()
+    eos = make_seq(0, 2)
+    kept = make_seq(1, 2, ignore_eos=True)
+    stop = make_seq(2, 2, stop_token_ids=[EOS, 5])
+    for s in (eos, kept, stop):
+        sched.add(s)
+    run_step(sched, token=EOS)
+    assert (eos.finish_reason, eos.stop_reason) == ("stop", None)
+    assert (stop.finish_reason, stop.stop_reason) == ("stop", EOS)
+    assert kept.finish_reason is None
+    for _ in range(7):
+        run_step(sched, token=EOS)
+    assert kept.finish_reason == "length" and kept.num_output_tokens == 8
+    assert sched.allocator.num_free == sched.allocator.num_usable and not sched.has_unfinished()
+
+
+def test_requests_that_cannot_fit_are_refused():
+    sched = make_scheduler()
+    with pytest.raises(ValueError, match="exceeds max_model_len"):
+        sched.add(make_seq(0, 60, max_tokens=8))
+    small = make_scheduler(num_pages=3)
+    with pytest.raises(ValueError, match="raise num_pages"):
+        small.add(make_seq(0, 10, max_tokens=8))
+
+
+def test_abort_frees_pages_at_once():
+    sched = make_scheduler()
+    sched.add(make_seq(0, 10))
+    sched.add(make_seq(1, 3))
+    run_step(sched)
+    sched.abort(0)
+    assert sched.seqs.keys() == {1}
+    run_step(sched)
+    sched.abort(1)
+    assert sched.allocator.num_free == sched.allocator.num_usable
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    # 23 usable pages of 16 tokens for up to 16 sequences of up to 76 tokens: preemption is routine.
+    return LLM(None, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+
+
+def test_pages_all_return_after_300_random_requests_with_cancellations(tiny_llm):
+    engine = tiny_llm.engine
+    rng = np.random.default_rng(0)
+    todo = [(rng.integers(0, 256, size=int(rng.integers(1, 60))).tolist(), int(rng.integers(1, 17)))
+            for _ in range(300)]
+    cancel_after = {i: int(rng.integers(0, 8)) for i in rng.choice(300, size=60, replace=False)}
+    seqs: dict[int, Sequence] = {}
+    while todo or engine.has_unfinished():
+        for _ in range(int(rng.integers(0, 4))):
+            if todo:
+                prompt, max_tokens = todo.pop()
+                i = len(seqs)
+                seqs[i] = engine.add_request(f"req-{i}", prompt, SamplingParams(
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=bool(i % 2)))
+        engine.step()
+        for i, seq in seqs.items():
+            if i in cancel_after and not seq.is_finished and seq.num_output_tokens >= cancel_after[i]:
+                engine.abort(seq.request_id)
+    sched = engine.scheduler
+    assert sorted(sched.allocator.free_page_ids()) == list(range(1, sched.config.num_pages))
+    assert not sched.running and not sched.waiting and not sched.seqs
+    assert sum(s.finish_reason == "abort" for s in seqs.values()) > 20
+
+    preempted = [s for s in seqs.values() if s.num_preemptions and s.finish_reason != "abort"]
+    assert len(preempted) >= 3
+    for seq in preempted[:8]:
+        alone = tiny_llm.generate([seq.prompt_token_ids], seq.params)[0].outputs[0]
+        assert alone.token_ids == seq.output_token_ids
+
+
+def test_prompt_longer_than_max_model_len_is_refused(tiny_llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        tiny_llm.generate(["short", "x" * 120], SamplingParams(max_tokens=16))
+    assert not tiny_llm.engine.has_unfinished()  # the valid prompt was withdrawn too
+    with pytest.raises(ValueError, match="vocabulary"):
+        tiny_llm.generate([[1, 2, 100000]])
