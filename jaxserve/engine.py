@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from checkpoints import load_hf_params, resolve_model
 from checkpoints.default_model import cache_root
@@ -125,8 +126,10 @@ class LLM:
         self._request_ids = itertools.count()
 
     def generate(self, prompts: PromptInput | list[PromptInput],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those."""
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
+        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -142,9 +145,28 @@ class LLM:
             for _, seq in seqs:
                 self.engine.abort(seq.request_id)
             raise
-        while self.engine.has_unfinished():
-            self.engine.step()
+        with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                self.engine.step()
+                bar.update(sum(seq.is_finished for _, seq in seqs) - bar.n)
         return [self._output(text, seq) for text, seq in seqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them,
+        rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation)
+            # The template already holds the special tokens it wants.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer of the model."""
+        return self.tokenizer.hf
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -158,7 +180,7 @@ class LLM:
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(index=0, text=self.tokenizer.decode(seq.output_token_ids),
+        completion = CompletionOutput(index=0, text=self.tokenizer.detokenize(seq.prompt_token_ids, seq.output_token_ids),
                                       token_ids=seq.output_token_ids, cumulative_logprob=seq.cumulative_logprob,
                                       finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,

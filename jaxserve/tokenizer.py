@@ -1,20 +1,86 @@
-"""The model's Hugging Face tokenizer: prompts to ids and generated ids to text."""
+"""The model's Hugging Face tokenizer: prompts to ids, and generated ids to text deltas.
+
+Generated text is always produced incrementally (`IncrementalDetokenizer`), in
+streaming and non-streaming responses alike, so the two agree by construction:
+the text of a completion is the concatenation of its deltas.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
+    def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from transformers import AutoTokenizer
 
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
+        if chat_template is not None:
+            self.hf.chat_template = chat_template
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt, with the special tokens the model expects (e.g. BOS)."""
-        return list(self.hf(text).input_ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, with the special tokens the model expects (e.g. BOS) unless told not to."""
+        return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
     def decode(self, token_ids: list[int]) -> str:
-        """Text of generated ids, special tokens (EOS, ...) left out."""
+        """Text of ids, special tokens (EOS, ...) left out."""
         return self.hf.decode(token_ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        """The conversation as prompt text, ending with the assistant's turn opened."""
+        if not self.hf.chat_template:
+            raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def detokenize(self, prompt_ids: list[int], output_ids: list[int]) -> str:
+        """The text of `output_ids` after `prompt_ids`, exactly as streaming would have produced it."""
+        detok = IncrementalDetokenizer(self, prompt_ids)
+        for token in output_ids:
+            detok.push([token])
+        detok.flush()
+        return detok.text
+
+
+class IncrementalDetokenizer:
+    """Text deltas for a growing list of generated ids.
+
+    Decodes a short window: `ids[prefix:read]` was already emitted, `ids[prefix:]`
+    is decoded again with the new tokens, and the difference is the delta. The
+    window starts on the prompt's last tokens, so a SentencePiece leading space
+    ("▁word") is kept and a byte-level token is decoded in context. A delta that
+    ends in U+FFFD (a multi-byte character split across tokens) is held back
+    until the character is complete; `flush` releases what is left at the end.
+    """
+
+    PROMPT_CONTEXT = 5  # prompt tokens the window starts on
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-self.PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""  # every delta emitted so far
+
+    def _pending(self) -> str:
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+    def push(self, token_ids: list[int]) -> str:
+        """Add generated ids; -> the new text that is certain (may be "")."""
+        self.ids.extend(token_ids)
+        delta = self._pending()
+        if not delta or delta.endswith(REPLACEMENT_CHAR):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end: whatever is held back (an incomplete character decodes as U+FFFD)."""
+        delta = self._pending()
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta

@@ -25,7 +25,7 @@ def test_prompt_forms_and_output_shape(default_llm):
     out = by_text[0].outputs[0]
     assert by_ids.outputs[0].token_ids == out.token_ids == by_dict.outputs[0].token_ids
     assert len(out.token_ids) == 6 and out.finish_reason == "length" and by_text[0].finished
-    assert out.text == default_llm.tokenizer.decode(out.token_ids)
+    assert out.text == default_llm.tokenizer.decode(ids + out.token_ids)[len(default_llm.tokenizer.decode(ids)):]
     assert out.cumulative_logprob < 0
 
 
@@ -55,3 +55,11 @@ def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                     stop_token_ids=[tokens[2]]))[0].outputs[0]
     assert stopped.token_ids == tokens[: tokens.index(tokens[2]) + 1] and stopped.stop_reason == tokens[2]
+
+
+def test_chat_renders_the_template(default_llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    out = default_llm.chat(messages, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert out.prompt == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids == default_llm.get_tokenizer()(out.prompt, add_special_tokens=False).input_ids
+    assert len(default_llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2))) == 2
