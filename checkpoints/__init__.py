@@ -21,7 +21,8 @@ def resolve_model(model: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+        return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"],
+                                     ignore_patterns=["consolidated*"]))
     except Exception as e:  # network or hub errors: all say the same thing to the user
         raise FileNotFoundError(f"model {model!r} is not a local directory and could not be downloaded: {e}") from e
 

@@ -142,6 +142,9 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # unless asked for more: long contexts cost cache and compile time
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Serving limits. `resolve` fills the model-dependent defaults."""
@@ -154,6 +157,7 @@ class EngineConfig:
     dtype: str = "float32"  # weights, activations and KV cache
     seed: int = 0  # draws the seeds of requests that set none
     min_token_bucket: int = 16  # smallest padded step size
+    kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
@@ -165,19 +169,12 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
 
     @classmethod
-    def resolve(
-        cls,
-        model: ModelConfig,
-        *,
-        max_model_len: int | None = None,
-        num_pages: int | None = None,
-        kv_cache_bytes: int = 2 << 30,
-        **kwargs,
-    ) -> EngineConfig:
-        """Defaults: max_model_len from the model; enough pages for
+    def resolve(cls, model: ModelConfig, *, max_model_len: int | None = None, num_pages: int | None = None,
+                **kwargs) -> EngineConfig:
+        """Defaults: max_model_len = the model's, capped at DEFAULT_MAX_MODEL_LEN; pages for
         max_num_seqs full-length sequences, capped at `kv_cache_bytes`."""
         if max_model_len is None:
-            max_model_len = model.max_position_embeddings
+            max_model_len = min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -187,8 +184,12 @@ class EngineConfig:
         if not num_pages:
             itemsize = 4 if cfg.dtype == "float32" else 2
             page_bytes = 2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim * itemsize
-            wanted = cfg.max_num_seqs * cfg.max_pages_per_seq
-            num_pages = 1 + max(cfg.max_pages_per_seq, min(wanted, kv_cache_bytes // page_bytes))
+            fit = cfg.kv_cache_bytes // page_bytes
+            if fit < 1 + cfg.max_pages_per_seq:
+                raise ValueError(
+                    f"one {max_model_len}-token sequence needs {cfg.max_pages_per_seq} KV pages of {page_bytes} bytes "
+                    f"but kv_cache_bytes={cfg.kv_cache_bytes} holds {fit}; lower max_model_len or set num_pages")
+            num_pages = min(1 + cfg.max_num_seqs * cfg.max_pages_per_seq, fit)
         return dataclasses.replace(cfg, num_pages=num_pages)
 
     @property

@@ -104,6 +104,16 @@ class Engine:
         return self.scheduler.update(batch, out)
 
 
+def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
+                 num_pages: int | None = None, **engine_options) -> tuple[Engine, Tokenizer]:
+    """Resolve the model, read its config and tokenizer, load the weights, compile every bucket."""
+    model_dir = resolve_model(model)
+    model_config = ModelConfig.from_hf(model_dir)
+    config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, **engine_options)
+    tokenizer = Tokenizer(model_dir, chat_template=chat_template)
+    return Engine(model_dir, model_config, config), tokenizer
+
+
 PromptInput = str | list[int] | dict
 
 
@@ -116,13 +126,9 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
                  num_pages: int | None = None, seed: int = 0):
-        model_dir = resolve_model(model)
-        model_config = ModelConfig.from_hf(model_dir)
-        config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype,
-                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      page_size=page_size, seed=seed)
-        self.tokenizer = Tokenizer(model_dir)
-        self.engine = Engine(model_dir, model_config, config)
+        self.engine, self.tokenizer = build_engine(
+            model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
         self._request_ids = itertools.count()
 
     def generate(self, prompts: PromptInput | list[PromptInput],

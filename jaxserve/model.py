@@ -40,7 +40,7 @@ class ModelInputs:
 
     token_ids: jax.Array  # i32[T]; padding 0
     positions: jax.Array  # i32[T] position of each token in its sequence
-    slot_mapping: jax.Array  # i32[T] page * page_size + offset to write K/V; padding -> null page 0
+    kv_write_index: jax.Array  # i32[T] page * page_size + offset to write K/V; padding -> null page 0
     kv_lens: jax.Array  # i32[B] tokens in the cache after this step; padding 0
     page_table: jax.Array  # i32[B, P]; padding -> null page 0
     query_start: jax.Array  # i32[B + 1] first token row of each sequence; padding repeats the total
@@ -113,7 +113,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, inputs.positions, inv_freq)
         k = apply_rope(k, inputs.positions, inv_freq)
-        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.slot_mapping)
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.kv_write_index)
         o = paged_attention(q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, inputs.query_start,
                             inputs.num_seqs, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages

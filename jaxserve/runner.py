@@ -61,7 +61,7 @@ class Runner:
         num_rows = cfg.seqs_bucket(num_tokens)
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
-        slot_mapping = np.full(num_tokens, NULL_PAGE * cfg.page_size, np.int32)
+        kv_write_index = np.full(num_tokens, NULL_PAGE * cfg.page_size, np.int32)
         kv_lens = np.zeros(num_rows, np.int32)
         page_table = np.full((num_rows, width), NULL_PAGE, np.int32)
         query_start = np.zeros(num_rows + 1, np.int32)
@@ -73,14 +73,14 @@ class Runner:
             pages = np.asarray(row.page_ids, np.int32)
             token_ids[start:start + n] = row.token_ids
             positions[start:start + n] = pos
-            slot_mapping[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+            kv_write_index[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
             kv_lens[b] = row.start_position + n
             page_table[b, :len(pages)] = pages
             start += n
             query_start[b + 1] = start
             logits_indices[b] = start - 1
         query_start[len(batch.rows) + 1:] = start
-        inputs = ModelInputs(token_ids=token_ids, positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
+        inputs = ModelInputs(token_ids=token_ids, positions=positions, kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         sampling = SamplingTensors.from_rows(

@@ -75,7 +75,8 @@ class SamplingTensors:
         seeds64 = [s & 0xFFFF_FFFF_FFFF_FFFF for s in seeds]
         return cls(
             temperature=column((p.temperature for p in params), 0.0, np.float32),
-            top_k=column((p.top_k if p.top_k > 0 else vocab_size for p in params), vocab_size, np.int32),
+            top_k=column((min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params), vocab_size,
+                         np.int32),
             top_p=column((p.top_p for p in params), 1.0, np.float32),
             min_p=column((p.min_p for p in params), 0.0, np.float32),
             seed_lo=column((s & 0xFFFF_FFFF for s in seeds64), 0, np.uint32),
@@ -93,10 +94,19 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     distribution it was drawn from: the filtered, tempered one, or the raw one for greedy rows).
 
     Order: temperature, top-k, min-p (relative to the top token), then top-p over
-    what is left, renormalised; a row always keeps its most likely token.
+    what is left, renormalised; a row always keeps its most likely token. An
+    all-greedy batch skips the sort.
     """
-    vocab = logits.shape[-1]
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), argmax[:, None], axis=-1)[:, 0]
+    sampled, sampled_logprob = jax.lax.cond(jnp.all(greedy), lambda: (argmax, greedy_logprob),
+                                            lambda: _sample_filtered(logits, t, greedy))
+    return jnp.where(greedy, argmax, sampled), jnp.where(greedy, greedy_logprob, sampled_logprob)
+
+
+def _sample_filtered(logits: jax.Array, t: SamplingTensors, greedy: jax.Array) -> tuple[jax.Array, jax.Array]:
+    vocab = logits.shape[-1]
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # descending
     rank = jnp.arange(vocab)[None, :]
@@ -105,15 +115,12 @@ def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]
     keep &= probs >= t.min_p[:, None] * probs[:, :1]
     probs = jnp.where(keep, probs, 0.0)
     probs = probs / probs.sum(axis=-1, keepdims=True)
-    keep &= (jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]
+    # top_p = 1 keeps everything, whatever the rounding of the cumulative sum
+    keep &= ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
     filtered = jnp.where(keep, sorted_logits, -jnp.inf)
 
     keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
     choice = jax.vmap(jax.random.categorical)(keys, filtered)  # i32[B] rank in sorted order
-    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
-    sampled_logprob = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), choice[:, None], axis=-1)[:, 0]
-
-    argmax = jnp.argmax(logits, axis=-1)
-    greedy_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), argmax[:, None], axis=-1)[:, 0]
-    tokens = jnp.where(greedy, argmax, sampled).astype(jnp.int32)
-    return tokens, jnp.where(greedy, greedy_logprob, sampled_logprob)
+    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    logprob = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), choice[:, None], axis=-1)[:, 0]
+    return sampled, logprob

@@ -27,7 +27,7 @@ ARCHITECTURES = {
                           {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "attention_bias": True}),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM",
                     {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
                      "rope_theta": 500000.0, "num_key_value_heads": 1}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),

@@ -31,6 +31,17 @@ def test_sharded_checkpoint_with_index_equals_single_file(hf_checkpoint, tmp_pat
         np.testing.assert_array_equal(a, b)
 
 
+def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
+    model = build_hf_model("qwen2").to(torch.bfloat16)
+    d = save_hf_model(model, tmp_path / "bf16")
+    cfg = ModelConfig.from_hf(d)
+    want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy().T
+    for dtype in ("bfloat16", "float32"):
+        state = load_hf_params(d, cfg, dtype)[1]
+        got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["kernel"][...], np.float32)
+        np.testing.assert_array_equal(got, want)
+
+
 def _copy(src, dst):
     shutil.copytree(src, dst)
     return dst

@@ -38,7 +38,7 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
     v_pages = rng.normal(size=k_pages.shape).astype(np.float32)
     free = list(rng.permutation(np.arange(1, num_pages)))  # pages in random order; 0 is the null page
     page_table = np.zeros((rows, width), np.int32)
-    full_k, full_v, qs, slots, query_start, kv_lens = [], [], [], [], [0], []
+    full_k, full_v, qs, write_indices, query_start, kv_lens = [], [], [], [], [0], []
     for b, (cached, new) in enumerate(seqs):
         total = cached + new
         n_pages = -(-total // page_size)
@@ -49,7 +49,7 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
         flat = page_table[b, pos // page_size] * page_size + pos % page_size
         k_pages.reshape(-1, num_kv_heads, head_dim)[flat[:cached]] = k[:cached]  # the cached part
         v_pages.reshape(-1, num_kv_heads, head_dim)[flat[:cached]] = v[:cached]
-        full_k.append(k), full_v.append(v), slots.append(flat[cached:])
+        full_k.append(k), full_v.append(v), write_indices.append(flat[cached:])
         qs.append(rng.normal(size=(new, num_heads, head_dim)).astype(np.float32))
         query_start.append(query_start[-1] + new)
         kv_lens.append(total)
@@ -59,15 +59,21 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
     q = np.concatenate(qs + [rng.normal(size=(pad, num_heads, head_dim)).astype(np.float32)])
     new_k = np.concatenate([k[c:] for k, (c, _) in zip(full_k, seqs)] + [np.ones((pad, num_kv_heads, head_dim))])
     new_v = np.concatenate([v[c:] for v, (c, _) in zip(full_v, seqs)] + [np.ones((pad, num_kv_heads, head_dim))])
-    slot_mapping = np.concatenate(slots + [np.zeros(pad, np.int64)]).astype(np.int32)
+    kv_write_index = np.concatenate(write_indices + [np.zeros(pad, np.int64)]).astype(np.int32)
     query_start = np.array(query_start + [real] * (rows - len(seqs)), np.int32)
     kv_lens = np.array(kv_lens + [0] * (rows - len(seqs)), np.int32)
 
     k_out, v_out = jax.jit(write_kv)(k_pages, v_pages, new_k.astype(np.float32), new_v.astype(np.float32),
-                                     slot_mapping)
-    for b, (cached, new) in enumerate(seqs):  # every new token landed in its slot
-        got = np.asarray(k_out).reshape(-1, num_kv_heads, head_dim)[slot_mapping[query_start[b]:query_start[b + 1]]]
-        np.testing.assert_array_equal(got, full_k[b][cached:])
+                                     kv_write_index)
+    flat_k = np.asarray(k_out).reshape(-1, num_kv_heads, head_dim)
+    flat_v = np.asarray(v_out).reshape(-1, num_kv_heads, head_dim)
+    for b, (cached, new) in enumerate(seqs):  # every new token landed where it belongs
+        rows_b = kv_write_index[query_start[b]:query_start[b + 1]]
+        np.testing.assert_array_equal(flat_k[rows_b], full_k[b][cached:])
+        np.testing.assert_array_equal(flat_v[rows_b], full_v[b][cached:])
+    untouched = np.setdiff1d(np.arange(flat_k.shape[0]), kv_write_index)  # nothing else was written
+    np.testing.assert_array_equal(flat_k[untouched], k_pages.reshape(flat_k.shape)[untouched])
+    np.testing.assert_array_equal(flat_v[untouched], v_pages.reshape(flat_v.shape)[untouched])
     out = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
         q, k_out, v_out, kv_lens, page_table, query_start, np.asarray(len(seqs), np.int32),
         sm_scale=head_dim**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)

@@ -39,7 +39,7 @@ def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size
         pos = np.arange(start, start + n)
         inputs = ModelInputs(
             token_ids=np.asarray(token_ids[start:start + n], np.int32), positions=pos.astype(np.int32),
-            slot_mapping=(pages[pos // page_size] * page_size + pos % page_size).astype(np.int32),
+            kv_write_index=(pages[pos // page_size] * page_size + pos % page_size).astype(np.int32),
             kv_lens=np.array([start + n], np.int32), page_table=pages[None, :],
             query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),
             logits_indices=np.arange(n, dtype=np.int32))

@@ -54,6 +54,22 @@ def test_min_p_support():
     assert set(draw(SamplingParams(temperature=1.0, min_p=0.2))) == allowed
 
 
+def test_each_row_keeps_its_own_settings():
+    rows = [SamplingParams(temperature=0.0), SamplingParams(top_k=2), SamplingParams(top_p=0.3),
+            SamplingParams(min_p=0.5), SamplingParams(temperature=1.0)]
+    reps = 400
+    params = [p for p in rows for _ in range(reps)]
+    tensors = SamplingTensors.from_rows(params, list(range(len(params))), [3] * len(params), len(params), VOCAB)
+    tokens = np.asarray(_sample(np.tile(LOGITS, (len(params), 1)), tensors)[0]).reshape(len(rows), reps)
+    order = np.argsort(-LOGITS)
+    probs = softmax(LOGITS)
+    assert set(tokens[0]) == {order[0]}
+    assert set(tokens[1]) == set(order[:2])
+    assert set(tokens[2]) <= set(order[: int(np.searchsorted(np.cumsum(probs[order]), 0.3)) + 1])
+    assert set(tokens[3]) == set(np.flatnonzero(probs >= 0.5 * probs.max()))
+    assert len(set(tokens[4])) > 4
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_distribution_matches_tempered_softmax(temperature):
     tokens = draw(SamplingParams(temperature=temperature), rows=20000)
@@ -76,6 +92,12 @@ def test_key_depends_on_seed_and_position_only():
     ta, _ = _sample(logits[:3], a)
     tb, _ = _sample(logits, b)
     assert int(ta[0]) == int(tb[1])  # same (seed, position), different row and batch
+    # 64 seeds, each drawn in row 0 of a batch of 1 and in row 5 of a batch of 8: identical
+    alone = [int(_sample(logits[:1], SamplingTensors.from_rows([params], [s], [4], 1, VOCAB))[0][0])
+             for s in range(64)]
+    batched = [int(_sample(logits, SamplingTensors.from_rows([params] * 8, [0] * 5 + [s, 1, 2], [9] * 5 + [4, 0, 0],
+                                                             8, VOCAB))[0][5]) for s in range(64)]
+    assert alone == batched and len(set(alone)) > 1
     draws = [int(_sample(logits[:1], SamplingTensors.from_rows([params], [s], [10], 1, VOCAB))[0][0])
              for s in range(40)]
     assert len(set(draws)) > 1  # different seeds do differ

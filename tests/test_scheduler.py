@@ -96,7 +96,9 @@ def test_abort_frees_pages_at_once():
     sched.add(make_seq(0, 10))
     sched.add(make_seq(1, 3))
     run_step(sched)
+    held = sched.allocator.num_usable - sched.allocator.num_free
     sched.abort(0)
+    assert sched.allocator.num_usable - sched.allocator.num_free == held - 3  # seq 0 held 10 tokens = 3 pages
     assert sched.seqs.keys() == {1}
     run_step(sched)
     sched.abort(1)

@@ -22,13 +22,13 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives no NaN
 
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping):
+def write_kv(k_pages, v_pages, k, v, kv_write_index):
     """Write the step's new keys and values into their pages (in place when donated).
 
-    k, v: [T, num_kv_heads, head_dim]; slot_mapping: i32[T] = page * page_size + offset.
+    k, v: [T, num_kv_heads, head_dim]; kv_write_index: i32[T] = page * page_size + offset.
     """
     page_size = k_pages.shape[1]
-    pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+    pages, offsets = kv_write_index // page_size, kv_write_index % page_size
     k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype))
     v_pages = v_pages.at[pages, offsets].set(v.astype(v_pages.dtype))
     return k_pages, v_pages
@@ -47,7 +47,7 @@ def token_positions(query_start, kv_lens, num_seqs, num_tokens):
 
 def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, *,
                               sm_scale: float, sliding_window: int | None = None,
-                              soft_cap: float | None = None, token_block: int = 32):
+                              soft_cap: float | None = None, gathered_tokens: int = 1 << 16):
     """Attention of each query row over its own sequence's paged keys.
 
     q: [T, num_heads, head_dim]; kv_lens: i32[B]; page_table: i32[B, P];
@@ -78,5 +78,7 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_st
         p = jax.nn.softmax(jnp.where(mask, s, _MASKED), axis=-1)
         return jnp.einsum("kgc,ckd->kgd", p, v).reshape(num_heads, head_dim)
 
-    out = jax.lax.map(attend, (q, page_table[seq], pos), batch_size=min(token_block, num_tokens))
+    # Query rows are processed in chunks so that at most ~gathered_tokens keys are gathered at once.
+    chunk = max(1, min(num_tokens, gathered_tokens // context))
+    out = jax.lax.map(attend, (q, page_table[seq], pos), batch_size=chunk)
     return jnp.where(valid[:, None, None], out, 0.0).astype(q.dtype)

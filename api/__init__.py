@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API (Quart). The engine knows nothing about it."""

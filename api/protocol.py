@@ -1,0 +1,219 @@
+"""OpenAI request validation and response shapes.
+
+A request body (already parsed JSON) becomes a `GenerationRequest`: prompt token
+ids (one list per prompt), `SamplingParams`, and the stream flag. Anything out
+of range, of the wrong type, or not supported yet raises `APIError` (HTTP 400
+with OpenAI's error body); unknown extra fields are ignored, as OpenAI and
+vLLM do. This module knows the tokenizer and the limits, not the engine loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from jaxserve.sampling import SamplingParams
+from jaxserve.tokenizer import Tokenizer
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Limits:
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    prompts: list[list[int]]  # token ids of each prompt (one choice each)
+    prompt_texts: list[str | None]
+    params: SamplingParams
+    stream: bool
+    include_usage: bool  # stream_options.include_usage
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise APIError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
+    if value < lo or value > hi or (lo_open and value == lo):
+        raise APIError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(f"'{name}' must be a boolean, got {value!r}", param=name)
+    return value
+
+
+# Fields whose non-default values this server does not implement yet: refused, never ignored.
+_NOT_YET = {
+    "stop": lambda v: v not in (None, [], ""),
+    "presence_penalty": lambda v: v not in (None, 0, 0.0),
+    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
+    "logit_bias": lambda v: bool(v),
+    "logprobs": lambda v: v not in (None, False),
+    "top_logprobs": lambda v: v not in (None, 0),
+    "echo": lambda v: bool(v),
+    "min_tokens": lambda v: v not in (None, 0),
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: bool(v),
+    "tools": lambda v: bool(v),
+    "functions": lambda v: bool(v),
+    "response_format": lambda v: v not in (None, {"type": "text"}),
+    "guided_json": lambda v: v is not None,
+    "guided_regex": lambda v: v is not None,
+    "guided_choice": lambda v: v is not None,
+    "guided_grammar": lambda v: v is not None,
+}
+
+
+def sampling_params(body: dict, limits: Limits) -> SamplingParams:
+    for name, used in _NOT_YET.items():
+        if name in body and used(body[name]):
+            raise APIError(f"'{name}' is not supported by this server yet", param=name)
+    n = _number(body, "n", 1, 1, 128, integer=True)
+    if n != 1:
+        raise APIError("'n' > 1 is not supported by this server yet", param="n")
+    max_tokens = _number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", None, 1, 2**31, integer=True)
+    top_k = _number(body, "top_k", -1, -1, 2**31, integer=True)
+    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
+        top_k=top_k,
+        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        seed=seed,
+        ignore_eos=_bool(body, "ignore_eos"),
+    )
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise APIError("'stream_options' must be an object", param="stream_options")
+    include_usage = bool(options and options.get("include_usage"))
+    if options and not stream:
+        raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+    return stream, include_usage
+
+
+def check_model(body: dict, limits: Limits) -> None:
+    model = body.get("model")
+    if model is not None and model != limits.served_model_name:
+        raise APIError(f"The model '{model}' does not exist; this server serves '{limits.served_model_name}'",
+                       status=404, param="model", code="model_not_found")
+
+
+def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str) -> list[int]:
+    if not ids:
+        raise APIError("the prompt is empty", param=param)
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param=param)
+    wanted = len(ids) + (params.max_tokens or 1)
+    if wanted > limits.max_model_len:
+        what = f"{len(ids)} prompt tokens" + (f" + {params.max_tokens} max_tokens" if params.max_tokens else "")
+        raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens, but the request "
+                       f"has {what} = {wanted}. Shorten the prompt or lower max_tokens.", param=param)
+    return ids
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+    check_model(body, limits)
+    params = sampling_params(body, limits)
+    stream, include_usage = _stream_flags(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists",
+                       param="prompt")
+    texts = [p if isinstance(p, str) else None for p in prompt]
+    ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
+           for p in prompt]
+    return GenerationRequest(ids, texts, params, stream, include_usage)
+
+
+def _message_text(message: dict, i: int) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
+            parts.append(part["text"])
+        return "\n".join(parts)
+    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+
+
+def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+    check_model(body, limits)
+    params = sampling_params(body, limits)
+    stream, include_usage = _stream_flags(body)
+    messages = body.get("messages")
+    if messages is None and isinstance(body.get("prompt"), str):
+        text = body["prompt"]  # a raw prompt, no chat template
+        return GenerationRequest([_check_ids(tokenizer.encode(text), limits, params, "prompt")], [text],
+                                 params, stream, include_usage)
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise APIError(f"messages[{i}] needs a 'role' among {', '.join(CHAT_ROLES)}", param="messages")
+        role = "system" if m["role"] == "developer" else m["role"]
+        rendered.append({**{k: v for k, v in m.items() if k != "content"}, "role": role,
+                         "content": _message_text(m, i)})
+    try:
+        text = tokenizer.apply_chat_template(rendered)
+    except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
+        raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,151 @@
+"""AsyncEngine: the engine loop in its own thread, and an async stream per request.
+
+The API never blocks on the device. Coroutines hand commands (add, abort) to
+the engine thread through a queue; the thread applies them between steps, runs
+`Engine.step()`, detokenizes, and posts each sequence's update onto the
+requester's asyncio queue with `call_soon_threadsafe`. A request whose consumer
+goes away (client disconnect) is aborted, so its pages are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from jaxserve.engine import Engine
+from jaxserve.sampling import SamplingParams
+from jaxserve.sequence import Sequence
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Update:
+    """What one step added to a sequence."""
+
+    text: str  # new text (may be "" while a character is incomplete)
+    token_ids: list[int]  # new token ids
+    num_prompt_tokens: int
+    num_output_tokens: int  # so far
+    finish_reason: str | None  # set on the last update
+
+
+@dataclasses.dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    detokenizer: IncrementalDetokenizer
+    seq: Sequence | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self.error: BaseException | None = None  # set if the loop died
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancel every request and stop the loop thread."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[Update]:
+        """Updates of one sequence until it finishes; leaving early aborts it."""
+        if not self.is_running:
+            raise RuntimeError("the engine is not running")
+        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(),
+                                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
+        self._send(("add", request_id, list(prompt_token_ids), params, subscriber))
+        finished = False
+        try:
+            while not finished:
+                item = await subscriber.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    # --- the engine thread ---
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for seq in self.engine.step():
+                    self._publish(seq)
+        except BaseException as e:  # the loop must not die silently: fail every waiter
+            log.exception("engine loop failed")
+            self.error = e
+        finally:
+            self._stop.set()
+            reason = self.error or RuntimeError("the server is shutting down")
+            self._apply_commands()
+            for request_id, sub in list(self._subscribers.items()):
+                self.engine.abort(request_id)
+                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, reason)
+            self._subscribers.clear()
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params, sub = command
+                try:
+                    sub.seq = self.engine.add_request(request_id, prompt_ids, params)
+                except ValueError as e:
+                    sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
+                    continue
+                self._subscribers[request_id] = sub
+            else:
+                _, request_id = command
+                if self._subscribers.pop(request_id, None) is not None:
+                    self.engine.abort(request_id)
+
+    def _publish(self, seq: Sequence) -> None:
+        sub = self._subscribers.get(seq.request_id)
+        if sub is None:
+            return
+        token = seq.token_ids[-1]
+        text = sub.detokenizer.push([token])
+        if seq.is_finished:
+            text += sub.detokenizer.flush()
+            del self._subscribers[seq.request_id]
+        update = Update(text=text, token_ids=[token], num_prompt_tokens=seq.num_prompt_tokens,
+                        num_output_tokens=seq.num_output_tokens, finish_reason=seq.finish_reason)
+        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

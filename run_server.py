@@ -1,0 +1,88 @@
+"""The jaxserve CLI: parse flags -> build the engine (compiling every bucket) -> serve the API with Hypercorn.
+
+    python run_server.py                      # the built-in jaxserve-tiny (random weights)
+    python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096
+
+SIGINT / SIGTERM stop the server: in-flight requests are cancelled, the engine thread stops, the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from api.app import create_app
+from api.protocol import Limits
+from checkpoints import DEFAULT_MODEL_NAME
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import build_engine
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="jaxserve: an OpenAI-compatible LLM server on JAX")
+    p.add_argument("--model", default=None,
+                   help=f"HF checkpoint directory or hub id (default: the built-in {DEFAULT_MODEL_NAME}, random weights)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: enough for max-num-seqs, <= 2 GiB)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
+    return p.parse_args(argv)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    return path.read_text() if len(value) < 4096 and path.is_file() else value
+
+
+async def serve(app, host: str, port: int, log_level: str) -> None:
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"{host}:{port}"]
+    config.loglevel = log_level.upper()
+    config.graceful_timeout = 5.0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"jaxserve: listening on http://{host}:{port} (OpenAI API under /v1)", flush=True)
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, tokenizer = build_engine(
+        args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
+        num_pages=args.num_pages, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed)
+    async_engine = AsyncEngine(engine, tokenizer)
+    limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+                    max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)
+    app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"))
+    async_engine.start()
+    try:
+        asyncio.run(serve(app, args.host, args.port, args.log_level))
+    finally:
+        async_engine.shutdown()
+        print("jaxserve: stopped", flush=True)
+
+
+if __name__ == "__main__":
+    main()
