@@ -1,22 +1,32 @@
-# `make test` builds .venv from pyproject.toml and runs the default suite;
+# `make serve` installs the server into .venv and serves the built-in model;
+# `make test` installs the test extras too and runs the default suite;
 # `make test-all` also runs the tests marked slow.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+ARGS ?=
 
-.PHONY: test test-all clean
+.PHONY: serve test test-all clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
 
-test: $(STAMP)
+$(VENV)/.installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+serve: $(VENV)/.installed
+	$(PY) run_server.py $(ARGS)
+
+test: $(VENV)/.installed-test
 	$(PY) -m pytest -q
 
-test-all: $(STAMP)
+test-all: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m ''
 
 clean:

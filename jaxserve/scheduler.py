@@ -68,6 +68,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # oldest first: the last is preempted first
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence
         self.num_preemptions = 0
+        self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
 
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; ValueError if it could never fit."""
@@ -173,5 +174,6 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        self.finish_counts[reason] += 1
         self.allocator.release(seq.page_ids)
         del self.seqs[seq.seq_id]

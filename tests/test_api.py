@@ -1,0 +1,265 @@
+"""The real server (Hypercorn on 127.0.0.1, a free port) driven by the OpenAI SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from api.app import create_app
+from api.protocol import Limits
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine import build_engine
+
+MODEL = "jaxserve-tiny"
+MAX_MODEL_LEN = 192
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """Hypercorn serving `create_app(...)` from a thread with its own event loop."""
+
+    def __init__(self, app, port: int):
+        from hypercorn.asyncio import serve
+        from hypercorn.config import Config
+
+        config = Config()
+        config.bind = [f"127.0.0.1:{port}"]
+        config.graceful_timeout = 1.0
+        self.url = f"http://127.0.0.1:{port}"
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete, args=(serve(app, config, shutdown_trigger=self._stop.wait),),
+            daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine, tokenizer = build_engine(None, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64,
+                                     num_pages=64)
+    async_engine = AsyncEngine(engine, tokenizer)
+    async_engine.start()
+    limits = Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size)
+    server = Server(create_app(async_engine, limits), free_port())
+    yield server, async_engine
+    server.stop()
+    async_engine.shutdown()
+
+
+@pytest.fixture()
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+
+
+def post(served, path: str, body) -> httpx.Response:
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(served[0].url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
+
+
+def test_health_and_models(served, client):
+    assert httpx.get(served[0].url + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_completion_shape_and_usage(served, client):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+    assert isinstance(r.created, int) and abs(r.created - time.time()) < 60
+    (choice,) = r.choices
+    assert choice.index == 0 and choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # the prompt is the chat template's rendering: one token per byte for this tokenizer
+    rendered = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nSay hello<|im_end|>\n" \
+               "<|im_start|>assistant\n"
+    assert r.usage.prompt_tokens == len(served[1].tokenizer.encode(rendered, add_special_tokens=False))
+    assert r.usage.prompt_tokens == len(rendered.encode()) - 3 * len("<|im_start|>") - 2 * len("<|im_end|>") + 5
+
+
+def test_completion_prompt_forms(served, client):
+    r = client.completions.create(model=MODEL, prompt="Once upon", **GREEDY)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    ids = list(b"Once upon")
+    for prompt in (ids, ["Once upon", "a time"], [ids, list(b"a time")]):
+        r2 = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+        assert r2.choices[0].text == r.choices[0].text
+        assert [c.index for c in r2.choices] == list(range(len(r2.choices)))
+    assert r2.usage.prompt_tokens == len(ids) + len(b"a time") and r2.usage.completion_tokens == 24
+    raw = post(served, "/v1/chat/completions", {"prompt": "Once upon", "max_tokens": 12, "temperature": 0,
+                                                "ignore_eos": True})
+    assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == r.choices[0].text
+
+
+def test_streamed_text_equals_non_streamed(client):
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **GREEDY))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+    whole = client.completions.create(model=MODEL, prompt=["abc", "xyz"], **GREEDY)
+    pieces = {0: "", 1: ""}
+    finish = {}
+    for c in client.completions.create(model=MODEL, prompt=["abc", "xyz"], stream=True, **GREEDY):
+        for ch in c.choices:
+            pieces[ch.index] += ch.text
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert [pieces[i] for i in (0, 1)] == [c.text for c in whole.choices] and finish == {0: "length", 1: "length"}
+
+
+def test_stream_usage_option(client):
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_max_tokens_with_ignore_eos_is_exact(client, field):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, seed=3,
+                                       extra_body={"ignore_eos": True, field: 37})
+    assert r.usage.completion_tokens == 37 and r.choices[0].finish_reason == "length"
+
+
+def test_seed_reproducible_over_http(client):
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=16, temperature=1.0, top_p=0.9, seed=11,
+              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+def test_sixteen_concurrent_streams_complete(served):
+    async def one(client, i):
+        text, finish = "", None
+        stream = await client.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=20 + i,
+                                                 temperature=0.5, stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            finish = chunk.choices[0].finish_reason or finish
+        return finish
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    assert asyncio.run(main()) == ["length"] * 16
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
+    ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "a", "min_p": 1.5}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": ["x"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, client, path, body, status, param):
+    r = post(served, path, body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"] and error["param"] == param
+    ok = client.completions.create(model=MODEL, prompt="still fine", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_too_long_prompt_names_both_lengths(served):
+    r = post(served, "/v1/completions", {"prompt": "x" * 180, "max_tokens": 20})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert str(MAX_MODEL_LEN) in message and "180" in message and "200" in message
+
+
+def test_unknown_fields_are_ignored_and_content_parts_join(served):
+    r = post(served, "/v1/chat/completions", {
+        "model": MODEL, "max_tokens": 3, "some_future_field": {"x": 1}, "user": "me",
+        "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                     {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                     {"role": "tool", "content": "42", "tool_call_id": "call_1"}]})
+    assert r.status_code == 200, r.text
+
+
+def test_client_disconnect_frees_its_pages(served):
+    server, async_engine = served
+    allocator = async_engine.engine.scheduler.allocator
+    aborted = async_engine.engine.scheduler.finish_counts["abort"]
+    body = {"prompt": "x", "max_tokens": 180, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert allocator.num_free < allocator.num_usable  # it holds pages while streaming
+    deadline = time.time() + 20
+    while allocator.num_free != allocator.num_usable and time.time() < deadline:
+        time.sleep(0.05)
+    assert allocator.num_free == allocator.num_usable
+    assert not async_engine.engine.has_unfinished()
+    assert async_engine.engine.scheduler.finish_counts["abort"] == aborted + 1  # cut short, not finished
+
+
+def test_api_key_guards_v1_routes(served):
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="s3cret")
+
+    async def check():
+        test = app.test_client()
+        assert (await test.get("/health")).status_code == 200
+        denied = await test.get("/v1/models")
+        assert denied.status_code == 401 and (await denied.get_json())["error"]["code"] == "invalid_api_key"
+        wrong = await test.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert (await test.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+
+    asyncio.run(check())
