@@ -17,6 +17,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException
 
 from api.protocol import APIError, GenerationRequest, Limits, new_id, now, parse_chat, parse_completion, usage
 from jaxserve.async_engine import AsyncEngine, Update
@@ -67,13 +68,9 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) 
     async def api_error(e: APIError):
         return e.body(), e.status
 
-    @app.errorhandler(404)
-    async def not_found(_):
-        return APIError(f"no route {request.method} {request.path}", status=404).body(), 404
-
-    @app.errorhandler(405)
-    async def bad_method(_):
-        return APIError(f"method {request.method} is not allowed on {request.path}", status=405).body(), 405
+    @app.errorhandler(HTTPException)
+    async def http_error(e: HTTPException):  # unknown route, wrong method, body too large, ...
+        return APIError(f"{e.name}: {request.method} {request.path}", status=e.code).body(), e.code
 
     @app.errorhandler(Exception)
     async def internal(e: Exception):

@@ -89,7 +89,8 @@ _NOT_YET = {
 }
 
 
-def sampling_params(body: dict, limits: Limits) -> SamplingParams:
+def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None) -> SamplingParams:
+    """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
@@ -98,7 +99,7 @@ def sampling_params(body: dict, limits: Limits) -> SamplingParams:
         raise APIError("'n' > 1 is not supported by this server yet", param="n")
     max_tokens = _number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", None, 1, 2**31, integer=True)
+        max_tokens = _number(body, "max_tokens", default_max_tokens, 1, 2**31, integer=True)
     top_k = _number(body, "top_k", -1, -1, 2**31, integer=True)
     seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
     return SamplingParams(
@@ -150,7 +151,7 @@ def _is_ids(value) -> bool:
 
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
-    params = sampling_params(body, limits)
+    params = sampling_params(body, limits, default_max_tokens=16)  # OpenAI's and vLLM's legacy default
     stream, include_usage = _stream_flags(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
@@ -182,7 +183,7 @@ def _message_text(message: dict, i: int) -> str:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
-    params = sampling_params(body, limits)
+    params = sampling_params(body, limits, default_max_tokens=None)  # the rest of the context
     stream, include_usage = _stream_flags(body)
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):

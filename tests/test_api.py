@@ -216,6 +216,16 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(served, cli
     assert ok.choices[0].finish_reason in ("length", "stop")
 
 
+def test_default_max_tokens_and_unknown_routes(served):
+    r = post(served, "/v1/completions", {"prompt": "a", "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 16  # the completions API's default
+    r = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "ignore_eos": True})
+    assert r.json()["usage"]["total_tokens"] == MAX_MODEL_LEN  # chat: the rest of the context
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, served[0].url + path)
+        assert r.status_code == status and r.json()["error"]["message"]
+
+
 def test_too_long_prompt_names_both_lengths(served):
     r = post(served, "/v1/completions", {"prompt": "x" * 180, "max_tokens": 20})
     assert r.status_code == 400
