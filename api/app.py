@@ -1,11 +1,12 @@
-"""The Quart app: OpenAI's routes over an AsyncEngine.
+"""The Quart app: OpenAI's routes (and vLLM's extras) over an AsyncEngine.
 
-Routes: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
-Every error is OpenAI's body `{"error": {message, type, param, code}}`. A
-request fans out into one engine sequence per prompt; streaming responses are
-server-sent events ended by `data: [DONE]`. When the client goes away Quart
-cancels the handler, which aborts the request's sequences (their pages are
-freed at the next step).
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions, POST /tokenize, POST /detokenize. Every error is
+OpenAI's body `{"error": {message, type, param, code}}`. A request fans out into
+one engine request per prompt, each with n sequences; choice `i * n + j` is
+sequence j of prompt i. Streaming responses are server-sent events ended by
+`data: [DONE]`. When the client goes away Quart cancels the handler, which
+aborts the request's sequences (their pages are freed at the next step).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from collections.abc import AsyncIterator
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
-from api.protocol import APIError, GenerationRequest, Limits, new_id, now, parse_chat, parse_completion, usage
+from api.metrics import Metrics
+from api.protocol import APIError, GenerationRequest, Limits, check_model, parse_chat, parse_completion
+from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_logprobs, new_id, now, sse,
+                           usage)
 from jaxserve.async_engine import AsyncEngine, Update
 
 log = logging.getLogger(__name__)
@@ -32,11 +36,13 @@ async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[in
             yield 0, update
         return
     out: asyncio.Queue = asyncio.Queue()
+    done = object()
 
     async def pump(i: int, stream: AsyncIterator[Update]):
         try:
             async for update in stream:
                 await out.put((i, update))
+            await out.put((i, done))
         except BaseException as e:
             await out.put((i, e))
             raise
@@ -46,36 +52,89 @@ async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[in
         remaining = len(streams)
         while remaining:
             i, item = await out.get()
-            if isinstance(item, BaseException):
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
                 raise item
-            remaining -= item.finish_reason is not None
-            yield i, item
+            else:
+                yield i, item
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+class _Choices:
+    """Accumulates the choices of one request (non-streaming) and counts tokens (both)."""
+
+    def __init__(self, req: GenerationRequest, chat: bool, engine: AsyncEngine):
+        n = req.params.n
+        self.req, self.chat, self.n = req, chat, n
+        self.tokenizer = engine.tokenizer
+        count = len(req.prompts) * n
+        self.texts = [[req.prompt_texts[c // n]] if req.echo else [] for c in range(count)]
+        self.finish: list[str | None] = [None] * count
+        self.stop_reason: list[int | str | None] = [None] * count
+        self.tokens = [0] * count
+        self.logprobs: list[list] = [[] for _ in range(count)]
+        offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
+        self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c]) for c in range(count)]
+
+    def choice_index(self, prompt: int, update: Update) -> int:
+        return prompt * self.n + update.index
+
+    def add(self, c: int, update: Update) -> dict | list | None:
+        """Record an update of choice c; -> its logprobs in the response's shape (None if not asked)."""
+        self.texts[c].append(update.text)
+        self.tokens[c] = update.num_output_tokens
+        self.finish[c], self.stop_reason[c] = update.finish_reason, update.stop_reason
+        if self.req.params.logprobs is None:
+            return None
+        part = chat_logprobs(self.tokenizer, update) if self.chat else self.completion_logprobs[c].format(update)
+        self.logprobs[c].append(part)
+        return part
+
+    def usage(self) -> dict:
+        return usage(sum(map(len, self.req.prompts)), sum(self.tokens))
+
+    def body(self, head: dict) -> dict:
+        choices = []
+        for c, parts in enumerate(self.texts):
+            text = "".join(parts)
+            if self.req.params.logprobs is None:
+                logprobs = None
+            elif self.chat:
+                logprobs = {"content": [entry for part in self.logprobs[c] for entry in part]}
+            else:
+                logprobs = merge_completion_logprobs(self.logprobs[c])
+            choice = {"index": c, "logprobs": logprobs, "finish_reason": self.finish[c],
+                      "stop_reason": self.stop_reason[c]}
+            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            choices.append(choice)
+        return {**head, "choices": choices, "usage": self.usage()}
 
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) -> Quart:
     app = Quart("jaxserve")
     tokenizer = engine.tokenizer
+    metrics = Metrics(engine)
+
+    def error_response(e: APIError):
+        metrics.errors.labels(str(e.status)).inc()
+        return e.body(), e.status
 
     @app.errorhandler(APIError)
     async def api_error(e: APIError):
-        return e.body(), e.status
+        return error_response(e)
 
     @app.errorhandler(HTTPException)
     async def http_error(e: HTTPException):  # unknown route, wrong method, body too large, ...
-        return APIError(f"{e.name}: {request.method} {request.path}", status=e.code).body(), e.code
+        return error_response(APIError(f"{e.name}: {request.method} {request.path}", status=e.code))
 
     @app.errorhandler(Exception)
     async def internal(e: Exception):
         log.exception("request failed")
-        return APIError(f"internal error: {e}", status=500, type="internal_error").body(), 500
+        return error_response(APIError(f"internal error: {e}", status=500, type="internal_error"))
 
     @app.before_request
     async def authenticate():
@@ -100,67 +159,68 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) 
     async def health():
         return ("", 200) if engine.is_running else ({"error": "engine not running"}, 503)
 
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": limits.served_model_name, "object": "model", "created": now(),
                                             "owned_by": "jaxserve", "max_model_len": limits.max_model_len}]}
 
     def streams(req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:
-        return [engine.generate(f"{request_id}-{i}", ids, req.params) for i, ids in enumerate(req.prompts)]
+        return [metrics.timed(engine.generate(f"{request_id}-{i}", ids, req.params), req.params.n)
+                for i, ids in enumerate(req.prompts)]
 
     async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
-        object_name = "chat.completion" if chat else "text_completion"
-        head = {"id": request_id, "object": object_name, "created": now(), "model": limits.served_model_name}
+        head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": limits.served_model_name}
         if req.stream:
-            return Response(_stream(req, request_id, chat, head), content_type="text/event-stream",
+            return Response(stream(req, request_id, chat, head), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
-        texts = [[] for _ in req.prompts]
-        finish = [None] * len(req.prompts)
-        counts = [0] * len(req.prompts)
+        choices = _Choices(req, chat, engine)
         try:
             async for i, update in merged(streams(req, request_id)):
-                texts[i].append(update.text)
-                finish[i], counts[i] = update.finish_reason, update.num_output_tokens
+                choices.add(choices.choice_index(i, update), update)
         except ValueError as e:
             raise APIError(str(e)) from e
-        choices = []
-        for i in range(len(req.prompts)):
-            text = "".join(texts[i])
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None, "finish_reason": finish[i]})
-            else:
-                choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": finish[i]})
-        return {**head, "choices": choices, "usage": usage(sum(map(len, req.prompts)), sum(counts))}
+        return choices.body(head)
 
-    async def _stream(req: GenerationRequest, request_id: str, chat: bool, head: dict) -> AsyncIterator[str]:
+    async def stream(req: GenerationRequest, request_id: str, chat: bool, head: dict) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if req.include_usage else {}
+        choices = _Choices(req, chat, engine)
 
-        def chunk(i: int, content: str | None, finish_reason: str | None, role: bool = False) -> str:
+        def chunk(c: int, text: str | None, finish_reason: str | None = None, logprobs=None,
+                  stop_reason=None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else (
-                    {"content": content} if content is not None else {})
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                choice = {"index": c, "delta": {} if text is None else {"content": text},
+                          "logprobs": None if logprobs is None else {"content": logprobs}}
             else:
-                choice = {"index": i, "text": content or "", "logprobs": None, "finish_reason": finish_reason}
-            return _sse({**head, "choices": [choice], **extra})
+                choice = {"index": c, "text": text or "", "logprobs": logprobs}
+            choice.update(finish_reason=finish_reason, stop_reason=stop_reason)
+            return sse({**head, "choices": [choice], **extra})
 
-        if chat:
-            for i in range(len(req.prompts)):
-                yield chunk(i, None, None, role=True)
-        counts = [0] * len(req.prompts)
+        for c in range(len(choices.texts)):
+            if chat:
+                yield sse({**head, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}], **extra})
+            elif req.echo:
+                yield chunk(c, req.prompt_texts[c // req.params.n])
         try:
             async for i, update in merged(streams(req, request_id)):
-                counts[i] = update.num_output_tokens
-                if update.text:
-                    yield chunk(i, update.text, None)
+                c = choices.choice_index(i, update)
+                logprobs = choices.add(c, update)
+                if update.text or logprobs:
+                    yield chunk(c, update.text, logprobs=logprobs)
                 if update.finish_reason is not None:
-                    yield chunk(i, None, update.finish_reason)
+                    yield chunk(c, None, update.finish_reason, stop_reason=update.stop_reason)
         except (ValueError, RuntimeError) as e:
-            yield _sse(APIError(str(e), status=400 if isinstance(e, ValueError) else 500).body())
+            status = 400 if isinstance(e, ValueError) else 500
+            metrics.errors.labels(str(status)).inc()
+            yield sse(APIError(str(e), status=status).body())
         if req.include_usage:
-            yield _sse({**head, "choices": [], "usage": usage(sum(map(len, req.prompts)), sum(counts))})
+            yield sse({**head, "choices": [], "usage": choices.usage()})
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/completions")
@@ -172,5 +232,27 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) 
     async def chat_completions():
         body = await json_body()
         return await run(parse_chat(body, limits, tokenizer), new_id("chatcmpl"), chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize():
+        body = await json_body()
+        check_model(body, limits)
+        if "messages" in body:
+            ids = parse_chat({"messages": body["messages"], "max_tokens": 1}, limits, tokenizer).prompts[0]
+        elif isinstance(body.get("prompt"), str):
+            ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)
+        else:
+            raise APIError("send 'prompt' (a string) or 'messages'", param="prompt")
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize")
+    async def detokenize():
+        body = await json_body()
+        check_model(body, limits)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                and 0 <= t < limits.vocab_size for t in ids):
+            raise APIError(f"'tokens' must be a list of token ids in [0, {limits.vocab_size})", param="tokens")
+        return {"prompt": tokenizer.decode(ids)}
 
     return app

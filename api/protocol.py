@@ -10,13 +10,12 @@ vLLM do. This module knows the tokenizer and the limits, not the engine loop.
 from __future__ import annotations
 
 import dataclasses
-import time
-import uuid
 
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
 from jaxserve.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOP = 4  # stop strings per request (OpenAI's bound)
 
 
 class APIError(Exception):
@@ -39,10 +38,11 @@ class Limits:
 @dataclasses.dataclass
 class GenerationRequest:
     prompts: list[list[int]]  # token ids of each prompt (one choice each)
-    prompt_texts: list[str | None]
+    prompt_texts: list[str]  # what `echo` repeats
     params: SamplingParams
     stream: bool
     include_usage: bool  # stream_options.include_usage
+    echo: bool = False  # completions: the prompt text leads each choice
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -68,15 +68,6 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 
 # Fields whose non-default values this server does not implement yet: refused, never ignored.
 _NOT_YET = {
-    "stop": lambda v: v not in (None, [], ""),
-    "presence_penalty": lambda v: v not in (None, 0, 0.0),
-    "frequency_penalty": lambda v: v not in (None, 0, 0.0),
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0),
-    "logit_bias": lambda v: bool(v),
-    "logprobs": lambda v: v not in (None, False),
-    "top_logprobs": lambda v: v not in (None, 0),
-    "echo": lambda v: bool(v),
-    "min_tokens": lambda v: v not in (None, 0),
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
     "tools": lambda v: bool(v),
@@ -86,30 +77,89 @@ _NOT_YET = {
     "guided_regex": lambda v: v is not None,
     "guided_choice": lambda v: v is not None,
     "guided_grammar": lambda v: v is not None,
+    "prompt_logprobs": lambda v: v is not None,
 }
 
 
-def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None) -> SamplingParams:
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
+    return stop
+
+
+def _int_list(body: dict, name: str) -> list[int]:
+    value = body.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                              for t in value):
+        raise APIError(f"'{name}' must be a list of token ids", param=name)
+    return value
+
+
+def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases", param="logit_bias")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise APIError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if not 0 <= token < limits.vocab_size:
+            raise APIError(f"'logit_bias' token id {token} is outside the vocabulary [0, {limits.vocab_size})",
+                           param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
+        out[token] = float(value)
+    return out
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Top logprobs per token, or None for no logprobs."""
+    if chat:
+        wanted = _bool(body, "logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        if top is not None and not wanted:
+            raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return (top or 0) if wanted else None
+    return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+
+
+def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, chat: bool) -> SamplingParams:
     """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
-    n = _number(body, "n", 1, 1, 128, integer=True)
-    if n != 1:
-        raise APIError("'n' > 1 is not supported by this server yet", param="n")
     max_tokens = _number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", default_max_tokens, 1, 2**31, integer=True)
-    top_k = _number(body, "top_k", -1, -1, 2**31, integer=True)
-    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
+    min_tokens = _number(body, "min_tokens", 0, 0, 2**31, integer=True)
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
     return SamplingParams(
+        n=_number(body, "n", 1, 1, MAX_N, integer=True),
         max_tokens=max_tokens,
+        min_tokens=min_tokens,
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-        top_k=top_k,
+        top_k=_number(body, "top_k", -1, -1, 2**31, integer=True),
         min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-        seed=seed,
+        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True)),
+        logit_bias=_logit_bias(body, limits),
+        seed=_number(body, "seed", None, -(2**63), 2**64 - 1, integer=True),
+        stop=_stop(body),
+        stop_token_ids=_int_list(body, "stop_token_ids"),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=_logprobs(body, chat),
     )
 
 
@@ -151,18 +201,22 @@ def _is_ids(value) -> bool:
 
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
-    params = sampling_params(body, limits, default_max_tokens=16)  # OpenAI's and vLLM's legacy default
+    params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     stream, include_usage = _stream_flags(body)
+    echo = _bool(body, "echo")
+    if echo and params.logprobs is not None:
+        raise APIError("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute yet",
+                       param="echo")
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists",
                        param="prompt")
-    texts = [p if isinstance(p, str) else None for p in prompt]
+    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
     ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
            for p in prompt]
-    return GenerationRequest(ids, texts, params, stream, include_usage)
+    return GenerationRequest(ids, texts, params, stream, include_usage, echo)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -183,7 +237,7 @@ def _message_text(message: dict, i: int) -> str:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
-    params = sampling_params(body, limits, default_max_tokens=None)  # the rest of the context
+    params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
     stream, include_usage = _stream_flags(body)
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):
@@ -205,16 +259,3 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     ids = tokenizer.encode(text, add_special_tokens=False)
     return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage)
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}

@@ -2,8 +2,8 @@
 
 The API never blocks on the device. Coroutines hand commands (add, abort) to
 the engine thread through a queue; the thread applies them between steps, runs
-`Engine.step()`, detokenizes, and posts each sequence's update onto the
-requester's asyncio queue with `call_soon_threadsafe`. A request whose consumer
+`Engine.step()` (which also releases text), and posts each sequence's update
+onto the requester's asyncio queue with `call_soon_threadsafe`. A request whose consumer
 goes away (client disconnect) is aborted, so its pages are freed at the next step.
 """
 
@@ -17,30 +17,32 @@ import threading
 from collections.abc import AsyncIterator
 
 from jaxserve.engine import Engine
+from jaxserve.output import SequenceOutput
 from jaxserve.sampling import SamplingParams
-from jaxserve.sequence import Sequence
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class Update:
-    """What one step added to a sequence."""
+    """What one step added to one of a request's sequences."""
 
-    text: str  # new text (may be "" while a character is incomplete)
+    index: int  # the choice (0..n-1)
+    text: str  # newly released text (may be "" while undecided)
     token_ids: list[int]  # new token ids
+    logprobs: list[tuple[float, list[int], list[float]]]  # per new token, when requested
     num_prompt_tokens: int
     num_output_tokens: int  # so far
-    finish_reason: str | None  # set on the last update
+    finish_reason: str | None  # set on the sequence's last update
+    stop_reason: int | str | None = None
 
 
 @dataclasses.dataclass
 class _Subscriber:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    detokenizer: IncrementalDetokenizer
-    seq: Sequence | None = None
+    unfinished: int  # sequences of the request still running
 
 
 class AsyncEngine:
@@ -69,22 +71,21 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Update]:
-        """Updates of one sequence until it finishes; leaving early aborts it."""
+        """Updates of the request's n sequences until all finish; leaving early aborts them."""
         if not self.is_running:
             raise RuntimeError("the engine is not running")
-        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(),
-                                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids))
+        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self._send(("add", request_id, list(prompt_token_ids), params, subscriber))
-        finished = False
+        unfinished = params.n
         try:
-            while not finished:
+            while unfinished:
                 item = await subscriber.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finish_reason is not None
+                unfinished -= item.finish_reason is not None
                 yield item
         finally:
-            if not finished:
+            if unfinished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -104,8 +105,8 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for seq in self.engine.step():
-                    self._publish(seq)
+                for out in self.engine.step():
+                    self._publish(out)
         except BaseException as e:  # the loop must not die silently: fail every waiter
             log.exception("engine loop failed")
             self.error = e
@@ -127,7 +128,7 @@ class AsyncEngine:
             if command[0] == "add":
                 _, request_id, prompt_ids, params, sub = command
                 try:
-                    sub.seq = self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params)
                 except ValueError as e:
                     sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
                     continue
@@ -137,15 +138,16 @@ class AsyncEngine:
                 if self._subscribers.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
 
-    def _publish(self, seq: Sequence) -> None:
+    def _publish(self, out: SequenceOutput) -> None:
+        seq = out.seq
         sub = self._subscribers.get(seq.request_id)
         if sub is None:
             return
-        token = seq.token_ids[-1]
-        text = sub.detokenizer.push([token])
         if seq.is_finished:
-            text += sub.detokenizer.flush()
-            del self._subscribers[seq.request_id]
-        update = Update(text=text, token_ids=[token], num_prompt_tokens=seq.num_prompt_tokens,
-                        num_output_tokens=seq.num_output_tokens, finish_reason=seq.finish_reason)
+            sub.unfinished -= 1
+            if not sub.unfinished:
+                del self._subscribers[seq.request_id]
+        update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
+                        num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

@@ -1,9 +1,9 @@
 """The engine loop and the offline Python API.
 
-`Engine` owns the scheduler and the runner and advances them one step at a
-time (`step` is the three verbs: schedule, run, update). `LLM` is the
-vLLM-style offline API on top: tokenize, add every prompt, step until all are
-finished, detokenize. Neither knows anything about HTTP.
+`Engine` owns the scheduler, the runner and the output processor and advances
+them one step at a time (`step`: schedule, run, update, release text). `LLM` is
+the vLLM-style offline API on top: tokenize, add every prompt, step until all
+are finished. Neither knows anything about HTTP.
 """
 
 from __future__ import annotations
@@ -19,11 +19,19 @@ from tqdm import tqdm
 from checkpoints import load_hf_params, resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
 from jaxserve.sampling import SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    rank: int | None  # 1 = most likely under the distribution sampled from; None if beyond the top k
+    decoded_token: str
 
 
 @dataclasses.dataclass
@@ -33,7 +41,9 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float  # sum of the sampled tokens' logprobs (see sampling.sample)
     finish_reason: str | None  # "stop", "length", "abort"; None while running
-    stop_reason: int | None = None  # the stop token id that ended it; None for EOS or length
+    stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS or length
+    # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 @dataclasses.dataclass
@@ -53,23 +63,25 @@ def enable_compilation_cache() -> None:
 
 
 class Engine:
-    """Scheduler + runner + the step loop. Requests are token ids; no tokenizer here."""
+    """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
-    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig, *,
-                 warmup: bool = True):
+    def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
+                 tokenizer: Tokenizer, *, warmup: bool = True):
         enable_compilation_cache()
         self.model_config = model_config
         self.config = config
+        self.tokenizer = tokenizer
         graphdef, state = load_hf_params(model_dir, model_config, config.dtype)
         self.runner = Runner(model_config, config, graphdef, state)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
+        self.output = OutputProcessor(tokenizer, self.scheduler)
         self._seeds = np.random.default_rng(config.seed)
-        self._seq_ids = itertools.count()
         if warmup:
             self.runner.warmup()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue one sequence; ValueError for an empty, out-of-vocabulary or too long prompt."""
+        """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
+        (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -83,7 +95,7 @@ class Engine:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len ({self.config.max_model_len})")
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
-        seq = Sequence(seq_id=next(self._seq_ids), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+        seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, seed=seed, max_tokens=max_tokens)
         self.scheduler.add(seq)
         return seq
@@ -91,17 +103,18 @@ class Engine:
     def abort(self, request_id: str) -> None:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
             self.scheduler.abort(seq.seq_id)
+            self.output.forget(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[Sequence]:
-        """One step of every running sequence -> the sequences that got a token."""
+    def step(self) -> list[SequenceOutput]:
+        """One step of every running sequence -> what it released for each sequence that got a token."""
         batch = self.scheduler.schedule()
         if not batch.rows:
             return []
         out = self.runner.step(batch)
-        return self.scheduler.update(batch, out)
+        return self.output.process(self.scheduler.update(batch, out))
 
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
@@ -111,7 +124,7 @@ def build_engine(model: str | None, *, chat_template: str | None = None, max_mod
     model_config = ModelConfig.from_hf(model_dir)
     config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, **engine_options)
     tokenizer = Tokenizer(model_dir, chat_template=chat_template)
-    return Engine(model_dir, model_config, config), tokenizer
+    return Engine(model_dir, model_config, config, tokenizer), tokenizer
 
 
 PromptInput = str | list[int] | dict
@@ -154,7 +167,7 @@ class LLM:
         with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished():
                 self.engine.step()
-                bar.update(sum(seq.is_finished for _, seq in seqs) - bar.n)
+                bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
         return [self._output(text, seq) for text, seq in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -186,8 +199,26 @@ class LLM:
         raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
-        completion = CompletionOutput(index=0, text=self.tokenizer.detokenize(seq.prompt_token_ids, seq.output_token_ids),
-                                      token_ids=seq.output_token_ids, cumulative_logprob=seq.cumulative_logprob,
-                                      finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
+                                    cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
+                                    stop_reason=s.stop_reason, logprobs=self._logprobs(s))
+                   for s in _choices(seq)]
         return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=[completion], finished=seq.is_finished)
+                             outputs=outputs, finished=all(o.finish_reason is not None for o in outputs))
+
+    def _logprobs(self, seq: Sequence) -> list[dict[int, Logprob]] | None:
+        if seq.params.logprobs is None:
+            return None
+        decode = self.tokenizer.decode_token
+        out = []
+        for token, (logprob, top_ids, top_lps) in zip(seq.output_token_ids, seq.logprobs):
+            entry = {t: Logprob(lp, rank, decode(t)) for rank, (t, lp) in enumerate(zip(top_ids, top_lps), 1)}
+            if token not in entry:
+                entry[token] = Logprob(logprob, None, decode(token))
+            out.append(entry)
+        return out
+
+
+def _choices(seq: Sequence) -> list[Sequence]:
+    """The n sequences of a request, by choice index."""
+    return sorted([seq, *seq.forks], key=lambda s: s.index)

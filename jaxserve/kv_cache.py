@@ -27,11 +27,17 @@ def allocate_kv_cache(model: ModelConfig, engine: EngineConfig) -> KVCache:
 
 
 class PageAllocator:
-    """Free list of page ids 1..num_pages-1."""
+    """Reference-counted pages 1..num_pages-1: a page is free when no sequence holds it.
+
+    Sequences of one request share their prompt's pages (`share`); a sequence about
+    to write into a shared page first takes a private copy (copy-on-write, planned
+    by the scheduler, done by the runner).
+    """
 
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages = num_pages
         self.page_size = page_size
+        self._refs = [0] * num_pages
         # Popped from the end: low ids first, which keeps tests readable.
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))
 
@@ -46,18 +52,37 @@ class PageAllocator:
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
 
+    def is_shared(self, page: int) -> bool:
+        return self._refs[page] > 1
+
+    def take(self) -> int:
+        page = self._free.pop()
+        self._refs[page] = 1
+        return page
+
     def grow(self, page_ids: list[int], num_tokens: int) -> bool:
         """Append pages to `page_ids` until it holds `num_tokens`; False (nothing taken) if too few are free."""
         missing = self.pages_for(num_tokens) - len(page_ids)
         if missing > len(self._free):
             return False
         for _ in range(max(missing, 0)):
-            page_ids.append(self._free.pop())
+            page_ids.append(self.take())
         return True
 
+    def share(self, page_ids: list[int]) -> None:
+        for page in page_ids:
+            self._refs[page] += 1
+
+    def drop(self, page: int) -> None:
+        """One holder lets go of `page`; it is free when none is left."""
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            self._free.append(page)
+
     def release(self, page_ids: list[int]) -> None:
-        """Return every page of `page_ids` and empty it."""
-        self._free.extend(reversed(page_ids))
+        """Let go of every page of `page_ids` and empty it."""
+        for page in reversed(page_ids):
+            self.drop(page)
         page_ids.clear()
 
     def free_page_ids(self) -> list[int]:

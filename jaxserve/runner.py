@@ -20,17 +20,23 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward
-from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput
 
 
+def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
+    """page_copies i32[C, 2] (src, dst) rows; padding rows copy the null page onto itself."""
+    src, dst = page_copies[:, 0], page_copies[:, 1]
+    return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv",))
-def step_fn(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
-            sampling: SamplingTensors):
-    """(weights, cache, step) -> (cache, token ids i32[B], logprobs f32[B])."""
+def step_fn(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
+            sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
+    """(weights, cache, step) -> (cache, sampled tokens and logprobs of every row)."""
+    kv = copy_pages(kv, page_copies)
     kv, logits = forward(graphdef, state, kv, inputs)
-    tokens, logprobs = sample(logits, sampling)
-    return kv, tokens, logprobs
+    return kv, sample(logits, sampling)
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -46,13 +52,15 @@ class Runner:
         self.kv = allocate_kv_cache(model_config, config)
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
-        inputs, sampling = self.prepare(batch)
-        self.kv, tokens, logprobs = step_fn(self.graphdef, self.state, self.kv, inputs, sampling)
+        copies, inputs, sampling = self.prepare(batch)
+        self.kv, out = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling)
+        out = jax.device_get(out)
         rows = len(batch.rows)
-        return StepOutput(token_ids=np.asarray(tokens)[:rows], logprobs=np.asarray(logprobs)[:rows])
+        return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
+                          top_logprobs=out.top_logprobs[:rows])
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
-                ) -> tuple[ModelInputs, SamplingTensors]:
+                ) -> tuple[np.ndarray, ModelInputs, SamplingTensors]:
         """Host arrays of the plan, padded to its buckets, or to `shape` = (tokens, page-table width)."""
         cfg = self.config
         num_tokens, width = shape or (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
@@ -83,10 +91,14 @@ class Runner:
         inputs = ModelInputs(token_ids=token_ids, positions=positions, kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
-        sampling = SamplingTensors.from_rows(
-            [r.params for r in batch.rows], [r.seed for r in batch.rows],
-            [r.start_position + len(r.token_ids) for r in batch.rows], num_rows, self.model_config.vocab_size)
-        return inputs, sampling
+        rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
+                            token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
+        sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
+                                             self.model_config.eos_token_ids)
+        copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
+        for c, (src, dst) in enumerate(batch.page_copies):
+            copies[c] = src, dst
+        return copies, inputs, sampling
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every (tokens, pages) bucket with an empty batch (it writes only the null page)."""
@@ -94,6 +106,6 @@ class Runner:
         pairs = list(itertools.product(cfg.token_buckets, cfg.page_buckets))
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
-            inputs, sampling = self.prepare(empty, shape)
-            self.kv, _, _ = step_fn(self.graphdef, self.state, self.kv, inputs, sampling)
+            copies, inputs, sampling = self.prepare(empty, shape)
+            self.kv, _ = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling)
         jax.block_until_ready(self.kv)

@@ -1,10 +1,16 @@
 """Sampling settings of a request, and the one batched sampler that applies them.
 
 Every per-request setting becomes a row of an array (`SamplingTensors`), so a
-single compiled `sample` serves any mix of greedy and random rows. A row's
-random key is a function of (seed, position of the token being sampled) only,
-so a seeded request gives the same tokens alone or in any batch, and after a
-preemption.
+single compiled `sample` serves any mix of greedy and random rows, penalties,
+biases and logprobs. A row's random key is a function of (seed, position of the
+token being sampled) only, so a seeded request gives the same tokens alone or
+in any batch, and after a preemption.
+
+The order, as in vLLM: logit bias; min_tokens (EOS and stop ids masked);
+repetition, frequency and presence penalties; then greedy rows take the argmax,
+and the others apply temperature, top-k, min-p and top-p and draw. Logprobs are
+those of the distribution the token was drawn from: the processed logits at
+temperature 1 for greedy rows, the tempered and filtered distribution otherwise.
 """
 
 from __future__ import annotations
@@ -17,62 +23,140 @@ import jax.numpy as jnp
 import numpy as np
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
+MAX_LOGPROBS = 20  # top logprobs returned per token (OpenAI's bound)
+MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
+MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
+MAX_N = 16  # sequences per request
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """vLLM-compatible sampling settings of one request."""
 
+    n: int = 1  # sequences (choices) per prompt, 1..MAX_N; the prompt is prefilled once
     max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
     temperature: float = 1.0  # 0: greedy
     top_k: int = -1  # -1 or 0: off; 1: greedy
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     min_p: float = 0.0  # drop tokens with prob < min_p * max prob, in [0, 1]
+    presence_penalty: float = 0.0  # OpenAI: minus this for tokens already generated, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the count of generated occurrences, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of prompt+output tokens
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> bias in [-100, 100]
     seed: int | None = None  # None: drawn from the engine's seed
-    ignore_eos: bool = False  # keep going past EOS (until max_tokens)
+    stop: list[str] = dataclasses.field(default_factory=list)  # finish at the first occurrence of one
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False  # keep going past EOS (until max_tokens)
+    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
 
     def __post_init__(self):
         def check(ok: bool, message: str):
             if not ok:
                 raise ValueError(message)
 
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-              f"temperature must be >= 0, got {self.temperature!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= -1,
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(is_num(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        check(is_int(self.top_k) and self.top_k >= -1,
               f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-              f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1,
-              f"min_p must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+        check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+              "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclasses.dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row besides its logits."""
+
+    params: SamplingParams
+    seed: int
+    position: int  # position of the token being sampled
+    token_ids: list[int]  # the sequence's prompt + generated tokens (read only)
+    num_prompt_tokens: int
 
 
 @flax.struct.dataclass
 class SamplingTensors:
-    """Per-row sampling settings of one step; B = padded sequences."""
+    """Per-row sampling settings of one step; B = padded sequences, V = vocab, H = history length."""
 
     temperature: jax.Array  # f32[B]; <= GREEDY_TEMPERATURE means greedy
-    top_k: jax.Array  # i32[B]; vocab size when off
+    top_k: jax.Array  # i32[B]; V when off
     top_p: jax.Array  # f32[B]
     min_p: jax.Array  # f32[B]
     seed_lo: jax.Array  # u32[B] low 32 bits of the seed
     seed_hi: jax.Array  # u32[B] high 32 bits of the seed
     position: jax.Array  # i32[B] position of the token being sampled
+    presence_penalty: jax.Array  # f32[B]
+    frequency_penalty: jax.Array  # f32[B]
+    repetition_penalty: jax.Array  # f32[B]
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]; V (dropped) where unused
+    bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]
+    suppress_ids: jax.Array  # i32[B, MAX_SUPPRESSED] ids masked to -inf; V where unused
+    history: jax.Array  # i32[B, H] prompt + generated ids for penalties; V where unused
+    num_prompt: jax.Array  # i32[B] how many of history are prompt tokens
 
     @classmethod
-    def from_rows(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
-                  num_rows: int, vocab_size: int) -> SamplingTensors:
-        """Host arrays for `params` (one per real row), padded to `num_rows` greedy rows."""
-        pad = num_rows - len(params)
+    def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
+                  eos_token_ids: tuple[int, ...] = ()) -> SamplingTensors:
+        """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
+        only when some row uses a penalty (otherwise it is all padding)."""
+        pad = num_rows - len(rows)
+        params = [r.params for r in rows]
+
         def column(values, fill, dtype):
             return np.asarray(list(values) + [fill] * pad, dtype=dtype)
-        seeds64 = [s & 0xFFFF_FFFF_FFFF_FFFF for s in seeds]
+
+        seeds64 = [r.seed & 0xFFFF_FFFF_FFFF_FFFF for r in rows]
+        bias_ids = np.full((num_rows, MAX_LOGIT_BIAS), vocab_size, np.int32)
+        bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
+        suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
+        history = np.full((num_rows, history_len), vocab_size, np.int32)
+        for b, row in enumerate(rows):
+            p = row.params
+            if p.logit_bias:
+                ids = np.fromiter(p.logit_bias.keys(), np.int64)
+                bias_ids[b, :len(ids)] = np.where(ids < vocab_size, ids, vocab_size)
+                bias_values[b, :len(ids)] = list(p.logit_bias.values())
+            if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens:
+                ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))[:MAX_SUPPRESSED]
+                suppress[b, :len(ids)] = ids
+            if p.uses_penalties:
+                n = min(len(row.token_ids), history_len)
+                history[b, :n] = row.token_ids[:n]
         return cls(
             temperature=column((p.temperature for p in params), 0.0, np.float32),
             top_k=column((min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params), vocab_size,
@@ -81,31 +165,65 @@ class SamplingTensors:
             min_p=column((p.min_p for p in params), 0.0, np.float32),
             seed_lo=column((s & 0xFFFF_FFFF for s in seeds64), 0, np.uint32),
             seed_hi=column((s >> 32 for s in seeds64), 0, np.uint32),
-            position=column(positions, 0, np.int32),
+            position=column((r.position for r in rows), 0, np.int32),
+            presence_penalty=column((p.presence_penalty for p in params), 0.0, np.float32),
+            frequency_penalty=column((p.frequency_penalty for p in params), 0.0, np.float32),
+            repetition_penalty=column((p.repetition_penalty for p in params), 1.0, np.float32),
+            bias_ids=bias_ids, bias_values=bias_values, suppress_ids=suppress, history=history,
+            num_prompt=column((r.num_prompt_tokens for r in rows), 0, np.int32),
         )
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    tokens: jax.Array  # i32[B]
+    logprobs: jax.Array  # f32[B] of each token
+    top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
+    top_logprobs: jax.Array  # f32[B, K]
 
 
 def _row_key(seed_lo, seed_hi, position):
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed_lo), seed_hi), position)
 
 
-def sample(logits: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
-    """logits f32[B, V] -> (token ids i32[B], logprob f32[B] of each token under the
-    distribution it was drawn from: the filtered, tempered one, or the raw one for greedy rows).
+def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """HF repetition penalty over prompt + output; OpenAI frequency and presence penalties over output."""
+    num_rows, vocab = logits.shape
+    rows = jnp.arange(num_rows)[:, None]
+    is_output = jnp.arange(t.history.shape[1])[None, :] >= t.num_prompt[:, None]
+    counts = jnp.zeros((num_rows, vocab), jnp.float32).at[rows, t.history].add(
+        is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((num_rows, vocab), bool).at[rows, t.history].set(True, mode="drop")
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
 
-    Order: temperature, top-k, min-p (relative to the top token), then top-p over
-    what is left, renormalised; a row always keeps its most likely token. An
-    all-greedy batch skips the sort.
-    """
+
+def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Logit bias, min_tokens masking and penalties: everything before temperature."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
+    logits = logits.at[rows, t.suppress_ids].set(-jnp.inf, mode="drop")
+    any_penalty = jnp.any((t.presence_penalty != 0) | (t.frequency_penalty != 0) | (t.repetition_penalty != 1))
+    return jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, t)
+
+
+def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
+    """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
+    An all-greedy batch skips the sort."""
+    logits = process_logits(logits, t)
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    greedy_logprob = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), argmax[:, None], axis=-1)[:, 0]
-    sampled, sampled_logprob = jax.lax.cond(jnp.all(greedy), lambda: (argmax, greedy_logprob),
-                                            lambda: _sample_filtered(logits, t, greedy))
-    return jnp.where(greedy, argmax, sampled), jnp.where(greedy, greedy_logprob, sampled_logprob)
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    greedy_lp = jax.nn.log_softmax(logits, axis=-1)
+    greedy_top, greedy_ids = jax.lax.top_k(greedy_lp, k)
+    greedy_out = SampleOutput(tokens=greedy_ids[:, 0].astype(jnp.int32), logprobs=greedy_top[:, 0],
+                              top_ids=greedy_ids.astype(jnp.int32), top_logprobs=greedy_top)
+    sampled = jax.lax.cond(jnp.all(greedy), lambda: greedy_out, lambda: _sample_filtered(logits, t, greedy, k))
+    return jax.tree.map(lambda g, s: jnp.where(greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, s),
+                        greedy_out, sampled)
 
 
-def _sample_filtered(logits: jax.Array, t: SamplingTensors, greedy: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _sample_filtered(logits: jax.Array, t: SamplingTensors, greedy: jax.Array, k: int) -> SampleOutput:
     vocab = logits.shape[-1]
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
     sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # descending
@@ -117,10 +235,11 @@ def _sample_filtered(logits: jax.Array, t: SamplingTensors, greedy: jax.Array) -
     probs = probs / probs.sum(axis=-1, keepdims=True)
     # top_p = 1 keeps everything, whatever the rounding of the cumulative sum
     keep &= ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
-    filtered = jnp.where(keep, sorted_logits, -jnp.inf)
+    filtered_lp = jax.nn.log_softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
 
     keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-    choice = jax.vmap(jax.random.categorical)(keys, filtered)  # i32[B] rank in sorted order
-    sampled = jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), choice[:, None], axis=-1)[:, 0]
-    return sampled, logprob
+    choice = jax.vmap(jax.random.categorical)(keys, filtered_lp)  # i32[B] rank in sorted order
+    return SampleOutput(
+        tokens=jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32),
+        logprobs=jnp.take_along_axis(filtered_lp, choice[:, None], axis=-1)[:, 0],
+        top_ids=sorted_ids[:, :k].astype(jnp.int32), top_logprobs=filtered_lp[:, :k])

@@ -1,16 +1,21 @@
 """Continuous batching with one token budget and no phases.
 
-Each sequence knows `num_computed_tokens` (K/V in the cache) and `num_tokens`
-(prompt + generated). A step hands out up to `max_num_batched_tokens` new
-tokens: a running sequence gets what it lacks (one decode token, or the next
-chunk of a long prompt), then waiting sequences join while the budget, the
-`max_num_seqs` limit and the free pages allow. A chunk that reaches the end of
-a sequence's known tokens samples the next token; a partial prefill chunk
-samples nothing.
+Each sequence knows `num_computed_tokens` (K/V in the cache) and how many it
+wants cached (`num_wanted_tokens`). A step hands out up to
+`max_num_batched_tokens` new tokens: a running sequence gets what it lacks (one
+decode token, or the next chunk of a long prompt), then waiting sequences join
+while the budget, the `max_num_seqs` limit and the free pages allow. A chunk
+that reaches the end of a sequence's known tokens samples the next token; a
+partial prefill chunk samples nothing.
 
 When a running sequence needs a page and none is free, the newest running
 sequence is preempted: its pages are freed and it waits at the front of the
 queue to be recomputed from its tokens.
+
+A request for n > 1 choices is one sequence until all of its prompt but the
+last token is cached; it then forks n - 1 siblings that share those pages
+(reference counts). Each computes the last prompt token itself; whoever writes
+into a shared page first gets a private copy (`ScheduledBatch.page_copies`).
 
 The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never
 touches device arrays. It knows nothing about the model, tokenizers or HTTP.
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -27,6 +33,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
 from jaxserve.sampling import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
+
+_FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
 
 
 @dataclasses.dataclass
@@ -40,6 +48,8 @@ class ScheduledSeq:
     sample: bool  # the chunk ends the known tokens: sample the next one
     params: SamplingParams
     seed: int
+    all_token_ids: list[int]  # prompt + generated so far, for penalties (read only)
+    num_prompt_tokens: int
 
 
 @dataclasses.dataclass
@@ -49,6 +59,7 @@ class ScheduledBatch:
     rows: list[ScheduledSeq]  # in row order
     num_tokens: int  # sum of len(row.token_ids)
     preempted: list[int]  # seq ids preempted while planning this step
+    page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
 
 
 @dataclasses.dataclass
@@ -57,6 +68,8 @@ class StepOutput:
 
     token_ids: np.ndarray  # i32[rows]
     logprobs: np.ndarray  # f32[rows]
+    top_ids: np.ndarray  # i32[rows, K] most likely first
+    top_logprobs: np.ndarray  # f32[rows, K]
 
 
 class Scheduler:
@@ -67,11 +80,17 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # oldest first: the last is preempted first
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence
+        self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_prompt_tokens_computed = 0  # prefill work, recomputation included
+        self.num_generated_tokens = 0
         self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
 
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
+
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence; ValueError if it could never fit."""
+        """Queue a sequence (with seq.params.n - 1 siblings to fork); ValueError if it could never fit."""
         total = seq.num_prompt_tokens + seq.max_tokens
         if total > self.config.max_model_len:
             raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
@@ -79,51 +98,70 @@ class Scheduler:
         if self.allocator.pages_for(total) > self.allocator.num_usable:
             raise ValueError(f"a sequence of {total} tokens needs {self.allocator.pages_for(total)} KV pages but the "
                              f"cache has {self.allocator.num_usable}; raise num_pages")
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"sequence id {seq.seq_id} is already queued; take ids from new_seq_id()")
+        seq.pending_forks = seq.params.n - 1
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
+        self._fork_if_ready(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
 
-    def abort(self, seq_id: int) -> Sequence | None:
-        """Finish a sequence now ("abort") and free its pages."""
+    def finish(self, seq_id: int, reason: str, stop_reason: int | str | None = None) -> Sequence | None:
+        """Finish a sequence now (an abort, or a stop string found by the output processor) and free its pages."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self._finish(seq, "abort")
+            (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+            seq.stop_reason = stop_reason
+            self._finish(seq, reason)
         return seq
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        return self.finish(seq_id, "abort")
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
-        rows: list[ScheduledSeq] = []
-        preempted: list[int] = []
+        batch = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._reserve(seq, n, preempted):
+            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            if not self._reserve(seq, n, batch):
                 break  # seq itself was preempted: it was the newest
-            rows.append(self._row(seq, n))
+            batch.rows.append(self._row(seq, n))
             budget -= n
             i += 1
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.allocator.grow(seq.page_ids, seq.num_computed_tokens + n):
+            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate(seq, n, batch.page_copies):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            rows.append(self._row(seq, n))
+            batch.rows.append(self._row(seq, n))
             budget -= n
-        return ScheduledBatch(rows=rows, num_tokens=self.config.max_num_batched_tokens - budget, preempted=preempted)
+        batch.num_tokens = self.config.max_num_batched_tokens - budget
+        return batch
 
-    def _reserve(self, seq: Sequence, n: int, preempted: list[int]) -> bool:
-        """Pages for seq's next n tokens, preempting the newest running sequences as needed."""
-        while not self.allocator.grow(seq.page_ids, seq.num_computed_tokens + n):
+    def _allocate(self, seq: Sequence, n: int, page_copies: list[tuple[int, int]]) -> bool:
+        """Pages for seq's next n tokens: a private copy of a shared page it writes into, then new pages.
+        False (nothing taken) if too few are free."""
+        alloc = self.allocator
+        first = seq.num_computed_tokens // alloc.page_size  # the page the first new token goes into
+        copy = first < len(seq.page_ids) and alloc.is_shared(seq.page_ids[first])
+        if alloc.num_free < alloc.pages_for(seq.num_computed_tokens + n) - len(seq.page_ids) + copy:
+            return False
+        if copy:
+            shared, seq.page_ids[first] = seq.page_ids[first], alloc.take()
+            page_copies.append((shared, seq.page_ids[first]))
+            alloc.drop(shared)
+        return alloc.grow(seq.page_ids, seq.num_computed_tokens + n)
+
+    def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
+        """`_allocate`, preempting the newest running sequences as needed."""
+        while not self._allocate(seq, n, batch.page_copies):
             victim = self.running.pop()
             self.allocator.release(victim.page_ids)
             victim.num_computed_tokens = 0
@@ -131,7 +169,7 @@ class Scheduler:
             victim.num_preemptions += 1
             self.num_preemptions += 1
             self.waiting.appendleft(victim)
-            preempted.append(victim.seq_id)
+            batch.preempted.append(victim.seq_id)
             if victim is seq:
                 return False
         return True
@@ -140,30 +178,60 @@ class Scheduler:
     def _row(seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + n], start_position=start,
-                            page_ids=list(seq.page_ids), sample=start + n == seq.num_tokens,
-                            params=seq.params, seed=seq.seed)
+                            page_ids=list(seq.page_ids), sample=start + n == seq.num_tokens, params=seq.params,
+                            seed=seq.seed, all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
-        """Record the step: computed counts, sampled tokens, stop checks. -> sequences that got a token."""
+        """Record the step: computed counts, sampled tokens, forks, stop checks. -> sequences that got a token."""
         changed = []
-        for row, token, logprob in zip(batch.rows, out.token_ids.tolist(), out.logprobs.tolist()):
+        for b, row in enumerate(batch.rows):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or preempted since the plan was made
+                continue  # finished or preempted since the plan was made
+            self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
+                                                          len(row.token_ids)))
             seq.num_computed_tokens += len(row.token_ids)
+            self._fork_if_ready(seq)
             if not row.sample:
                 continue
+            token = int(out.token_ids[b])
             seq.token_ids.append(token)
-            seq.cumulative_logprob += logprob
+            seq.cumulative_logprob += float(out.logprobs[b])
+            if seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                seq.logprobs.append((float(out.logprobs[b]), out.top_ids[b, :k].tolist(),
+                                     out.top_logprobs[b, :k].tolist()))
+            self.num_generated_tokens += 1
             self._check_stop(seq, token)
             changed.append(seq)
         return changed
 
+    def _fork_if_ready(self, seq: Sequence) -> None:
+        """Fork the pending siblings once all of the prompt but its last token is cached."""
+        if not seq.pending_forks or seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+            return
+        for k in range(1, seq.pending_forks + 1):
+            sibling = Sequence(seq_id=self.new_seq_id(), request_id=seq.request_id,
+                               prompt_token_ids=seq.prompt_token_ids, params=seq.params,
+                               seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
+                               page_ids=list(seq.page_ids), num_computed_tokens=seq.num_computed_tokens,
+                               status=seq.status, index=seq.index + k)
+            self.allocator.share(sibling.page_ids)
+            self.seqs[sibling.seq_id] = sibling
+            seq.forks.append(sibling)
+            if seq.status is SequenceStatus.RUNNING and len(self.running) < self.config.max_num_seqs:
+                self.running.insert(self.running.index(seq) + k, sibling)
+            else:
+                sibling.status = SequenceStatus.WAITING
+                self.waiting.appendleft(sibling)
+        seq.pending_forks = 0
+
     def _check_stop(self, seq: Sequence, token: int) -> None:
-        if token in seq.params.stop_token_ids:
+        min_reached = seq.num_output_tokens >= seq.params.min_tokens
+        if token in seq.params.stop_token_ids and min_reached:
             seq.stop_reason = token
             self._finish(seq, "stop")
-        elif token in self.eos_token_ids and not seq.params.ignore_eos:
+        elif token in self.eos_token_ids and not seq.params.ignore_eos and min_reached:
             self._finish(seq, "stop")
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             self._finish(seq, "length")

@@ -30,10 +30,22 @@ class Sequence:
     stop_reason: int | None = None  # the stop token id that ended it, if any
     cumulative_logprob: float = 0.0
     num_preemptions: int = 0
+    text: str = ""  # generated text released so far (stop strings cut, undecided text held back)
+    index: int = 0  # which of the request's n choices
+    pending_forks: int = 0  # siblings to fork once all of the prompt but its last token is cached
+    forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
+    # per generated token, when params.logprobs is set: (logprob, top ids, top logprobs)
+    logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_wanted_tokens(self) -> int:
+        """Tokens to have in the cache: all of them, but the prompt's last one while forks are pending
+        (each sibling computes that token itself, writing into its own copy of the last page)."""
+        return self.num_tokens - (1 if self.pending_forks else 0)
 
     @property
     def num_tokens(self) -> int:

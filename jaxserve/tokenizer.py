@@ -34,13 +34,9 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def detokenize(self, prompt_ids: list[int], output_ids: list[int]) -> str:
-        """The text of `output_ids` after `prompt_ids`, exactly as streaming would have produced it."""
-        detok = IncrementalDetokenizer(self, prompt_ids)
-        for token in output_ids:
-            detok.push([token])
-        detok.flush()
-        return detok.text
+    def decode_token(self, token_id: int) -> str:
+        """One token's own text, special tokens included (for logprobs)."""
+        return self.hf.decode([token_id], skip_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
+from server import ENGINE, MAX_MODEL_LEN, MODEL, Server, free_port
 
 from hf_models import build_hf_model, save_hf_model
 
@@ -23,3 +25,26 @@ def hf_checkpoint(tmp_path_factory):
         return cache[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def served():
+    """(Server, AsyncEngine): the real HTTP server over jaxserve-tiny, shared by the API tests."""
+    from api.app import create_app
+    from api.protocol import Limits
+    from jaxserve.async_engine import AsyncEngine
+    from jaxserve.engine import build_engine
+
+    engine, tokenizer = build_engine(None, **ENGINE)
+    async_engine = AsyncEngine(engine, tokenizer)
+    async_engine.start()
+    server = Server(create_app(async_engine, Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size)),
+                    free_port())
+    yield server, async_engine
+    server.stop()
+    async_engine.shutdown()
+
+
+@pytest.fixture()
+def client(served):
+    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)

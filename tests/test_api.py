@@ -3,83 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
+from server import MAX_MODEL_LEN, MODEL, post
 
 from api.app import create_app
 from api.protocol import Limits
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.engine import build_engine
-
-MODEL = "jaxserve-tiny"
-MAX_MODEL_LEN = 192
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """Hypercorn serving `create_app(...)` from a thread with its own event loop."""
-
-    def __init__(self, app, port: int):
-        from hypercorn.asyncio import serve
-        from hypercorn.config import Config
-
-        config = Config()
-        config.bind = [f"127.0.0.1:{port}"]
-        config.graceful_timeout = 1.0
-        self.url = f"http://127.0.0.1:{port}"
-        self._loop = asyncio.new_event_loop()
-        self._stop = asyncio.Event()
-        self._thread = threading.Thread(
-            target=self._loop.run_until_complete, args=(serve(app, config, shutdown_trigger=self._stop.wait),),
-            daemon=True)
-        self._thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(self.url + "/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise RuntimeError("server did not become healthy")
-
-    def stop(self):
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def served():
-    engine, tokenizer = build_engine(None, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64,
-                                     num_pages=64)
-    async_engine = AsyncEngine(engine, tokenizer)
-    async_engine.start()
-    limits = Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size)
-    server = Server(create_app(async_engine, limits), free_port())
-    yield server, async_engine
-    server.stop()
-    async_engine.shutdown()
-
-
-@pytest.fixture()
-def client(served):
-    return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
-
-
-def post(served, path: str, body) -> httpx.Response:
-    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(served[0].url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)
-
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
@@ -191,9 +123,23 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "seed": 1.5}, 400, "seed"),
     ("/v1/completions", {"prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
-    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "a", "stop": ["x"]}, 400, "stop"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "stop": 3}, 400, "stop"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": 2, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "frequency_penalty": "x"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),

@@ -63,3 +63,40 @@ def test_chat_renders_the_template(default_llm):
     assert out.prompt == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert out.prompt_token_ids == default_llm.get_tokenizer()(out.prompt, add_special_tokens=False).input_ids
     assert len(default_llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2))) == 2
+
+
+@pytest.mark.parametrize("prompt_len", [9, 17])  # last prompt token mid-page (copy-on-write) and page-aligned
+def test_n_greedy_choices_equal_the_single_choice(default_llm, prompt_len):
+    prompt = list(range(40, 40 + prompt_len))
+    greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+    (single,) = default_llm.generate([prompt], SamplingParams(**greedy))
+    sched = default_llm.engine.scheduler
+    before = sched.num_prompt_tokens_computed
+    (multi,) = default_llm.generate([prompt], SamplingParams(n=4, **greedy))
+    assert sched.num_prompt_tokens_computed - before == prompt_len - 1 + 4  # the prompt was prefilled once
+    assert [o.index for o in multi.outputs] == [0, 1, 2, 3]
+    assert all(o.token_ids == single.outputs[0].token_ids for o in multi.outputs)
+    sampled = default_llm.generate([prompt], SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=5))[0]
+    assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1  # siblings draw with their own keys
+
+
+def test_stop_strings_logprobs_and_penalties_offline(default_llm):
+    prompt = "stop here"
+    free = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    stop = text[8:11]
+    assert stop and text.find(stop) == 8
+    cut = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                      stop=[stop, "never-there"]))[0].outputs[0]
+    assert cut.text == text[:8] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=stop,
+                                                       include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[:11]
+    lp = default_llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                     logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == 5
+    for token, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry[token].rank == 1 and len(entry) == 3
+    penalised = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                            frequency_penalty=2.0, repetition_penalty=1.5))
+    assert penalised[0].outputs[0].token_ids != free.token_ids

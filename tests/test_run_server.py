@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_api import free_port
+from server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 

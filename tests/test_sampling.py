@@ -8,18 +8,30 @@ import pytest
 import scipy.stats
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling import SamplingTensors, sample
+from jaxserve.sampling import SamplingRow, SamplingTensors, sample
 
 VOCAB = 12
 LOGITS = np.random.default_rng(0).normal(0.0, 1.5, size=VOCAB).astype(np.float32)
 ROWS = 4000
-_sample = jax.jit(sample)
+_jit_sample = jax.jit(sample)
+
+
+def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int,
+            histories: list[list[int]] | None = None, num_prompt: int = 0) -> SamplingTensors:
+    histories = histories or [[]] * len(params)
+    rows = [SamplingRow(p, seed, pos, h, num_prompt) for p, seed, pos, h in zip(params, seeds, positions, histories)]
+    return SamplingTensors.from_rows(rows, num_rows, VOCAB, history_len=32)
+
+
+def _sample(logits, t):
+    out = _jit_sample(logits, t)
+    return out.tokens, out.logprobs
 
 
 def draw(params: SamplingParams, rows: int = ROWS, logits: np.ndarray = LOGITS) -> np.ndarray:
     """`rows` draws from the same logits: one row each, distinct seeds."""
-    tensors = SamplingTensors.from_rows([params] * rows, list(range(rows)), [7] * rows, rows, VOCAB)
-    tokens, logprobs = _sample(np.tile(logits, (rows, 1)), tensors)
+    t = tensors([params] * rows, list(range(rows)), [7] * rows, rows)
+    tokens, logprobs = _sample(np.tile(logits, (rows, 1)), t)
     return np.asarray(tokens)
 
 
@@ -59,8 +71,8 @@ def test_each_row_keeps_its_own_settings():
             SamplingParams(min_p=0.5), SamplingParams(temperature=1.0)]
     reps = 400
     params = [p for p in rows for _ in range(reps)]
-    tensors = SamplingTensors.from_rows(params, list(range(len(params))), [3] * len(params), len(params), VOCAB)
-    tokens = np.asarray(_sample(np.tile(LOGITS, (len(params), 1)), tensors)[0]).reshape(len(rows), reps)
+    t = tensors(params, list(range(len(params))), [3] * len(params), len(params))
+    tokens = np.asarray(_sample(np.tile(LOGITS, (len(params), 1)), t)[0]).reshape(len(rows), reps)
     order = np.argsort(-LOGITS)
     probs = softmax(LOGITS)
     assert set(tokens[0]) == {order[0]}
@@ -85,20 +97,20 @@ def test_distribution_matches_tempered_softmax(temperature):
 
 def test_key_depends_on_seed_and_position_only():
     params = SamplingParams(temperature=1.0)
-    a = SamplingTensors.from_rows([params] * 3, [5, 5, 6], [10, 11, 10], 3, VOCAB)
-    b = SamplingTensors.from_rows([params] * 8, [9, 5, 1, 1, 1, 1, 1, 1], [0, 10, 0, 0, 0, 0, 0, 0], 8, VOCAB)
+    a = tensors([params] * 3, [5, 5, 6], [10, 11, 10], 3)
+    b = tensors([params] * 8, [9, 5, 1, 1, 1, 1, 1, 1], [0, 10, 0, 0, 0, 0, 0, 0], 8)
     flat = np.random.default_rng(1).normal(0, 3, size=(8, VOCAB)).astype(np.float32)
     logits = np.tile(flat[1], (8, 1))
     ta, _ = _sample(logits[:3], a)
     tb, _ = _sample(logits, b)
     assert int(ta[0]) == int(tb[1])  # same (seed, position), different row and batch
     # 64 seeds, each drawn in row 0 of a batch of 1 and in row 5 of a batch of 8: identical
-    alone = [int(_sample(logits[:1], SamplingTensors.from_rows([params], [s], [4], 1, VOCAB))[0][0])
+    alone = [int(_sample(logits[:1], tensors([params], [s], [4], 1))[0][0])
              for s in range(64)]
-    batched = [int(_sample(logits, SamplingTensors.from_rows([params] * 8, [0] * 5 + [s, 1, 2], [9] * 5 + [4, 0, 0],
-                                                             8, VOCAB))[0][5]) for s in range(64)]
+    batched = [int(_sample(logits, tensors([params] * 8, [0] * 5 + [s, 1, 2], [9] * 5 + [4, 0, 0],
+                                                             8))[0][5]) for s in range(64)]
     assert alone == batched and len(set(alone)) > 1
-    draws = [int(_sample(logits[:1], SamplingTensors.from_rows([params], [s], [10], 1, VOCAB))[0][0])
+    draws = [int(_sample(logits[:1], tensors([params], [s], [10], 1))[0][0])
              for s in range(40)]
     assert len(set(draws)) > 1  # different seeds do differ
 
@@ -122,3 +134,61 @@ def test_sampling_params_validation():
                 dict(max_tokens=0), dict(stop_token_ids=[-1]), dict(seed="x")):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+def numpy_penalties(logits, history, num_prompt, presence, frequency, repetition):
+    """float64 reference: HF repetition penalty over prompt + output, OpenAI penalties over output."""
+    out = logits.astype(np.float64).copy()
+    for tok in set(history):
+        out[tok] = out[tok] / repetition if out[tok] > 0 else out[tok] * repetition
+    counts = np.bincount(history[num_prompt:], minlength=len(logits)) if len(history) > num_prompt \
+        else np.zeros(len(logits))
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def test_penalties_match_numpy_on_random_logits_and_histories():
+    from jaxserve.sampling import process_logits
+
+    rng = np.random.default_rng(7)
+    rows, params, histories, prompts, want = 16, [], [], [], []
+    logits = rng.normal(0, 3, size=(rows, VOCAB)).astype(np.float32)
+    for b in range(rows):
+        p = SamplingParams(presence_penalty=float(rng.uniform(-2, 2)), frequency_penalty=float(rng.uniform(-2, 2)),
+                           repetition_penalty=float(rng.uniform(0.5, 2.0)))
+        history = rng.integers(0, VOCAB, size=int(rng.integers(1, 30))).tolist()
+        num_prompt = int(rng.integers(0, len(history) + 1))
+        params.append(p), histories.append(history), prompts.append(num_prompt)
+        want.append(numpy_penalties(logits[b], history, num_prompt, p.presence_penalty, p.frequency_penalty,
+                                    p.repetition_penalty))
+    sampling_rows = [SamplingRow(p, 0, 0, h, n) for p, h, n in zip(params, histories, prompts)]
+    t = SamplingTensors.from_rows(sampling_rows, rows, VOCAB, history_len=32)
+    got = np.asarray(jax.jit(process_logits)(logits, t))
+    np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
+
+
+def test_logit_bias_and_min_tokens_masking():
+    from jaxserve.sampling import process_logits
+
+    bias = SamplingParams(logit_bias={3: 100.0, 5: -100.0})
+    masked = SamplingParams(min_tokens=4, stop_token_ids=[2])
+    done = SamplingParams(min_tokens=1, stop_token_ids=[2])
+    rows = [SamplingRow(bias, 0, 0, [1], 1), SamplingRow(masked, 0, 0, [1, 9], 1), SamplingRow(done, 0, 0, [1, 9], 1)]
+    t = SamplingTensors.from_rows(rows, 4, VOCAB, history_len=8, eos_token_ids=(0,))
+    got = np.asarray(jax.jit(process_logits)(np.tile(LOGITS, (4, 1)), t))
+    np.testing.assert_allclose(got[0, [3, 5]], LOGITS[[3, 5]] + [100, -100], rtol=1e-6)
+    assert np.isneginf(got[1, [0, 2]]).all()  # EOS and the stop id, while fewer than 4 tokens are out
+    np.testing.assert_array_equal(got[2], LOGITS)  # min_tokens reached: nothing masked
+    np.testing.assert_array_equal(got[3], LOGITS)  # padding row
+
+
+def test_top_logprobs_are_sorted_and_the_greedy_token_is_first():
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.8, logprobs=5)]
+    out = _jit_sample(np.tile(LOGITS, (2, 1)), tensors(params, [1, 2], [0, 0], 2))
+    top = np.asarray(out.top_logprobs)
+    assert (np.diff(top, axis=1) <= 0).all()
+    assert int(out.top_ids[0, 0]) == int(out.tokens[0]) == int(np.argmax(LOGITS))
+    log_softmax = LOGITS - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    np.testing.assert_allclose(top[0], np.sort(log_softmax)[::-1][: top.shape[1]], rtol=1e-5)
+    tempered = LOGITS / 0.8
+    np.testing.assert_allclose(float(out.logprobs[1]), (tempered - np.log(np.exp(tempered.astype(np.float64)).sum()))[
+        int(out.tokens[1])], rtol=1e-5)

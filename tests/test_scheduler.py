@@ -26,7 +26,8 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Seq
 def run_step(sched: Scheduler, token: int = 7):
     batch = sched.schedule()
     n = len(batch.rows)
-    sched.update(batch, StepOutput(token_ids=np.full(n, token, np.int32), logprobs=np.zeros(n, np.float32)))
+    sched.update(batch, StepOutput(token_ids=np.full(n, token, np.int32), logprobs=np.zeros(n, np.float32),
+                                   top_ids=np.full((n, 1), token, np.int32), top_logprobs=np.zeros((n, 1), np.float32)))
     return batch
 
 
@@ -80,6 +81,28 @@ def test_stops_eos_stop_ids_max_tokens_and_ignore_eos():
         run_step(sched, token=EOS)
     assert kept.finish_reason == "length" and kept.num_output_tokens == 8
     assert sched.allocator.num_free == sched.allocator.num_usable and not sched.has_unfinished()
+
+
+def test_n_siblings_share_the_prompt_pages_and_copy_the_last_one_on_write():
+    sched = make_scheduler()
+    parent = make_seq(sched.new_seq_id(), 10, n=3)  # sibling ids come from the scheduler too
+    sched.add(parent)
+    batch = run_step(sched)  # all but the last prompt token: 9 tokens, 3 pages, nothing sampled
+    assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(parent.seq_id, 9, False)]
+    siblings = parent.forks
+    assert [s.index for s in siblings] == [1, 2] and len({parent.seed, *(s.seed for s in siblings)}) == 3
+    assert all(s.page_ids == parent.page_ids and s.num_computed_tokens == 9 for s in siblings)
+    assert sched.allocator.num_usable - sched.allocator.num_free == 3  # shared, not copied
+    batch = run_step(sched)  # each computes the last prompt token into its own copy of page 3
+    assert [(len(r.token_ids), r.sample) for r in batch.rows] == [(1, True)] * 3
+    assert len(batch.page_copies) == 2  # the last writer keeps the original
+    last_pages = {s.page_ids[2] for s in (parent, *siblings)}
+    assert len(last_pages) == 3 and {s.page_ids[0] for s in (parent, *siblings)} == {parent.page_ids[0]}
+    assert sched.num_prompt_tokens_computed == 9 + 3
+    for _ in range(8):
+        run_step(sched)
+    assert all(s.finish_reason == "length" for s in (parent, *siblings))
+    assert sched.allocator.num_free == sched.allocator.num_usable
 
 
 def test_requests_that_cannot_fit_are_refused():

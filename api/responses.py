@@ -1,0 +1,75 @@
+"""OpenAI response shapes: choices, logprobs (chat and legacy completions), usage, SSE chunks."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+
+from jaxserve.async_engine import Update
+from jaxserve.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def chat_logprobs(tokenizer: Tokenizer, update: Update) -> list[dict]:
+    """`choices[].logprobs.content` entries for the update's tokens."""
+    out = []
+    for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs):
+        text = tokenizer.decode_token(token)
+        top = []
+        for t, lp in zip(top_ids, top_lps):
+            s = tokenizer.decode_token(t)
+            top.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode())})
+        out.append({"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()), "top_logprobs": top})
+    return out
+
+
+class CompletionLogprobs:
+    """The legacy completions shape, built up token by token: tokens, token_logprobs, top_logprobs, text_offset."""
+
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0):
+        self.tokenizer = tokenizer
+        self.offset = offset  # where the next token's text starts in the choice's text
+
+    def format(self, update: Update) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs):
+            text = self.tokenizer.decode_token(token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(_finite(logprob))
+            top: dict[str, float] = {}
+            for t, lp in zip(top_ids, top_lps):  # tokens that decode alike keep the likelier one
+                top.setdefault(self.tokenizer.decode_token(t), _finite(lp))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def merge_completion_logprobs(parts: list[dict]) -> dict | None:
+    if not parts:
+        return None
+    return {key: [v for part in parts for v in part[key]] for key in parts[0]}

@@ -1,0 +1,93 @@
+"""From sampled tokens to released text: detokenization and stop strings.
+
+After each step, every sequence that got a token is detokenized incrementally.
+Text is released only once it is decided: a tail that could still be the start
+of a stop string is held back, so no released text ever contains part of a
+stop string that then matches. When a stop string appears, the text is cut
+there (or after it, with `include_stop_str_in_output`) and the sequence is
+finished with reason "stop".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.scheduler import Scheduler
+from jaxserve.sequence import Sequence
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclasses.dataclass
+class SequenceOutput:
+    """What one step released for one sequence."""
+
+    seq: Sequence
+    text: str  # newly released text (may be "")
+    token_ids: list[int]  # new token ids
+    logprobs: list[tuple[float, list[int], list[float]]]  # for the new tokens, when requested
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
+@dataclasses.dataclass
+class _TextState:
+    detokenizer: IncrementalDetokenizer
+    text: str = ""  # everything decoded so far (stop strings cut)
+    num_tokens: int = 0  # output tokens already reported
+
+
+def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
+    """Earliest (index, stop string) occurring in text[start:]."""
+    hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+    return min(hits) if hits else None
+
+
+def undecided_tail(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
+               default=0)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self._states: dict[int, _TextState] = {}
+
+    def process(self, seqs: list[Sequence]) -> list[SequenceOutput]:
+        return [self._process(seq) for seq in seqs]
+
+    def _process(self, seq: Sequence) -> SequenceOutput:
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            state = self._states[seq.seq_id] = _TextState(IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+        new_tokens = seq.output_token_ids[state.num_tokens:]
+        new_logprobs = seq.logprobs[state.num_tokens:]
+        state.num_tokens += len(new_tokens)
+        released = len(seq.text)
+        state.text += state.detokenizer.push(new_tokens)
+        if seq.is_finished:
+            state.text += state.detokenizer.flush()
+        stops = seq.params.stop
+        longest = max(map(len, stops), default=0)
+        hit = find_stop(state.text, stops, max(0, released - longest + 1)) if stops else None
+        if hit is not None:
+            index, stop = hit
+            state.text = state.text[:index + len(stop) if seq.params.include_stop_str_in_output else index]
+            if seq.is_finished:  # finished by length or EOS in the same step: the stop string wins
+                seq.finish_reason, seq.stop_reason = "stop", stop
+            else:
+                self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
+            end = len(state.text)
+        else:
+            end = len(state.text) - (0 if seq.is_finished else undecided_tail(state.text, stops))
+        seq.text = state.text[:end]
+        if seq.is_finished:
+            del self._states[seq.seq_id]
+        return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs)
+
+    def forget(self, seq_id: int) -> None:
+        """Drop the state of a sequence that ended elsewhere (an abort)."""
+        self._states.pop(seq_id, None)

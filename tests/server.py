@@ -1,0 +1,57 @@
+"""The real server for API tests: Hypercorn on 127.0.0.1 (a free port) in a thread, over jaxserve-tiny."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+
+MODEL = "jaxserve-tiny"
+MAX_MODEL_LEN = 192
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, num_pages=64)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """Hypercorn serving `app` from a thread with its own event loop."""
+
+    def __init__(self, app, port: int):
+        from hypercorn.asyncio import serve
+        from hypercorn.config import Config
+
+        config = Config()
+        config.bind = [f"127.0.0.1:{port}"]
+        config.graceful_timeout = 1.0
+        self.url = f"http://127.0.0.1:{port}"
+        self._loop = asyncio.new_event_loop()
+        self._stop = asyncio.Event()
+        self._thread = threading.Thread(
+            target=self._loop.run_until_complete, args=(serve(app, config, shutdown_trigger=self._stop.wait),),
+            daemon=True)
+        self._thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("server did not become healthy")
+
+    def stop(self):
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+
+def post(served, path: str, body) -> httpx.Response:
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(served[0].url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)

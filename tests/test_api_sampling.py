@@ -1,0 +1,171 @@
+"""Every sampling control through the real server: stop strings, logit bias, penalties, min_tokens,
+logprobs, n, echo; plus /metrics, /tokenize and /detokenize."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server import ENGINE, MODEL, post
+
+from checkpoints.default_model import IM_END_ID
+from jaxserve import LLM, SamplingParams
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def completion(client, **kw):
+    return client.completions.create(model=MODEL, **kw)
+
+
+def streamed_text(client, **kw) -> tuple[str, str | None]:
+    text, finish = "", None
+    for chunk in client.completions.create(model=MODEL, stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish
+
+
+def test_stop_string_from_the_middle_cuts_exactly_there(client):
+    free = completion(client, prompt="The story", max_tokens=30, **GREEDY).choices[0].text
+    stop = free[10:13]
+    assert free.find(stop) == 10
+    cut = completion(client, prompt="The story", max_tokens=30, stop=[stop], **GREEDY).choices[0]
+    assert cut.text == free[:10] and cut.finish_reason == "stop"
+    assert streamed_text(client, prompt="The story", max_tokens=30, stop=stop, **GREEDY) == (free[:10], "stop")
+    kept = completion(client, prompt="The story", max_tokens=30, stop=stop,
+                      extra_body={"ignore_eos": True, "include_stop_str_in_output": True}, temperature=0.0)
+    assert kept.choices[0].text == free[:13]
+
+
+def test_no_delta_holds_part_of_a_matching_stop_string(client):
+    free = completion(client, prompt="held back", max_tokens=30, **GREEDY).choices[0].text
+    stop = free[12:16]
+    deltas = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="held back", max_tokens=30, stop=stop, stream=True, **GREEDY) if c.choices]
+    assert "".join(deltas) == free[:free.find(stop)]
+    for i in range(1, len(stop)):  # no streamed prefix ever ended inside the stop string
+        assert not any("".join(deltas[:j]).endswith(stop[:i]) and "".join(deltas[:j]) == free[:free.find(stop) + i]
+                       for j in range(len(deltas) + 1))
+
+
+def test_logit_bias_forces_every_greedy_token(client):
+    r = completion(client, prompt="bias", max_tokens=10, logit_bias={"65": 100}, **GREEDY)
+    assert r.choices[0].text == "A" * 10
+
+
+def test_min_tokens_holds_off_an_eos_that_is_biased_up(client):
+    r = completion(client, prompt="eos", max_tokens=20, temperature=0.0, logit_bias={str(IM_END_ID): 100},
+                   extra_body={"min_tokens": 5})
+    assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"  # 5 tokens, then EOS
+    r = completion(client, prompt="eos", max_tokens=20, temperature=0.0, logit_bias={str(IM_END_ID): 100})
+    assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(None, **ENGINE)
+
+
+@pytest.mark.parametrize("penalties", [
+    dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(repetition_penalty=1.8),
+    dict(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=0.8)])
+def test_penalised_greedy_matches_the_offline_api(client, offline, penalties):
+    extra = {"ignore_eos": True}
+    if "repetition_penalty" in penalties:
+        extra["repetition_penalty"] = penalties["repetition_penalty"]
+    api_kw = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+    served = completion(client, prompt="aaaa bbbb aaaa", max_tokens=24, temperature=0.0, extra_body=extra, **api_kw)
+    want = offline.generate("aaaa bbbb aaaa", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                             **penalties))[0].outputs[0]
+    plain = offline.generate("aaaa bbbb aaaa", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    assert served.choices[0].text == want.text
+    assert want.token_ids != plain[0].outputs[0].token_ids  # the penalty did something
+
+
+def test_chat_logprobs_shape(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                       logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 6 and "".join(c.token for c in content) == r.choices[0].message.content
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert entry.top_logprobs[0].token == entry.token and entry.logprob == tops[0] <= 0  # greedy = top-1
+        assert entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=6, logprobs=True, top_logprobs=3, stream=True, **GREEDY))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_completion_logprobs_shape_and_echo(client):
+    r = completion(client, prompt="echo me", max_tokens=5, logprobs=2, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert max(top.values()) == logprob and top[token] == logprob
+    echoed = completion(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY).choices[0].text
+    assert echoed == "echo me" + r.choices[0].text
+    assert streamed_text(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY)[0] == echoed
+
+
+def test_n_choices_share_one_prefill(served, client):
+    scheduler = served[1].engine.scheduler
+    prompt = "n choices from one prefill"
+    before = scheduler.num_prompt_tokens_computed
+    r = completion(client, prompt=prompt, n=4, max_tokens=16, temperature=1.0, seed=7,
+                   extra_body={"ignore_eos": True})
+    assert scheduler.num_prompt_tokens_computed - before == len(prompt) - 1 + 4
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and len({c.text for c in r.choices}) > 1
+    assert r.usage.completion_tokens == 64 and r.usage.prompt_tokens == len(prompt)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3,
+                                          max_tokens=4, stream=True, **GREEDY)
+    texts = {}
+    for chunk in chat:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 1  # greedy: three equal choices
+    two = completion(client, prompt=["a", "b"], n=2, max_tokens=3, **GREEDY)
+    assert [c.index for c in sorted(two.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+
+
+def test_metrics_parse_and_move(served, client):
+    def scrape():
+        text = httpx.get(served[0].url + "/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                key = s.name + "".join(f"|{v}" for k, v in sorted(s.labels.items()) if k != "le")
+                values[key] = values.get(key, 0) + (s.value if "le" not in s.labels else 0)
+        return values
+
+    before = scrape()
+    completion(client, prompt="count me", max_tokens=7, **GREEDY)
+    post(served, "/v1/completions", {"prompt": "a", "temperature": 9})
+    after = scrape()
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] >= 7
+    assert after["jaxserve:prompt_tokens_total"] > before["jaxserve:prompt_tokens_total"]
+    assert after["jaxserve:time_to_first_token_seconds_count"] > before["jaxserve:time_to_first_token_seconds_count"]
+    assert after["jaxserve:inter_token_latency_seconds_count"] >= before["jaxserve:inter_token_latency_seconds_count"] + 6
+    assert after["jaxserve:request_success_total|length"] > before.get("jaxserve:request_success_total|length", 0)
+    assert after["jaxserve:request_errors_total|400"] > before.get("jaxserve:request_errors_total|400", 0)
+    assert after["jaxserve:kv_pages_total"] == ENGINE["num_pages"] - 1
+    for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_pages_used",
+                 "jaxserve:num_preemptions_total"):
+        assert name in after
+
+
+def test_tokenize_and_detokenize(served):
+    r = post(served, "/tokenize", {"model": MODEL, "prompt": "héllo"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] == 192
+    chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len(served[1].tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+    assert post(served, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "héllo"}
+    assert post(served, "/detokenize", {"tokens": [1, -1]}).status_code == 400
+    assert post(served, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
