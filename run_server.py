@@ -17,6 +17,7 @@ from pathlib import Path
 
 from api.app import create_app
 from api.protocol import Limits
+from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import build_engine
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                   help="how to read tool calls in the model's output (default: from the chat template)")
     return p.parse_args(argv)
 
 
@@ -75,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)
-    app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"))
+    app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
+                     tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None)
     async_engine.start()
     try:
         asyncio.run(serve(app, args.host, args.port, args.log_level))

@@ -24,6 +24,8 @@ from api.metrics import Metrics
 from api.protocol import APIError, GenerationRequest, Limits, check_model, parse_chat, parse_completion
 from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_logprobs, new_id, now, sse,
                            usage)
+from api.tool_parsers import ToolParser, parser_for_template
+from api.tools import ChoiceTools
 from jaxserve.async_engine import AsyncEngine, Update
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,7 @@ async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[in
 class _Choices:
     """Accumulates the choices of one request (non-streaming) and counts tokens (both)."""
 
-    def __init__(self, req: GenerationRequest, chat: bool, engine: AsyncEngine):
+    def __init__(self, req: GenerationRequest, chat: bool, engine: AsyncEngine, tool_parser: ToolParser):
         n = req.params.n
         self.req, self.chat, self.n = req, chat, n
         self.tokenizer = engine.tokenizer
@@ -79,6 +81,12 @@ class _Choices:
         self.logprobs: list[list] = [[] for _ in range(count)]
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c]) for c in range(count)]
+        self.tools = [ChoiceTools(req.tools, tool_parser) for _ in range(count)] if req.tools else None
+
+    def finish_reason(self, c: int) -> str | None:
+        """OpenAI's "tool_calls" where a choice that stopped made tool calls."""
+        called = self.tools is not None and self.tools[c].has_calls
+        return "tool_calls" if called and self.finish[c] == "stop" else self.finish[c]
 
     def choice_index(self, prompt: int, update: Update) -> int:
         return prompt * self.n + update.index
@@ -107,16 +115,23 @@ class _Choices:
                 logprobs = {"content": [entry for part in self.logprobs[c] for entry in part]}
             else:
                 logprobs = merge_completion_logprobs(self.logprobs[c])
-            choice = {"index": c, "logprobs": logprobs, "finish_reason": self.finish[c],
-                      "stop_reason": self.stop_reason[c]}
-            choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-            choices.append(choice)
+            if not self.chat:
+                body = {"text": text}
+            elif self.tools is not None:
+                body = {"message": self.tools[c].message(text)}
+            else:
+                body = {"message": {"role": "assistant", "content": text}}
+            choices.append({"index": c, **body, "logprobs": logprobs, "finish_reason": self.finish_reason(c),
+                            "stop_reason": self.stop_reason[c]})
         return {**head, "choices": choices, "usage": self.usage()}
 
 
-def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) -> Quart:
+def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
+               tool_parser: ToolParser | None = None) -> Quart:
+    """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to)."""
     app = Quart("jaxserve")
     tokenizer = engine.tokenizer
+    tool_parser = tool_parser or parser_for_template(tokenizer.hf.chat_template)
     metrics = Metrics(engine)
 
     def error_response(e: APIError):
@@ -178,7 +193,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) 
         if req.stream:
             return Response(stream(req, request_id, chat, head), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
-        choices = _Choices(req, chat, engine)
+        choices = _Choices(req, chat, engine, tool_parser)
         try:
             async for i, update in merged(streams(req, request_id)):
                 choices.add(choices.choice_index(i, update), update)
@@ -189,32 +204,42 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None) 
     async def stream(req: GenerationRequest, request_id: str, chat: bool, head: dict) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if req.include_usage else {}
-        choices = _Choices(req, chat, engine)
+        choices = _Choices(req, chat, engine, tool_parser)
 
-        def chunk(c: int, text: str | None, finish_reason: str | None = None, logprobs=None,
-                  stop_reason=None) -> str:
+        def chunk(c: int, delta: dict | None = None, text: str | None = None, logprobs=None,
+                  finish_reason: str | None = None, stop_reason=None) -> str:
             if chat:
-                choice = {"index": c, "delta": {} if text is None else {"content": text},
+                choice = {"index": c, "delta": delta or {},
                           "logprobs": None if logprobs is None else {"content": logprobs}}
             else:
                 choice = {"index": c, "text": text or "", "logprobs": logprobs}
             choice.update(finish_reason=finish_reason, stop_reason=stop_reason)
             return sse({**head, "choices": [choice], **extra})
 
+        def deltas(c: int, update: Update) -> list[dict]:
+            """The chat deltas an update releases (tool calls replace content where asked for)."""
+            if choices.tools is None:
+                return [{"content": update.text}] if update.text else []
+            out = choices.tools[c].feed(update.text)
+            return out + choices.tools[c].finish() if update.finish_reason is not None else out
+
         for c in range(len(choices.texts)):
             if chat:
-                yield sse({**head, "choices": [{"index": c, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}], **extra})
+                yield chunk(c, {"role": "assistant", "content": ""})
             elif req.echo:
-                yield chunk(c, req.prompt_texts[c // req.params.n])
+                yield chunk(c, text=req.prompt_texts[c // req.params.n])
         try:
             async for i, update in merged(streams(req, request_id)):
                 c = choices.choice_index(i, update)
                 logprobs = choices.add(c, update)
-                if update.text or logprobs:
-                    yield chunk(c, update.text, logprobs=logprobs)
+                if chat:
+                    ds = deltas(c, update) or ([{}] if logprobs else [])
+                    for k, delta in enumerate(ds):
+                        yield chunk(c, delta, logprobs=logprobs if k == 0 else None)
+                elif update.text or logprobs:
+                    yield chunk(c, text=update.text, logprobs=logprobs)
                 if update.finish_reason is not None:
-                    yield chunk(c, None, update.finish_reason, stop_reason=update.stop_reason)
+                    yield chunk(c, finish_reason=choices.finish_reason(c), stop_reason=update.stop_reason)
         except (ValueError, RuntimeError) as e:
             status = 400 if isinstance(e, ValueError) else 500
             metrics.errors.labels(str(status)).inc()

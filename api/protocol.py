@@ -10,8 +10,12 @@ vLLM do. This module knows the tokenizer and the limits, not the engine loop.
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
+from api.tools import ToolError, ToolRequest, parse_tool_request
+from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -43,6 +47,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     echo: bool = False  # completions: the prompt text leads each choice
+    tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -52,7 +57,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise APIError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
-    if value < lo or value > hi or (lo_open and value == lo):
+    out_of_range = value < lo or value > hi or (lo_open and value == lo)
+    if (isinstance(value, float) and not math.isfinite(value)) or out_of_range:
         raise APIError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
     return value
 
@@ -70,13 +76,6 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "tools": lambda v: bool(v),
-    "functions": lambda v: bool(v),
-    "response_format": lambda v: v not in (None, {"type": "text"}),
-    "guided_json": lambda v: v is not None,
-    "guided_regex": lambda v: v is not None,
-    "guided_choice": lambda v: v is not None,
-    "guided_grammar": lambda v: v is not None,
     "prompt_logprobs": lambda v: v is not None,
 }
 
@@ -131,6 +130,49 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
 
 
+def _constraint(body: dict) -> Constraint | None:
+    """response_format, or one of vLLM's guided_* fields, as a grammar constraint (validated)."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            found.append(("response_format", Constraint("json_object")))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError("'response_format.json_schema' needs a 'schema' object", param="response_format")
+            found.append(("response_format", Constraint("json_schema", json.dumps(spec["schema"]))))
+        elif kind != "text":
+            raise APIError("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                           param="response_format")
+    guided = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar"}
+    for name, kind in guided.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if kind == "json_schema" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif kind == "choice":
+            if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+                raise APIError("'guided_choice' must be a non-empty list of strings", param=name)
+            value = tuple(value)
+        elif not isinstance(value, str):
+            raise APIError(f"'{name}' must be a string", param=name)
+        found.append((name, Constraint(kind, value)))
+    if len(found) > 1:
+        raise APIError(f"give one constraint, not {' and '.join(n for n, _ in found)}", param=found[1][0])
+    if not found:
+        return None
+    param, constraint = found[0]
+    try:
+        constraint.grammar()
+    except ValueError as e:
+        raise APIError(f"'{param}': {e}", param=param) from e
+    return constraint
+
+
 def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, chat: bool) -> SamplingParams:
     """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
     for name, used in _NOT_YET.items():
@@ -142,7 +184,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     min_tokens = _number(body, "min_tokens", 0, 0, 2**31, integer=True)
     if max_tokens is not None and min_tokens > max_tokens:
         raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
-    return SamplingParams(
+    fields = dict(
         n=_number(body, "n", 1, 1, MAX_N, integer=True),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
@@ -160,7 +202,12 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
         logprobs=_logprobs(body, chat),
+        constraint=_constraint(body),
     )
+    try:
+        return SamplingParams(**fields)
+    except ValueError as e:  # a combination the checks above let through
+        raise APIError(str(e)) from e
 
 
 def _stream_flags(body: dict) -> tuple[bool, bool]:
@@ -235,10 +282,46 @@ def _message_text(message: dict, i: int) -> str:
     raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
+def _template_message(m: dict, i: int) -> dict:
+    """A message as chat templates expect it: developer -> system, text content, tool-call arguments decoded."""
+    out = {**{k: v for k, v in m.items() if k != "content"}, "role": "system" if m["role"] == "developer"
+           else m["role"], "content": _message_text(m, i)}
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise APIError(f"messages[{i}].tool_calls must be a list", param="messages")
+        decoded = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise APIError(f"messages[{i}].tool_calls entries need function.name", param="messages")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise APIError(f"messages[{i}]: tool call arguments are not JSON", param="messages") from None
+            decoded.append({**call, "function": {**fn, "arguments": args}})
+        out["tool_calls"] = decoded
+    return out
+
+
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
     stream, include_usage = _stream_flags(body)
+    try:
+        tools = parse_tool_request(body)
+    except ToolError as e:
+        raise APIError(str(e), param=e.param) from e
+    if tools is not None and tools.constraint is not None:
+        if params.constraint is not None:
+            raise APIError("a forced tool call cannot be combined with response_format or guided decoding",
+                           param="tool_choice")
+        try:
+            tools.constraint.grammar()
+        except ValueError as e:
+            raise APIError(f"'tools': {e}", param="tools") from e
+        params.constraint = tools.constraint
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
@@ -250,12 +333,11 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise APIError(f"messages[{i}] needs a 'role' among {', '.join(CHAT_ROLES)}", param="messages")
-        role = "system" if m["role"] == "developer" else m["role"]
-        rendered.append({**{k: v for k, v in m.items() if k != "content"}, "role": role,
-                         "content": _message_text(m, i)})
+        rendered.append(_template_message(m, i))
     try:
-        text = tokenizer.apply_chat_template(rendered)
+        text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None)
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     ids = tokenizer.encode(text, add_special_tokens=False)
-    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage)
+    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage,
+                             tools=tools if tools is not None and tools.mode != "none" else None)

@@ -1,7 +1,7 @@
 """The engine loop and the offline Python API.
 
 `Engine` owns the scheduler, the runner and the output processor and advances
-them one step at a time (`step`: schedule, run, update, release text). `LLM` is
+them one step at a time (`step`: schedule, grammar masks, run, update, release text). `LLM` is
 the vLLM-style offline API on top: tokenize, add every prompt, step until all
 are finished. Neither knows anything about HTTP.
 """
@@ -74,7 +74,7 @@ class Engine:
         graphdef, state = load_hf_params(model_dir, model_config, config.dtype)
         self.runner = Runner(model_config, config, graphdef, state)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
-        self.output = OutputProcessor(tokenizer, self.scheduler)
+        self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
         if warmup:
             self.runner.warmup()
@@ -94,6 +94,8 @@ class Engine:
             if max_tokens < 1:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len ({self.config.max_model_len})")
+        if params.constraint is not None:
+            params.constraint.grammar()  # ValueError now rather than in the engine loop
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, seed=seed, max_tokens=max_tokens)
@@ -113,6 +115,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch.rows:
             return []
+        self.output.constrain(batch)
         out = self.runner.step(batch)
         return self.output.process(self.scheduler.update(batch, out))
 

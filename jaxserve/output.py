@@ -1,6 +1,10 @@
-"""From sampled tokens to released text: detokenization and stop strings.
+"""Host-side work around a step: grammar masks before it; after it, grammar
+progress, detokenization and stop strings.
 
-After each step, every sequence that got a token is detokenized incrementally.
+Before a step, each constrained row that samples gets its allowed-token mask
+(`constrain`). After it, every sequence that got a token advances its grammar
+(a complete grammar finishes the sequence with reason "stop") and is
+detokenized incrementally.
 Text is released only once it is decided: a tail that could still be the start
 of a stop string is held back, so no released text ever contains part of a
 stop string that then matches. When a stop string appears, the text is cut
@@ -12,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.scheduler import Scheduler
+import numpy as np
+
+from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sequence import Sequence
+from jaxserve.structured import GrammarMatchers, mask_width
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -51,10 +58,26 @@ def undecided_tail(text: str, stops: list[str]) -> int:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler):
+    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, vocab_size: int):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self._grammars: GrammarMatchers | None = None  # built on the first constrained request
         self._states: dict[int, _TextState] = {}
+
+    @property
+    def grammars(self) -> GrammarMatchers:
+        if self._grammars is None:
+            self._grammars = GrammarMatchers(self.tokenizer.hf, self.vocab_size)
+        return self._grammars
+
+    def constrain(self, batch: ScheduledBatch) -> None:
+        """Fill `batch.token_masks` for the constrained rows that sample this step."""
+        for b, row in enumerate(batch.rows):
+            if row.sample and row.params.constraint is not None:
+                mask = np.zeros(mask_width(self.vocab_size), np.int32)
+                self.grammars.fill(row.seq_id, row.params.constraint, mask)
+                batch.token_masks[b] = mask
 
     def process(self, seqs: list[Sequence]) -> list[SequenceOutput]:
         return [self._process(seq) for seq in seqs]
@@ -62,8 +85,12 @@ class OutputProcessor:
     def _process(self, seq: Sequence) -> SequenceOutput:
         state = self._states.get(seq.seq_id)
         if state is None:
-            state = self._states[seq.seq_id] = _TextState(IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids))
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+            state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
+        if seq.params.constraint is not None and self.grammars.accept(seq.seq_id, new_tokens[-1]) \
+                and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, "stop")  # the grammar is complete
         new_logprobs = seq.logprobs[state.num_tokens:]
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
@@ -85,9 +112,11 @@ class OutputProcessor:
             end = len(state.text) - (0 if seq.is_finished else undecided_tail(state.text, stops))
         seq.text = state.text[:end]
         if seq.is_finished:
-            del self._states[seq.seq_id]
+            self.forget(seq.seq_id)
         return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs)
 
     def forget(self, seq_id: int) -> None:
-        """Drop the state of a sequence that ended elsewhere (an abort)."""
+        """Drop the host state of a finished or aborted sequence."""
         self._states.pop(seq_id, None)
+        if self._grammars is not None:
+            self._grammars.forget(seq_id)

@@ -94,7 +94,7 @@ class Runner:
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
-                                             self.model_config.eos_token_ids)
+                                             self.model_config.eos_token_ids, batch.token_masks)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst

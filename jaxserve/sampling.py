@@ -6,7 +6,7 @@ biases and logprobs. A row's random key is a function of (seed, position of the
 token being sampled) only, so a seeded request gives the same tokens alone or
 in any batch, and after a preemption.
 
-The order, as in vLLM: logit bias; min_tokens (EOS and stop ids masked);
+The order, as in vLLM: the grammar's allowed-token mask; logit bias; min_tokens (EOS and stop ids masked);
 repetition, frequency and presence penalties; then greedy rows take the argmax,
 and the others apply temperature, top-k, min-p and top-p and draw. Logprobs are
 those of the distribution the token was drawn from: the processed logits at
@@ -21,6 +21,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxserve.structured import Constraint, mask_width
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
 MAX_LOGPROBS = 20  # top logprobs returned per token (OpenAI's bound)
@@ -50,6 +52,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # keep going past EOS (until max_tokens)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
+    constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
+    skip_special_tokens: bool = True  # leave special tokens out of the text
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -128,12 +132,16 @@ class SamplingTensors:
     suppress_ids: jax.Array  # i32[B, MAX_SUPPRESSED] ids masked to -inf; V where unused
     history: jax.Array  # i32[B, H] prompt + generated ids for penalties; V where unused
     num_prompt: jax.Array  # i32[B] how many of history are prompt tokens
+    token_mask: jax.Array  # i32[B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32
+    has_mask: jax.Array  # bool[B] whether the row's token_mask applies
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
-                  eos_token_ids: tuple[int, ...] = ()) -> SamplingTensors:
+                  eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None
+                  ) -> SamplingTensors:
         """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
-        only when some row uses a penalty (otherwise it is all padding)."""
+        only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
+        row -> its packed allowed-token mask."""
         pad = num_rows - len(rows)
         params = [r.params for r in rows]
 
@@ -145,6 +153,10 @@ class SamplingTensors:
         bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
         history = np.full((num_rows, history_len), vocab_size, np.int32)
+        token_mask = np.zeros((num_rows, mask_width(vocab_size)), np.int32)
+        has_mask = np.zeros(num_rows, bool)
+        for b, mask in (token_masks or {}).items():
+            token_mask[b], has_mask[b] = mask, True
         for b, row in enumerate(rows):
             p = row.params
             if p.logit_bias:
@@ -171,6 +183,7 @@ class SamplingTensors:
             repetition_penalty=column((p.repetition_penalty for p in params), 1.0, np.float32),
             bias_ids=bias_ids, bias_values=bias_values, suppress_ids=suppress, history=history,
             num_prompt=column((r.num_prompt_tokens for r in rows), 0, np.int32),
+            token_mask=token_mask, has_mask=has_mask,
         )
 
 
@@ -199,8 +212,16 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
 
 
+def apply_token_mask(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """-inf for the tokens a row's grammar does not allow (rows without a mask unchanged)."""
+    vocab = jnp.arange(logits.shape[-1])
+    allowed = (t.token_mask[:, vocab // 32] >> (vocab % 32)[None, :]) & 1
+    return jnp.where(t.has_mask[:, None] & (allowed == 0), -jnp.inf, logits)
+
+
 def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Logit bias, min_tokens masking and penalties: everything before temperature."""
+    """Grammar mask, logit bias, min_tokens masking and penalties: everything before temperature."""
+    logits = jax.lax.cond(jnp.any(t.has_mask), apply_token_mask, lambda x, _: x, logits, t)
     rows = jnp.arange(logits.shape[0])[:, None]
     logits = logits.at[rows, t.bias_ids].add(t.bias_values, mode="drop")
     logits = logits.at[rows, t.suppress_ids].set(-jnp.inf, mode="drop")

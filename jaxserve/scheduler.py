@@ -60,6 +60,7 @@ class ScheduledBatch:
     num_tokens: int  # sum of len(row.token_ids)
     preempted: list[int]  # seq ids preempted while planning this step
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
+    token_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # row -> packed allowed tokens
 
 
 @dataclasses.dataclass

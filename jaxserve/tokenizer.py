@@ -24,15 +24,15 @@ class Tokenizer:
         """Token ids of a prompt, with the special tokens the model expects (e.g. BOS) unless told not to."""
         return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def decode(self, token_ids: list[int]) -> str:
-        """Text of ids, special tokens (EOS, ...) left out."""
-        return self.hf.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids, special tokens (EOS, ...) left out unless told otherwise."""
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        """The conversation as prompt text, ending with the assistant's turn opened."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The conversation (and the tools offered, if any) as prompt text, ending with the assistant's turn opened."""
         if not self.hf.chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
     def decode_token(self, token_id: int) -> str:
         """One token's own text, special tokens included (for logprobs)."""
@@ -52,16 +52,17 @@ class IncrementalDetokenizer:
 
     PROMPT_CONTEXT = 5  # prompt tokens the window starts on
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids = list(prompt_ids[-self.PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""  # every delta emitted so far
 
     def _pending(self) -> str:
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
 
     def push(self, token_ids: list[int]) -> str:

@@ -11,7 +11,7 @@ import time
 import httpx
 
 MODEL = "jaxserve-tiny"
-MAX_MODEL_LEN = 192
+MAX_MODEL_LEN = 320
 ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, num_pages=64)
 
 

@@ -116,6 +116,10 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", '{"prompt": "a", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", '{"prompt": "a", "top_p": Infinity}', 400, "top_p"),
+    ("/v1/completions", {"prompt": "a", "seed": 10**30}, 400, "seed"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
     ("/v1/completions", {"prompt": "a", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "a", "top_k": -5}, 400, "top_k"),
     ("/v1/completions", {"prompt": "a", "min_p": 1.5}, 400, "min_p"),
@@ -135,7 +139,20 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "a", "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
-    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "bogus"}}}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+    ("/v1/completions", {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "a", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
+     400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                        "function": {"name": "g"}}},
+     400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, 400,
      "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
@@ -173,10 +190,10 @@ def test_default_max_tokens_and_unknown_routes(served):
 
 
 def test_too_long_prompt_names_both_lengths(served):
-    r = post(served, "/v1/completions", {"prompt": "x" * 180, "max_tokens": 20})
+    r = post(served, "/v1/completions", {"prompt": "x" * (MAX_MODEL_LEN - 10), "max_tokens": 20})
     assert r.status_code == 400
     message = r.json()["error"]["message"]
-    assert str(MAX_MODEL_LEN) in message and "180" in message and "200" in message
+    assert str(MAX_MODEL_LEN) in message and str(MAX_MODEL_LEN - 10) in message and str(MAX_MODEL_LEN + 10) in message
 
 
 def test_unknown_fields_are_ignored_and_content_parts_join(served):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server import ENGINE, MODEL, post
+from server import ENGINE, MAX_MODEL_LEN, MODEL, post
 
 from checkpoints.default_model import IM_END_ID
 from jaxserve import LLM, SamplingParams
@@ -162,7 +162,7 @@ def test_tokenize_and_detokenize(served):
     r = post(served, "/tokenize", {"model": MODEL, "prompt": "héllo"})
     assert r.status_code == 200
     body = r.json()
-    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] == 192
+    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] == MAX_MODEL_LEN
     chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len(served[1].tokenizer.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))

@@ -1,0 +1,110 @@
+"""Grammar-constrained decoding: a per-row allowed-token bitmask each step, from llguidance.
+
+A request may carry a `Constraint` (JSON schema, any JSON object, regex, a choice
+among strings, or a Lark grammar). Each constrained sequence gets an llguidance
+matcher; before a step, the rows that sample get their allowed-token bitmask
+(packed 32 tokens per int32, as llguidance writes it), which the jitted sampler
+applies; after the step, each sampled token advances its matcher. When the
+grammar is complete the sequence finishes with reason "stop".
+
+Rows without a constraint cost nothing here, and the sampler skips the mask
+when no row has one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import numpy as np
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    kind: str  # one of CONSTRAINT_KINDS
+    value: str | tuple[str, ...] | None = None  # schema (JSON text), regex, choices, or Lark grammar
+
+    def grammar(self) -> str:
+        """The llguidance grammar; ValueError naming the problem if it is invalid."""
+        return _compile(self)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile(c: Constraint) -> str:
+    import llguidance
+
+    try:
+        grammar = _grammar_of(c, llguidance)
+    except (ValueError, TypeError, RuntimeError) as e:  # bad JSON, or llguidance's own parse errors
+        raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {e}") from e
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {error}")
+    return grammar
+
+
+def _compact(schema: dict) -> str:
+    """JSON text of the schema, asking llguidance for compact output (no free whitespace, which
+    a weak model could spend its whole budget on) unless the schema says otherwise."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+    return json.dumps({"x-guidance": {"whitespace_flexible": False}, **schema})
+
+
+def _grammar_of(c: Constraint, llguidance) -> str:
+    if c.kind == "json_schema":
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_compact(json.loads(c.value)))
+    elif c.kind == "json_object":
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_compact({"type": "object"}))
+    elif c.kind == "regex":
+        grammar = llguidance.LLMatcher.grammar_from_regex(c.value)
+    elif c.kind == "choice":
+        grammar = llguidance.grammar_from("choice", list(c.value))
+    elif c.kind == "grammar":
+        grammar = llguidance.LLMatcher.grammar_from_lark(c.value)
+    else:
+        raise ValueError(f"unknown constraint kind {c.kind!r}; expected one of {CONSTRAINT_KINDS}")
+    return grammar
+
+
+def mask_width(vocab_size: int) -> int:
+    """int32 words per row of a packed token bitmask."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarMatchers:
+    """llguidance matchers of the constrained sequences, keyed by sequence id."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        self._matchers: dict[int, object] = {}
+
+    def _matcher(self, seq_id: int, constraint: Constraint):
+        import llguidance
+
+        matcher = self._matchers.get(seq_id)
+        if matcher is None:
+            matcher = self._matchers[seq_id] = llguidance.LLMatcher(self.tokenizer, constraint.grammar())
+        return matcher
+
+    def fill(self, seq_id: int, constraint: Constraint, row: np.ndarray) -> None:
+        """Write the sequence's allowed next tokens into `row` (i32[mask_width])."""
+        import llguidance.numpy
+
+        matcher = self._matcher(seq_id, constraint)
+        llguidance.numpy.fill_next_token_bitmask(matcher, row[None, :], 0)
+
+    def accept(self, seq_id: int, token: int) -> bool:
+        """Advance the matcher; -> True when the grammar is complete (or cannot go on)."""
+        matcher = self._matchers[seq_id]
+        matcher.consume_token(token)
+        return matcher.is_stopped() or matcher.is_error()
+
+    def forget(self, seq_id: int) -> None:
+        self._matchers.pop(seq_id, None)

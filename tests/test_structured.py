@@ -1,0 +1,138 @@
+"""Structured output and forced tool calls through the real server, with the RANDOM-weight
+default model: whatever validity the output has comes from the constraint."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jsonschema
+import openai
+from server import MODEL
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {"type": "object",
+                    "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+                                   "city": {"type": "string", "maxLength": 12}},
+                    "required": ["zip", "city"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["C", "F"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "Please answer."}]
+
+
+def test_json_schema_over_twenty_seeds(served):
+    async def one(client, seed):
+        r = await client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=240, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+                                                                    "strict": True}})
+        return r.choices[0]
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
+        return await asyncio.gather(*(one(client, seed) for seed in range(20)))
+
+    for choice in asyncio.run(main()):
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_json_object_parses_when_it_stops(client):
+    stopped = 0
+    for seed in range(8):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=1.0, seed=seed,
+                                           response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            stopped += 1
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+    assert stopped >= 1
+
+
+def test_guided_choice_and_regex(client):
+    for seed in range(6):
+        r = client.completions.create(model=MODEL, prompt="pick", max_tokens=10, temperature=1.0, seed=seed,
+                                      extra_body={"guided_choice": ["red", "green", "blue violet"]})
+        assert r.choices[0].text in ("red", "green", "blue violet") and r.choices[0].finish_reason == "stop"
+        r = client.completions.create(model=MODEL, prompt="code", max_tokens=20, temperature=1.0, seed=seed,
+                                      extra_body={"guided_regex": r"[A-Z]{2}-[0-9]{3}(-x)?"})
+        assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}(-x)?", r.choices[0].text)
+
+
+def test_guided_json_and_grammar_extras(client):
+    r = client.completions.create(model=MODEL, prompt="j", max_tokens=60, temperature=0.7, seed=1,
+                                  extra_body={"guided_json": WEATHER["function"]["parameters"]})
+    jsonschema.validate(json.loads(r.choices[0].text), WEATHER["function"]["parameters"])
+    r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,
+                                  extra_body={"guided_grammar": 'start: "yes" | "no" | "x" NUM\nNUM: /[0-9]+/'})
+    assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
+
+
+def test_forced_named_tool_call_always_validates(client):
+    for seed in range(6):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=80, temperature=1.0, seed=seed,
+                                           tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_tool_calls_validate_and_parallel_false_gives_one(client):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(4):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=120, temperature=1.0, seed=seed,
+                                           tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+        assert r.choices[0].finish_reason == "tool_calls"
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_streamed_equals_non_streamed_at_temperature_zero(client):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=240, temperature=0.0,
+              response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == whole
+
+    kw = dict(model=MODEL, messages=ASK, max_tokens=80, temperature=0.0, tools=[WEATHER],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].id and pieces[0].function.name == "get_weather"  # the id and name come first
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_tool_turns_are_accepted_as_input(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "C"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4)
+    assert r.choices[0].message.role == "assistant"
+    legacy = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0.0,
+                                            functions=[WEATHER["function"]], function_call={"name": "get_weather"})
+    assert legacy.choices[0].message.tool_calls[0].function.name == "get_weather"

@@ -1,0 +1,66 @@
+"""Tool-call parsers on crafted model outputs, whole and streamed character by character."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from api.tool_parsers import PARSERS, ToolCallStreamer, parser_for_template
+
+WEATHER = {"city": "Paris", "unit": "C"}
+TIME = {"tz": "UTC"}
+
+CASES = {
+    "hermes": [
+        ("Let me check.\n<tool_call>\n" + json.dumps({"name": "weather", "arguments": WEATHER}) + "\n</tool_call>",
+         "Let me check.", [("weather", WEATHER)]),
+        ("<tool_call>" + json.dumps({"name": "weather", "arguments": WEATHER}) + "</tool_call>\n<tool_call>"
+         + json.dumps({"name": "time", "arguments": TIME}) + "</tool_call>", None, [("weather", WEATHER), ("time", TIME)]),
+        ("<tool_call>{\"name\": \"weather\", \"arguments\": {\"city\": }</tool_call>", "MALFORMED", []),
+        ("no tools here, just < and > signs", "no tools here, just < and > signs", []),
+    ],
+    "llama3_json": [
+        (json.dumps({"name": "weather", "parameters": WEATHER}), None, [("weather", WEATHER)]),
+        ("<|python_tag|>" + json.dumps({"name": "weather", "parameters": WEATHER}) + "; "
+         + json.dumps({"name": "time", "parameters": TIME}), None, [("weather", WEATHER), ("time", TIME)]),
+        ('{"name": "weather", "parameters": {"city": "Par', "MALFORMED", []),
+        ("The answer is 42.", "The answer is 42.", []),
+    ],
+    "mistral": [
+        ("Sure. [TOOL_CALLS]" + json.dumps([{"name": "weather", "arguments": WEATHER}]), "Sure.",
+         [("weather", WEATHER)]),
+        ("[TOOL_CALLS]" + json.dumps([{"name": "weather", "arguments": WEATHER}, {"name": "time", "arguments": TIME}]),
+         None, [("weather", WEATHER), ("time", TIME)]),
+        ("[TOOL_CALLS][{\"name\": \"weather\", \"arguments\": {", "MALFORMED", []),
+        ("plain [text] answer", "plain [text] answer", []),
+    ],
+}
+
+
+@pytest.mark.parametrize("family,text,content,calls",
+                         [(f, *case) for f, cases in CASES.items() for case in cases])
+def test_parse_whole_and_streamed(family, text, content, calls):
+    parser = PARSERS[family]()
+    got_content, got_calls = parser.parse(text)
+    want_content = text if content == "MALFORMED" else content
+    assert got_content == want_content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert len({c.id for c in got_calls}) == len(got_calls)
+
+    streamer = ToolCallStreamer(PARSERS[family]())
+    streamed = "".join(streamer.feed(ch) for ch in text)
+    rest, stream_calls = streamer.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in stream_calls] == calls
+    if calls:
+        assert (streamed + rest).strip() == (want_content or "")
+        assert "<tool_call>" not in streamed and "[TOOL_CALLS]" not in streamed and "{" not in streamed
+    else:
+        assert streamed + rest == text  # no call: everything comes out as content
+
+
+def test_parser_is_chosen_from_the_chat_template():
+    assert parser_for_template("{{ '<tool_call>' }}").name == "hermes"
+    assert parser_for_template("[TOOL_CALLS] {{ tools }}").name == "mistral"
+    assert parser_for_template("<|python_tag|>{{ x }}").name == "llama3_json"
+    assert parser_for_template(None).name == "hermes"
