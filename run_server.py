@@ -52,7 +52,7 @@ def read_chat_template(value: str | None) -> str | None:
     return path.read_text() if len(value) < 4096 and path.is_file() else value
 
 
-async def serve(app, host: str, port: int, log_level: str) -> None:
+async def serve(app, host: str, port: int, log_level: str, engine: AsyncEngine) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -64,8 +64,17 @@ async def serve(app, host: str, port: int, log_level: str) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+
+    async def watch_engine():  # a dead engine loop cannot serve: stop, and exit non-zero
+        while not stop.is_set():
+            if not engine.is_running:
+                stop.set()
+            await asyncio.sleep(0.5)
+
+    watchdog = asyncio.create_task(watch_engine())
     print(f"jaxserve: listening on http://{host}:{port} (OpenAI API under /v1)", flush=True)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
+    watchdog.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,10 +91,12 @@ def main(argv: list[str] | None = None) -> None:
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None)
     async_engine.start()
     try:
-        asyncio.run(serve(app, args.host, args.port, args.log_level))
+        asyncio.run(serve(app, args.host, args.port, args.log_level, async_engine))
     finally:
         async_engine.shutdown()
         print("jaxserve: stopped", flush=True)
+    if async_engine.error is not None:
+        raise SystemExit(f"jaxserve: the engine loop failed: {async_engine.error!r}")
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to)."""
     app = Quart("jaxserve")
+    app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     tokenizer = engine.tokenizer
     tool_parser = tool_parser or parser_for_template(tokenizer.hf.chat_template)
     metrics = Metrics(engine)
@@ -168,6 +169,10 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             raise APIError(f"the request body is not valid JSON: {e}") from e
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
+        try:
+            json.dumps(body, ensure_ascii=False).encode()
+        except UnicodeEncodeError as e:  # lone surrogates ("\ud800") cannot be tokenized
+            raise APIError(f"the request body holds text that is not valid Unicode: {e}") from e
         return body
 
     @app.get("/health")
@@ -240,7 +245,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                     yield chunk(c, text=update.text, logprobs=logprobs)
                 if update.finish_reason is not None:
                     yield chunk(c, finish_reason=choices.finish_reason(c), stop_reason=update.stop_reason)
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
             status = 400 if isinstance(e, ValueError) else 500
             metrics.errors.labels(str(status)).inc()
             yield sse(APIError(str(e), status=status).body())

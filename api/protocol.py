@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, SamplingParams
+from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer
@@ -85,16 +85,18 @@ def _stop(body: dict) -> list[str]:
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise APIError(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} of them", param="stop")
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise APIError(f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
+                       f"{MAX_STOP_CHARS} characters", param="stop")
     return stop
 
 
-def _int_list(body: dict, name: str) -> list[int]:
+def _token_ids(body: dict, name: str, limits: Limits) -> list[int]:
     value = body.get(name) or []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                              for t in value):
-        raise APIError(f"'{name}' must be a list of token ids", param=name)
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              and 0 <= t < limits.vocab_size for t in value):
+        raise APIError(f"'{name}' must be a list of token ids in [0, {limits.vocab_size})", param=name)
     return value
 
 
@@ -106,10 +108,9 @@ def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
         raise APIError(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases", param="logit_bias")
     out = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except (TypeError, ValueError):
-            raise APIError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias") from None
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise APIError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
+        token = int(key)
         if not 0 <= token < limits.vocab_size:
             raise APIError(f"'logit_bias' token id {token} is outside the vocabulary [0, {limits.vocab_size})",
                            param="logit_bias")
@@ -198,7 +199,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         logit_bias=_logit_bias(body, limits),
         seed=_number(body, "seed", None, -(2**63), 2**64 - 1, integer=True),
         stop=_stop(body),
-        stop_token_ids=_int_list(body, "stop_token_ids"),
+        stop_token_ids=_token_ids(body, "stop_token_ids", limits),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
         logprobs=_logprobs(body, chat),
@@ -260,9 +261,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists",
                        param="prompt")
-    texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompt]
     ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
            for p in prompt]
+    texts = [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(prompt, ids)]
     return GenerationRequest(ids, texts, params, stream, include_usage, echo)
 
 

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from jaxserve.tokenizer import bytes_to_unicode
+
 NAME = "jaxserve-tiny"
 VERSION = 1  # bump when the generated files change, so old caches are not reused
 SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"]
@@ -57,24 +59,11 @@ TINY_CONFIG = {
 }
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what ByteLevel pre-tokenizers emit)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 def write_byte_tokenizer(directory: Path, model_max_length: int = 2048) -> None:
     """tokenizer.json + tokenizer_config.json of the byte-level tokenizer (no merges)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     vocab.update({tok: 256 + i for i, tok in enumerate(SPECIAL_TOKENS)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -53,6 +53,8 @@ class AsyncEngine:
         self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._closed = False  # set (under _lock) once the loop takes no more commands
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
         self.error: BaseException | None = None  # set if the loop died
 
@@ -72,10 +74,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Update]:
         """Updates of the request's n sequences until all finish; leaving early aborts them."""
-        if not self.is_running:
-            raise RuntimeError("the engine is not running")
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        self._send(("add", request_id, list(prompt_token_ids), params, subscriber))
+        if not self._send(("add", request_id, list(prompt_token_ids), params, subscriber)):
+            raise RuntimeError("the engine is not running")
         unfinished = params.n
         try:
             while unfinished:
@@ -91,9 +92,14 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
+    def _send(self, command: tuple) -> bool:
+        """Queue a command for the loop; False if the loop no longer takes any."""
+        with self._lock:
+            if self._closed or not self._thread.is_alive():
+                return False
+            self._commands.put(command)
         self._wake.set()
+        return True
 
     # --- the engine thread ---
 
@@ -112,6 +118,8 @@ class AsyncEngine:
             self.error = e
         finally:
             self._stop.set()
+            with self._lock:
+                self._closed = True  # every command sent before this is drained below
             reason = self.error or RuntimeError("the server is shutting down")
             self._apply_commands()
             for request_id, sub in list(self._subscribers.items()):

@@ -21,7 +21,7 @@ from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
 from jaxserve.scheduler import Scheduler
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
@@ -94,6 +94,14 @@ class Engine:
             if max_tokens < 1:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len ({self.config.max_model_len})")
+        bad = [t for t in [*params.stop_token_ids, *params.logit_bias] if t >= vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids or logit_bias are outside the vocabulary "
+                             f"[0, {vocab})")
+        suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
+        if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
+            raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
+                             f"got {len(suppressed)}")
         if params.constraint is not None:
             params.constraint.grammar()  # ValueError now rather than in the engine loop
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))

@@ -53,8 +53,8 @@ def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None
 
 def undecided_tail(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])),
-               default=0)
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                if text[len(text) - k:] == s[:k]), default=0)
 
 
 class OutputProcessor:
@@ -104,6 +104,8 @@ class OutputProcessor:
             index, stop = hit
             state.text = state.text[:index + len(stop) if seq.params.include_stop_str_in_output else index]
             if seq.is_finished:  # finished by length or EOS in the same step: the stop string wins
+                self.scheduler.finish_counts[seq.finish_reason] -= 1
+                self.scheduler.finish_counts["stop"] += 1
                 seq.finish_reason, seq.stop_reason = "stop", stop
             else:
                 self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)

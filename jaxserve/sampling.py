@@ -29,6 +29,7 @@ MAX_LOGPROBS = 20  # top logprobs returned per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
 MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
 MAX_N = 16  # sequences per request
+MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
 
 
 @dataclasses.dataclass
@@ -91,7 +92,8 @@ class SamplingParams:
         check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
               "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+              f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
@@ -164,7 +166,7 @@ class SamplingTensors:
                 bias_ids[b, :len(ids)] = np.where(ids < vocab_size, ids, vocab_size)
                 bias_values[b, :len(ids)] = list(p.logit_bias.values())
             if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens:
-                ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))[:MAX_SUPPRESSED]
+                ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
             if p.uses_penalties:
                 n = min(len(row.token_ids), history_len)

@@ -217,12 +217,13 @@ class Scheduler:
                                seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
                                page_ids=list(seq.page_ids), num_computed_tokens=seq.num_computed_tokens,
                                status=seq.status, index=seq.index + k)
-            self.allocator.share(sibling.page_ids)
             self.seqs[sibling.seq_id] = sibling
             seq.forks.append(sibling)
             if seq.status is SequenceStatus.RUNNING and len(self.running) < self.config.max_num_seqs:
+                self.allocator.share(sibling.page_ids)
                 self.running.insert(self.running.index(seq) + k, sibling)
-            else:
+            else:  # no room in the batch: wait holding no pages, and prefill on its own later
+                sibling.page_ids, sibling.num_computed_tokens = [], 0
                 sibling.status = SequenceStatus.WAITING
                 self.waiting.appendleft(sibling)
         seq.pending_forks = 0

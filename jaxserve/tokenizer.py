@@ -7,6 +7,8 @@ the text of a completion is the concatenation of its deltas.
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
@@ -19,6 +21,8 @@ class Tokenizer:
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         if chat_template is not None:
             self.hf.chat_template = chat_template
+        self._token_bytes: dict[int, bytes] = {}
+        self._byte_decoder = _byte_decoder(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, with the special tokens the model expects (e.g. BOS) unless told not to."""
@@ -34,9 +38,45 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
         return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's own bytes (a SentencePiece "▁" is a space; byte-fallback and byte-level
+        pieces are their raw bytes), for logprobs."""
+        cached = self._token_bytes.get(token_id)
+        if cached is None:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            added = self.hf.added_tokens_decoder.get(token_id)
+            fallback = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece or "")
+            if piece is None:
+                cached = b""
+            elif added is not None:
+                cached = added.content.encode()
+            elif fallback:
+                cached = bytes([int(fallback[1], 16)])
+            elif self._byte_decoder is not None and all(c in self._byte_decoder for c in piece):
+                cached = bytes(self._byte_decoder[c] for c in piece)
+            else:
+                cached = piece.replace("\u2581", " ").encode()
+            self._token_bytes[token_id] = cached
+        return cached
+
     def decode_token(self, token_id: int) -> str:
-        """One token's own text, special tokens included (for logprobs)."""
-        return self.hf.decode([token_id], skip_special_tokens=False)
+        """One token's own text (U+FFFD where it holds part of a character)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for each byte (what byte-level BPE vocabularies hold)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+
+
+def _byte_decoder(hf) -> dict[str, int] | None:
+    """Stand-in character -> byte, for byte-level BPE tokenizers; None for the others."""
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None or '"ByteLevel"' not in json.dumps(json.loads(backend.to_str()).get("decoder")):
+        return None
+    return {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 class IncrementalDetokenizer:

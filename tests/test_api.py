@@ -203,6 +203,9 @@ def test_unknown_fields_are_ignored_and_content_parts_join(served):
                      {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                      {"role": "tool", "content": "42", "tool_call_id": "call_1"}]})
     assert r.status_code == 200, r.text
+    rendered = ("<|im_start|>system\na\nb<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n")
+    assert r.json()["usage"]["prompt_tokens"] == len(served[1].tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def test_client_disconnect_frees_its_pages(served):

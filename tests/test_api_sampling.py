@@ -44,10 +44,8 @@ def test_no_delta_holds_part_of_a_matching_stop_string(client):
     stop = free[12:16]
     deltas = [c.choices[0].text for c in client.completions.create(
         model=MODEL, prompt="held back", max_tokens=30, stop=stop, stream=True, **GREEDY) if c.choices]
+    # the deltas add up to the text before the stop string: none ever carried a piece of it
     assert "".join(deltas) == free[:free.find(stop)]
-    for i in range(1, len(stop)):  # no streamed prefix ever ended inside the stop string
-        assert not any("".join(deltas[:j]).endswith(stop[:i]) and "".join(deltas[:j]) == free[:free.find(stop) + i]
-                       for j in range(len(deltas) + 1))
 
 
 def test_logit_bias_forces_every_greedy_token(client):

@@ -106,3 +106,11 @@ def test_split_multibyte_character_is_held_back(tmp_path):
     detok = IncrementalDetokenizer(tok, tok.encode("a"))
     pieces = [detok.push([b]) for b in "😀!".encode()]
     assert pieces == ["", "", "", "😀", "!"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_spell_the_text(tokenizer, text):
+    """Each token's own bytes (used for logprobs) add up to the text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    spelled = b"".join(tokenizer.token_bytes(i) for i in ids).decode()
+    assert spelled == text or spelled == " " + text  # SentencePiece marks the first word with a space

@@ -9,6 +9,7 @@ import pytest
 from conftest import SMALL_ENGINE
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.scheduler import _FORK_SEED_STRIDE
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,12 @@ def test_n_greedy_choices_equal_the_single_choice(default_llm, prompt_len):
     assert all(o.token_ids == single.outputs[0].token_ids for o in multi.outputs)
     sampled = default_llm.generate([prompt], SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=5))[0]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1  # siblings draw with their own keys
+    # sibling k samples with seed 5 + k * stride: alone, that seed gives the same tokens, so the
+    # sibling's cache (shared prompt pages, its own copy of the last one) held the right keys and values
+    for k, out in enumerate(sampled.outputs):
+        alone = default_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0,
+                                                              seed=(5 + k * _FORK_SEED_STRIDE) % 2**64))
+        assert alone[0].outputs[0].token_ids == out.token_ids
 
 
 def test_stop_strings_logprobs_and_penalties_offline(default_llm):

@@ -105,6 +105,20 @@ def test_n_siblings_share_the_prompt_pages_and_copy_the_last_one_on_write():
     assert sched.allocator.num_free == sched.allocator.num_usable
 
 
+def test_a_sibling_that_cannot_join_the_batch_waits_without_pages():
+    sched = make_scheduler(num_pages=9, max_num_seqs=2, max_num_batched_tokens=32)
+    a = make_seq(sched.new_seq_id(), 9, max_tokens=4, n=2)
+    b = make_seq(sched.new_seq_id(), 20, max_tokens=12)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        run_step(sched)
+    assert not sched.has_unfinished() and sched.allocator.num_free == sched.allocator.num_usable
+    assert a.forks[0].num_output_tokens == 4 and b.num_output_tokens == 12
+
+
 def test_requests_that_cannot_fit_are_refused():
     sched = make_scheduler()
     with pytest.raises(ValueError, match="exceeds max_model_len"):
@@ -147,7 +161,7 @@ def test_pages_all_return_after_300_random_requests_with_cancellations(tiny_llm)
                 prompt, max_tokens = todo.pop()
                 i = len(seqs)
                 seqs[i] = engine.add_request(f"req-{i}", prompt, SamplingParams(
-                    max_tokens=max_tokens, temperature=0.0, ignore_eos=bool(i % 2)))
+                    max_tokens=max_tokens, temperature=0.0, ignore_eos=bool(i % 2), n=1 + (i % 7 == 0) * (i % 3)))
         engine.step()
         for i, seq in seqs.items():
             if i in cancel_after and not seq.is_finished and seq.num_output_tokens >= cancel_after[i]:
@@ -157,6 +171,12 @@ def test_pages_all_return_after_300_random_requests_with_cancellations(tiny_llm)
     assert not sched.running and not sched.waiting and not sched.seqs
     assert sum(s.finish_reason == "abort" for s in seqs.values()) > 20
 
+    forked = [f for s in seqs.values() for f in s.forks]
+    assert forked and all(f.is_finished for f in forked)
+    for seq in seqs.values():  # greedy siblings that ran to the end match their first choice
+        for f in seq.forks:
+            if "abort" not in (f.finish_reason, seq.finish_reason) and seq.params.ignore_eos:
+                assert f.output_token_ids == seq.output_token_ids
     preempted = [s for s in seqs.values() if s.num_preemptions and s.finish_reason != "abort"]
     assert len(preempted) >= 3
     for seq in preempted[:8]:
