@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import platform
 import socket
 import subprocess
@@ -26,6 +26,13 @@ SCHEMA = {"type": "array", "minItems": 5, "maxItems": 5, "items": {
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                    "name": {"enum": ["alpha", "beta", "gamma", "delta"]}, "ok": {"type": "boolean"}}}}
 MAX_TOKENS = 256
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def free_port() -> int:
@@ -70,7 +77,7 @@ def main() -> None:
             except httpx.TransportError:
                 time.sleep(0.5)
         asyncio.run(batch(url, True, 2))  # warm the grammar compiler and caches
-        print(f"# {time.strftime('%Y-%m-%d')} {platform.processor() or platform.machine()}")
+        print(f"# {time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
         print("| run | unconstrained tok/s | json_schema tok/s | ratio (constrained / unconstrained) |")
         print("| --- | --- | --- | --- |")
         for run in range(1, args.runs + 1):
