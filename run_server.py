@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: enough for max-num-seqs, <= 2 GiB)")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split weights and KV cache over")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
         num_pages=args.num_pages, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed)
+        max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size)
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)

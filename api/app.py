@@ -193,6 +193,8 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 for i, ids in enumerate(req.prompts)]
 
     async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
+        if req.tools is not None and req.tools.mode == "auto" and tool_parser.name == "mistral":
+            req.params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": limits.served_model_name}
         if req.stream:

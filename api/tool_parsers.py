@@ -87,6 +87,8 @@ class MistralParser(ToolParser):
         for part in text.split("[TOOL_CALLS]")[1:]:
             decoded = json.loads(part.strip())
             calls += [tool_call_from(obj, "arguments") for obj in (decoded if isinstance(decoded, list) else [decoded])]
+        for call in calls:  # Mistral's templates want 9 alphanumeric characters
+            call.id = uuid.uuid4().hex[:9]
         return calls
 
 
@@ -119,6 +121,8 @@ PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 def parser_for_template(chat_template: str | None) -> ToolParser:
     """The family parser that a chat template's tool-call syntax points to (hermes by default)."""
     template = chat_template or ""
+    if "<tool_call>" in template:
+        return HermesParser()
     if "[TOOL_CALLS]" in template:
         return MistralParser()
     if "<|python_tag|>" in template or '"parameters"' in template:

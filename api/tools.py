@@ -36,10 +36,13 @@ class ToolRequest:
         if self.mode == "named":
             return Constraint("json_schema", json.dumps(schemas[self.name]))
         if self.mode == "required":
-            call = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                               "required": ["name", "arguments"], "additionalProperties": False}
-                              for name, schema in schemas.items()]}
-            array = {"type": "array", "items": call, "minItems": 1}
+            defs = {}  # each tool's $defs move to the root, where their "#/$defs/..." refs point
+            for schema in schemas.values():
+                defs.update(schema.get("$defs", {}))
+            call = {"anyOf": [{"type": "object", "properties": {
+                "name": {"const": name}, "arguments": {k: v for k, v in schema.items() if k != "$defs"}},
+                "required": ["name", "arguments"], "additionalProperties": False} for name, schema in schemas.items()]}
+            array = {"type": "array", "items": call, "minItems": 1, **({"$defs": defs} if defs else {})}
             if not self.parallel:
                 array["maxItems"] = 1
             return Constraint("json_schema", json.dumps(array))
@@ -74,7 +77,8 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise ToolError(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
         return ToolRequest(tools, "named", name, parallel)
@@ -111,6 +115,7 @@ class ChoiceTools:
             return {"role": "assistant", "content": None,
                     "tool_calls": [dataclasses.replace(self.named, arguments=text).to_openai()]}
         content, calls = self.streamer.parser.parse(text)
+        calls = calls if self.request.parallel else calls[:1]
         self.has_calls = bool(calls)
         if not calls:
             return {"role": "assistant", "content": text}
@@ -134,6 +139,7 @@ class ChoiceTools:
         if self.named:
             return []
         rest, calls = self.streamer.finish()
+        calls = calls if self.request.parallel else calls[:1]
         deltas = [{"content": rest}] if rest else []
         for i, call in enumerate(calls):
             head = call.to_openai()

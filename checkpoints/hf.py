@@ -12,13 +12,16 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import abstract_decoder
+from jaxserve.sharding import weight_sharding
 
 # (HF name pattern, decoder state path, transpose [out, in] -> [in, out])
 HF_NAME_MAP = [
@@ -82,8 +85,10 @@ def _unflatten(flat: dict[str, object]) -> dict:
     return tree
 
 
-def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: str) -> tuple[nnx.GraphDef, nnx.State]:
-    """Read every tensor of the checkpoint into the decoder's (graphdef, state), in `dtype`."""
+def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: str,
+                   mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """Read every tensor of the checkpoint into the decoder's (graphdef, state), in `dtype`;
+    with a mesh, each goes straight into its sharding (each device receives only its shard)."""
     model_dir = Path(model_dir)
     graphdef, state = nnx.split(abstract_decoder(cfg, jnp.dtype(dtype)))
     expected = _flatten(nnx.to_pure_dict(state))  # path -> ShapeDtypeStruct
@@ -107,7 +112,9 @@ def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: str) -> tuple
                 if array.shape != want:
                     raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {want}"
                                      f"{' (after transposing)' if transpose else ''} from config.json")
-                loaded[path] = jnp.asarray(np.ascontiguousarray(array), dtype=dtype)
+                array = np.ascontiguousarray(array).astype(jnp.dtype(dtype), copy=False)
+                loaded[path] = jax.device_put(array, weight_sharding(mesh, path, cfg)) if mesh is not None \
+                    else jnp.asarray(array)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]} (decoder paths)")

@@ -158,11 +158,13 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that set none
     min_token_bucket: int = 16  # smallest padded step size
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
+    tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "min_token_bucket"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "min_token_bucket",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages and self.num_pages < 2:

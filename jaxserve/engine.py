@@ -23,6 +23,7 @@ from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
 from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
 from jaxserve.scheduler import Scheduler
+from jaxserve.sharding import kv_sharding, make_mesh
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
 
@@ -71,8 +72,9 @@ class Engine:
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
-        graphdef, state = load_hf_params(model_dir, model_config, config.dtype)
-        self.runner = Runner(model_config, config, graphdef, state)
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        graphdef, state = load_hf_params(model_dir, model_config, config.dtype, self.mesh)
+        self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config))
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
@@ -102,8 +104,9 @@ class Engine:
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
-        if params.constraint is not None:
-            params.constraint.grammar()  # ValueError now rather than in the engine loop
+        if params.constraint is not None:  # ValueErrors now rather than in the step
+            params.constraint.grammar()
+            self.output.grammars  # noqa: B018 (builds the grammar tokenizer on first use)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, seed=seed, max_tokens=max_tokens)
@@ -149,10 +152,11 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, seed: int = 0):
+                 num_pages: int | None = None, seed: int = 0, tensor_parallel_size: int = 1):
         self.engine, self.tokenizer = build_engine(
             model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed)
+            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
+            tensor_parallel_size=tensor_parallel_size)
         self._request_ids = itertools.count()
 
     def generate(self, prompts: PromptInput | list[PromptInput],

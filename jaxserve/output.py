@@ -88,13 +88,17 @@ class OutputProcessor:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
-        if seq.params.constraint is not None and self.grammars.accept(seq.seq_id, new_tokens[-1]) \
-                and not seq.is_finished:
-            self.scheduler.finish(seq.seq_id, "stop")  # the grammar is complete
+        if seq.params.constraint is not None:
+            verdict = self.grammars.accept(seq.seq_id, new_tokens[-1])
+            if verdict is not None and not seq.is_finished:  # complete: "stop"; a failed matcher: "abort"
+                self.scheduler.finish(seq.seq_id, "stop" if verdict == "done" else "abort")
         new_logprobs = seq.logprobs[state.num_tokens:]
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
-        state.text += state.detokenizer.push(new_tokens)
+        text_tokens = new_tokens
+        if seq.finish_reason == "stop" and new_tokens and new_tokens[-1] in self.scheduler.eos_token_ids:
+            text_tokens = new_tokens[:-1]  # an EOS that ended it is never text (even with special tokens kept)
+        state.text += state.detokenizer.push(text_tokens)
         if seq.is_finished:
             state.text += state.detokenizer.flush()
         stops = seq.params.stop

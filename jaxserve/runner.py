@@ -15,6 +15,7 @@ import itertools
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Sharding
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -30,12 +31,15 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("kv",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_sharding"), donate_argnames=("kv",))
 def step_fn(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
-            sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
-    """(weights, cache, step) -> (cache, sampled tokens and logprobs of every row)."""
+            sampling: SamplingTensors, kv_sharding: Sharding | None = None) -> tuple[KVCache, SampleOutput]:
+    """(weights, cache, step) -> (cache, sampled tokens and logprobs of every row). The cache keeps
+    `kv_sharding`, so the next step sees the same input shardings (no recompilation)."""
     kv = copy_pages(kv, page_copies)
     kv, logits = forward(graphdef, state, kv, inputs)
+    if kv_sharding is not None:
+        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
     return kv, sample(logits, sampling)
 
 
@@ -44,16 +48,19 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 class Runner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
+                 kv_sharding: Sharding | None = None):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
         self.state = state
-        self.kv = allocate_kv_cache(model_config, config)
+        self.kv_sharding = kv_sharding
+        self.kv = allocate_kv_cache(model_config, config, kv_sharding)
+        self._constants: dict[tuple, jax.Array] = {}  # device copies of unused (all-padding) inputs
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
         copies, inputs, sampling = self.prepare(batch)
-        self.kv, out = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling)
+        self.kv, out = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling, self.kv_sharding)
         out = jax.device_get(out)
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
@@ -95,10 +102,21 @@ class Runner:
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
                                              self.model_config.eos_token_ids, batch.token_masks)
+        # Unused per-row inputs are the same padding every step: send them to the device once.
+        if not batch.token_masks:
+            sampling = sampling.replace(token_mask=self._constant("token_mask", sampling.token_mask))
+        if not any(r.params.uses_penalties for r in batch.rows):
+            sampling = sampling.replace(history=self._constant("history", sampling.history))
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
         return copies, inputs, sampling
+
+    def _constant(self, name: str, padding: np.ndarray) -> jax.Array:
+        key = (name, padding.shape)
+        if key not in self._constants:
+            self._constants[key] = jax.device_put(padding)
+        return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every (tokens, pages) bucket with an empty batch (it writes only the null page)."""
@@ -107,5 +125,5 @@ class Runner:
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
             copies, inputs, sampling = self.prepare(empty, shape)
-            self.kv, _ = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling)
+            self.kv, _ = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling, self.kv_sharding)
         jax.block_until_ready(self.kv)

@@ -165,7 +165,7 @@ class SamplingTensors:
                 ids = np.fromiter(p.logit_bias.keys(), np.int64)
                 bias_ids[b, :len(ids)] = np.where(ids < vocab_size, ids, vocab_size)
                 bias_values[b, :len(ids)] = list(p.logit_bias.values())
-            if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens:
+            if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens and p.constraint is None:
                 ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
             if p.uses_penalties:

@@ -16,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -82,7 +85,10 @@ class GrammarMatchers:
         import llguidance.hf
 
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
+        except Exception as e:  # llguidance refuses some tokenizers (slow ones, vocab mismatches)
+            raise ValueError(f"structured output is not available for this tokenizer: {e}") from e
         self._matchers: dict[int, object] = {}
 
     def _matcher(self, seq_id: int, constraint: Constraint):
@@ -100,11 +106,15 @@ class GrammarMatchers:
         matcher = self._matcher(seq_id, constraint)
         llguidance.numpy.fill_next_token_bitmask(matcher, row[None, :], 0)
 
-    def accept(self, seq_id: int, token: int) -> bool:
-        """Advance the matcher; -> True when the grammar is complete (or cannot go on)."""
+    def accept(self, seq_id: int, token: int) -> str | None:
+        """Advance the matcher; -> "done" when the grammar is complete, "error" when it cannot go on
+        (llguidance's reason is logged), None otherwise."""
         matcher = self._matchers[seq_id]
         matcher.consume_token(token)
-        return matcher.is_stopped() or matcher.is_error()
+        if matcher.is_error():
+            log.warning("grammar matcher of sequence %d failed: %s", seq_id, matcher.get_error())
+            return "error"
+        return "done" if matcher.is_stopped() else None
 
     def forget(self, seq_id: int) -> None:
         self._matchers.pop(seq_id, None)

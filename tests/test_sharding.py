@@ -1,0 +1,54 @@
+"""Tensor parallelism on 8 virtual CPU devices (in a subprocess, since the device count is fixed when
+jax starts): sizes 1, 2, 4 and 8 agree, and the arrays are split as the partition rules say."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_worker(model_dir: Path, sizes=(1, 2, 4, 8)) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(HERE / "tp_worker.py"), str(model_dir), ",".join(map(str, sizes))],
+                         env=env, capture_output=True, text=True, timeout=900, cwd=HERE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def check(results: dict, heads: int, kv_heads: int, intermediate: int) -> None:
+    base = results[1]
+    for tp, r in results.items():
+        np.testing.assert_allclose(np.array(r["logits"]), np.array(base["logits"]), atol=1e-4, rtol=0)
+        assert r["tokens"] == base["tokens"], f"tp={tp}"
+        arrays = r["arrays"]
+        q, k, o, down, kv = (arrays[n] for n in ("q_proj", "k_proj", "o_proj", "down_proj", "kv_pages"))
+        assert q["devices"] == kv["devices"] == tp
+        split = heads % tp == 0
+        assert q["shard"] == [q["shape"][0], q["shape"][1] // (tp if split else 1)]
+        assert o["shard"] == [o["shape"][0] // (tp if split else 1), o["shape"][1]]
+        kv_split = kv_heads % tp == 0
+        assert k["shard"][1] == k["shape"][1] // (tp if kv_split else 1)
+        assert kv["shard"][2] == kv["shape"][2] // (tp if kv_split else 1)  # pages split over KV heads
+        assert down["shard"][0] == down["shape"][0] // (tp if intermediate % tp == 0 else 1)
+
+
+def test_tensor_parallel_llama(hf_checkpoint):
+    """4 query heads, 2 KV heads: at 4 and 8 devices the KV heads do not divide and are replicated."""
+    model, model_dir = hf_checkpoint("llama")
+    cfg = model.config
+    check(run_worker(model_dir), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_qwen3(hf_checkpoint):
+    model, model_dir = hf_checkpoint("qwen3")
+    cfg = model.config
+    check(run_worker(model_dir), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)

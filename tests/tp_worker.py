@@ -1,0 +1,55 @@
+"""Run by tests/test_sharding.py in a subprocess with 8 virtual CPU devices: for each tensor-parallel
+size, the logits of a prompt, greedy generations, and where the weights and KV pages live (JSON)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.model import ModelInputs, forward
+
+
+def prompt_logits(engine, ids: list[int]) -> np.ndarray:
+    n, page_size = len(ids), engine.config.page_size
+    pages = np.arange(1, 1 + -(-n // page_size), dtype=np.int32)
+    pos = np.arange(n)
+    inputs = ModelInputs(token_ids=np.asarray(ids, np.int32), positions=pos.astype(np.int32),
+                         kv_write_index=(pages[pos // page_size] * page_size + pos % page_size).astype(np.int32),
+                         kv_lens=np.array([n], np.int32), page_table=pages[None, :],
+                         query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),
+                         logits_indices=np.arange(n, dtype=np.int32))
+    _, logits = jax.jit(forward, static_argnames="graphdef")(engine.runner.graphdef, engine.runner.state,
+                                                             engine.runner.kv, inputs)
+    return np.asarray(logits)
+
+
+def main(model_dir: str, sizes: list[int]) -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 30, 17, 1)]
+    results = {}
+    for tp in sizes:
+        llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
+        engine = llm.engine
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+        layer = engine.runner.state["layers"][0]
+        arrays = {"q_proj": layer["self_attn"]["q_proj"]["kernel"][...],
+                  "k_proj": layer["self_attn"]["k_proj"]["kernel"][...],
+                  "o_proj": layer["self_attn"]["o_proj"]["kernel"][...],
+                  "down_proj": layer["mlp"]["down_proj"]["kernel"][...],
+                  "kv_pages": engine.runner.kv.k[0]}
+        results[tp] = {
+            "tokens": [o.outputs[0].token_ids for o in outputs],
+            "logits": prompt_logits(engine, prompts[1]).tolist(),
+            "arrays": {name: {"shape": list(a.shape), "shard": list(a.sharding.shard_shape(a.shape)),
+                              "devices": len(a.sharding.device_set)} for name, a in arrays.items()},
+        }
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])
