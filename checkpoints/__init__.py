@@ -27,4 +27,13 @@ def resolve_model(model: str | None) -> Path:
         raise FileNotFoundError(f"model {model!r} is not a local directory and could not be downloaded: {e}") from e
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "load_hf_params", "resolve_model"]
+def load_params(model_dir: str | Path, cfg, dtype: str, mesh=None):
+    """(graphdef, state) from an Orbax directory made by `checkpoints.convert`, or from HF safetensors."""
+    from checkpoints.orbax_io import is_orbax_dir, restore
+
+    if is_orbax_dir(model_dir):
+        return restore(model_dir, cfg, dtype, mesh)
+    return load_hf_params(model_dir, cfg, dtype, mesh)
+
+
+__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "load_hf_params", "load_params", "resolve_model"]

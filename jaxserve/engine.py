@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from checkpoints import load_hf_params, resolve_model
+from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.output import OutputProcessor, SequenceOutput
@@ -73,7 +73,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.mesh = make_mesh(config.tensor_parallel_size)
-        graphdef, state = load_hf_params(model_dir, model_config, config.dtype, self.mesh)
+        graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config))
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)

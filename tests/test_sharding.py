@@ -40,11 +40,21 @@ def check(results: dict, heads: int, kv_heads: int, intermediate: int) -> None:
         assert down["shard"][0] == down["shape"][0] // (tp if intermediate % tp == 0 else 1)
 
 
-def test_tensor_parallel_llama(hf_checkpoint):
-    """4 query heads, 2 KV heads: at 4 and 8 devices the KV heads do not divide and are replicated."""
+def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):
+    """4 query heads, 2 KV heads: at 4 and 8 devices the KV heads do not divide and are replicated.
+    The same checkpoint converted to Orbax and restored into a 4-way mesh gives the same logits."""
     model, model_dir = hf_checkpoint("llama")
     cfg = model.config
-    check(run_worker(model_dir), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    results = run_worker(model_dir)
+    check(results, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+
+    from checkpoints.orbax_io import convert, is_orbax_dir
+
+    orbax_dir = convert(model_dir, tmp_path / "orbax")
+    assert is_orbax_dir(orbax_dir) and (orbax_dir / "tokenizer.json").is_file()
+    restored = run_worker(orbax_dir, sizes=(4,))
+    check({1: results[1], 4: restored[4]}, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    np.testing.assert_array_equal(np.array(restored[4]["logits"]), np.array(results[4]["logits"]))
 
 
 @pytest.mark.slow
