@@ -84,9 +84,10 @@ class _Choices:
         self.tools = [ChoiceTools(req.tools, tool_parser) for _ in range(count)] if req.tools else None
 
     def finish_reason(self, c: int) -> str | None:
-        """OpenAI's "tool_calls" where a choice that stopped made tool calls."""
-        called = self.tools is not None and self.tools[c].has_calls
-        return "tool_calls" if called and self.finish[c] == "stop" else self.finish[c]
+        """OpenAI's "tool_calls" (or legacy "function_call") where a choice that stopped made calls."""
+        if self.tools is not None and self.tools[c].has_calls and self.finish[c] == "stop":
+            return self.tools[c].finish_reason
+        return self.finish[c]
 
     def choice_index(self, prompt: int, update: Update) -> int:
         return prompt * self.n + update.index

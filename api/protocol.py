@@ -18,7 +18,7 @@ from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
 
 
@@ -285,8 +285,8 @@ def _message_text(message: dict, i: int) -> str:
 
 def _template_message(m: dict, i: int) -> dict:
     """A message as chat templates expect it: developer -> system, text content, tool-call arguments decoded."""
-    out = {**{k: v for k, v in m.items() if k != "content"}, "role": "system" if m["role"] == "developer"
-           else m["role"], "content": _message_text(m, i)}
+    role = {"developer": "system", "function": "tool"}.get(m["role"], m["role"])  # the deprecated roles
+    out = {**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": _message_text(m, i)}
     calls = m.get("tool_calls")
     if calls is not None:
         if not isinstance(calls, list):

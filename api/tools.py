@@ -29,6 +29,7 @@ class ToolRequest:
     mode: str  # "none", "auto", "required" or "named"
     name: str | None = None  # the forced function, when mode == "named"
     parallel: bool = True
+    legacy: bool = False  # sent as `functions`: answer with `function_call` (one call), as OpenAI did
 
     @property
     def constraint(self) -> Constraint | None:
@@ -58,6 +59,9 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
         tools = [{"type": "function", "function": f} for f in functions]
         call = body.get("function_call")
         choice = {"type": "function", "function": call} if isinstance(call, dict) else call
+        legacy = True
+    else:
+        legacy = False
     if not tools:
         if choice not in (None, "none"):
             raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
@@ -81,10 +85,10 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
         name = fn.get("name") if isinstance(fn, dict) else None
         if name not in names:
             raise ToolError(f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice")
-        return ToolRequest(tools, "named", name, parallel)
+        return ToolRequest(tools, "named", name, parallel and not legacy, legacy)
     if choice not in ("none", "auto", "required"):
         raise ToolError("'tool_choice' must be 'none', 'auto', 'required' or a named function", "tool_choice")
-    return ToolRequest(tools, choice, None, parallel)
+    return ToolRequest(tools, choice, None, parallel and not legacy, legacy)
 
 
 class _RequiredParser(ToolParser):
@@ -108,18 +112,30 @@ class ChoiceTools:
         self.named = ToolCall(request.name, "") if request.mode == "named" else None
         self.has_calls = False
 
+    @property
+    def finish_reason(self) -> str:
+        """What a choice that stopped after making calls reports."""
+        return "function_call" if self.request.legacy else "tool_calls"
+
     def message(self, text: str) -> dict:
         """The non-streamed message for the choice's whole text."""
         if self.named:
-            self.has_calls = True
-            return {"role": "assistant", "content": None,
-                    "tool_calls": [dataclasses.replace(self.named, arguments=text).to_openai()]}
-        content, calls = self.streamer.parser.parse(text)
-        calls = calls if self.request.parallel else calls[:1]
+            content, calls = None, [dataclasses.replace(self.named, arguments=text)]
+        else:
+            content, calls = self.streamer.parser.parse(text)
+            calls = calls if self.request.parallel else calls[:1]
         self.has_calls = bool(calls)
         if not calls:
             return {"role": "assistant", "content": text}
+        if self.request.legacy:
+            return {"role": "assistant", "content": content, "function_call": calls[0].to_openai()["function"]}
         return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+
+    def _shaped(self, deltas: list[dict]) -> list[dict]:
+        """Streamed deltas in the legacy `function_call` shape where the request used `functions`."""
+        if not self.request.legacy:
+            return deltas
+        return [{"function_call": d["tool_calls"][0]["function"]} if "tool_calls" in d else d for d in deltas]
 
     def feed(self, text: str) -> list[dict]:
         """Streaming: deltas for newly released text."""
@@ -130,7 +146,7 @@ class ChoiceTools:
                 deltas.append({"tool_calls": [{"index": 0, **self.named.to_openai()}]})
             if text:
                 deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return deltas
+            return self._shaped(deltas)
         content = self.streamer.feed(text)
         return [{"content": content}] if content else []
 
@@ -147,4 +163,4 @@ class ChoiceTools:
             deltas.append({"tool_calls": [{"index": i, **head}]})
             deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
         self.has_calls = bool(calls)
-        return deltas
+        return self._shaped(deltas)

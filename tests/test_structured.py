@@ -133,6 +133,16 @@ def test_tool_turns_are_accepted_as_input(client):
         {"role": "tool", "tool_call_id": "call_1", "content": "21 C"}]
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4)
     assert r.choices[0].message.role == "assistant"
-    legacy = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0.0,
-                                            functions=[WEATHER["function"]], function_call={"name": "get_weather"})
-    assert legacy.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+def test_deprecated_functions_get_the_legacy_shape(client):
+    kw = dict(model=MODEL, messages=ASK + [{"role": "function", "name": "get_time", "content": "noon"}],
+              max_tokens=60, temperature=0.0, functions=[WEATHER["function"], TIME["function"]],
+              function_call={"name": "get_weather"})
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "function_call" and choice.message.tool_calls is None
+    assert choice.message.function_call.name == "get_weather"
+    jsonschema.validate(json.loads(choice.message.function_call.arguments), WEATHER["function"]["parameters"])
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    calls = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
+    assert calls[0].name == "get_weather"
+    assert "".join(c.arguments or "" for c in calls) == choice.message.function_call.arguments

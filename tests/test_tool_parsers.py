@@ -60,7 +60,7 @@ def test_parse_whole_and_streamed(family, text, content, calls):
 
 
 def test_parser_is_chosen_from_the_chat_template():
-    assert parser_for_template("{{ '<tool_call>' }}").name == "hermes"
+    assert parser_for_template("{{ '<tool_call>' }} {{ tool.parameters }} \"parameters\"").name == "hermes"
     assert parser_for_template("[TOOL_CALLS] {{ tools }}").name == "mistral"
     assert parser_for_template("<|python_tag|>{{ x }}").name == "llama3_json"
     assert parser_for_template(None).name == "hermes"
