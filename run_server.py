@@ -36,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: enough for max-num-seqs, <= 2 GiB)")
+    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+                   help="size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split weights and KV cache over")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -83,7 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
-        num_pages=args.num_pages, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size)
     async_engine = AsyncEngine(engine, tokenizer)

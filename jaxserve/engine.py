@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
 from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
@@ -131,11 +135,32 @@ class Engine:
         return self.output.process(self.scheduler.update(batch, out))
 
 
+def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int) -> int:
+    """Bytes for the KV cache: `fraction` of the devices' memory (host RAM on CPU) minus the weights."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
+    stats = jax.devices()[0].memory_stats() or {}
+    per_device = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        nnx.state(abstract_decoder(model_config, jnp.dtype(dtype)))))
+    budget = int(fraction * per_device * tensor_parallel_size) - weights
+    if budget <= 0:
+        raise ValueError(f"kv_cache_memory_fraction={fraction} of {per_device} bytes per device leaves nothing "
+                         f"for the KV cache after {weights} bytes of weights")
+    return budget
+
+
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
-                 num_pages: int | None = None, **engine_options) -> tuple[Engine, Tokenizer]:
-    """Resolve the model, read its config and tokenizer, load the weights, compile every bucket."""
+                 num_pages: int | None = None, kv_cache_memory_fraction: float | None = None,
+                 **engine_options) -> tuple[Engine, Tokenizer]:
+    """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
+    The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB."""
     model_dir = resolve_model(model)
     model_config = ModelConfig.from_hf(model_dir)
+    if kv_cache_memory_fraction is not None and not num_pages:
+        engine_options["kv_cache_bytes"] = kv_cache_budget(
+            model_config, engine_options.get("dtype", "float32"), kv_cache_memory_fraction,
+            engine_options.get("tensor_parallel_size", 1))
     config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, **engine_options)
     tokenizer = Tokenizer(model_dir, chat_template=chat_template)
     return Engine(model_dir, model_config, config, tokenizer), tokenizer

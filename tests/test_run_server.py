@@ -24,7 +24,7 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
-         "--chat-template", str(template), "--log-level", "warning"],
+         "--chat-template", str(template), "--log-level", "warning", "--kv-cache-memory-fraction", "0.01"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k"}
