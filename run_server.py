@@ -40,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split weights and KV cache over")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of earlier prompts with the same prefix (default: on)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size)
+        tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)

@@ -78,6 +78,7 @@ class _Choices:
         self.finish: list[str | None] = [None] * count
         self.stop_reason: list[int | str | None] = [None] * count
         self.tokens = [0] * count
+        self.cached = [0] * len(req.prompts)  # prompt tokens served from the prefix cache, per prompt
         self.logprobs: list[list] = [[] for _ in range(count)]
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c]) for c in range(count)]
@@ -96,6 +97,8 @@ class _Choices:
         """Record an update of choice c; -> its logprobs in the response's shape (None if not asked)."""
         self.texts[c].append(update.text)
         self.tokens[c] = update.num_output_tokens
+        if update.index == 0:
+            self.cached[c // self.n] = update.num_cached_tokens
         self.finish[c], self.stop_reason[c] = update.finish_reason, update.stop_reason
         if self.req.params.logprobs is None:
             return None
@@ -104,7 +107,7 @@ class _Choices:
         return part
 
     def usage(self) -> dict:
-        return usage(sum(map(len, self.req.prompts)), sum(self.tokens))
+        return usage(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
 
     def body(self, head: dict) -> dict:
         choices = []

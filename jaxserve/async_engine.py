@@ -33,6 +33,7 @@ class Update:
     token_ids: list[int]  # new token ids
     logprobs: list[tuple[float, list[int], list[float]]]  # per new token, when requested
     num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # so far
     finish_reason: str | None  # set on the sequence's last update
     stop_reason: int | str | None = None
@@ -156,6 +157,7 @@ class AsyncEngine:
             if not sub.unfinished:
                 del self._subscribers[seq.request_id]
         update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
-                        num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_output_tokens,
+                        num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                        num_output_tokens=seq.num_output_tokens,
                         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
         sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

@@ -159,6 +159,7 @@ class EngineConfig:
     min_token_bucket: int = 16  # smallest padded step size
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
+    enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
 
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):

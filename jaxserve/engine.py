@@ -58,6 +58,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 def enable_compilation_cache() -> None:
@@ -177,11 +178,12 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, seed: int = 0, tensor_parallel_size: int = 1):
+                 num_pages: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
+                 enable_prefix_caching: bool = True):
         self.engine, self.tokenizer = build_engine(
             model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching)
         self._request_ids = itertools.count()
 
     def generate(self, prompts: PromptInput | list[PromptInput],
@@ -244,7 +246,8 @@ class LLM:
                                     stop_reason=s.stop_reason, logprobs=self._logprobs(s))
                    for s in _choices(seq)]
         return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=outputs, finished=all(o.finish_reason is not None for o in outputs))
+                             outputs=outputs, finished=all(o.finish_reason is not None for o in outputs),
+                             num_cached_tokens=seq.num_cached_tokens)
 
     def _logprobs(self, seq: Sequence) -> list[dict[int, Logprob]] | None:
         if seq.params.logprobs is None:

@@ -8,6 +8,7 @@ out. A sequence's page table is the list of page ids it owns, in order
 
 from __future__ import annotations
 
+import collections
 import math
 
 import jax.numpy as jnp
@@ -29,11 +30,16 @@ def allocate_kv_cache(model: ModelConfig, engine: EngineConfig, sharding: Shardi
 
 
 class PageAllocator:
-    """Reference-counted pages 1..num_pages-1: a page is free when no sequence holds it.
+    """Reference-counted pages 1..num_pages-1, with a cache of full pages by content.
 
     Sequences of one request share their prompt's pages (`share`); a sequence about
     to write into a shared page first takes a private copy (copy-on-write, planned
     by the scheduler, done by the runner).
+
+    Prefix cache: a full page can be registered under the hash of its tokens and of
+    everything before it (`register`). When its last holder lets go it is not wiped
+    but kept, least recently used first, until a new page is needed (`take`); until
+    then a sequence with the same prefix can pick it up again (`lookup` + `acquire`).
     """
 
     def __init__(self, num_pages: int, page_size: int):
@@ -42,10 +48,14 @@ class PageAllocator:
         self._refs = [0] * num_pages
         # Popped from the end: low ids first, which keeps tests readable.
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))
+        self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # unheld hashed pages, LRU first
+        self._page_of: dict[int, int] = {}  # prefix hash -> page
+        self._hash_of: dict[int, int] = {}  # page -> prefix hash
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages that can be handed out: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._cached)
 
     @property
     def num_usable(self) -> int:
@@ -58,14 +68,18 @@ class PageAllocator:
         return self._refs[page] > 1
 
     def take(self) -> int:
-        page = self._free.pop()
+        if self._free:
+            page = self._free.pop()
+        else:  # evict the least recently used cached page
+            page, _ = self._cached.popitem(last=False)
+            del self._page_of[self._hash_of.pop(page)]
         self._refs[page] = 1
         return page
 
     def grow(self, page_ids: list[int], num_tokens: int) -> bool:
         """Append pages to `page_ids` until it holds `num_tokens`; False (nothing taken) if too few are free."""
         missing = self.pages_for(num_tokens) - len(page_ids)
-        if missing > len(self._free):
+        if missing > self.num_free:
             return False
         for _ in range(max(missing, 0)):
             page_ids.append(self.take())
@@ -76,10 +90,13 @@ class PageAllocator:
             self._refs[page] += 1
 
     def drop(self, page: int) -> None:
-        """One holder lets go of `page`; it is free when none is left."""
+        """One holder lets go of `page`; with none left it is free, or cached if it has a hash."""
         self._refs[page] -= 1
         if self._refs[page] == 0:
-            self._free.append(page)
+            if page in self._hash_of:
+                self._cached[page] = None
+            else:
+                self._free.append(page)
 
     def release(self, page_ids: list[int]) -> None:
         """Let go of every page of `page_ids` and empty it."""
@@ -87,5 +104,19 @@ class PageAllocator:
             self.drop(page)
         page_ids.clear()
 
+    def register(self, page: int, prefix_hash: int) -> None:
+        """Remember that `page` (full) holds the tokens whose prefix hash is `prefix_hash`."""
+        if prefix_hash not in self._page_of and page not in self._hash_of:
+            self._page_of[prefix_hash] = page
+            self._hash_of[page] = prefix_hash
+
+    def lookup(self, prefix_hash: int) -> int | None:
+        return self._page_of.get(prefix_hash)
+
+    def acquire(self, page: int) -> None:
+        """Hold a cached page (found by `lookup`)."""
+        self._cached.pop(page, None)
+        self._refs[page] += 1
+
     def free_page_ids(self) -> list[int]:
-        return list(self._free)
+        return self._free + list(self._cached)

@@ -12,6 +12,10 @@ When a running sequence needs a page and none is free, the newest running
 sequence is preempted: its pages are freed and it waits at the front of the
 queue to be recomputed from its tokens.
 
+Prefix caching: every page that fills up is registered under the hash of its
+tokens and all before them; a sequence that joins the batch starts on the
+cached pages of its longest registered prefix and computes only the rest.
+
 A request for n > 1 choices is one sequence until all of its prompt but the
 last token is cached; it then forks n - 1 siblings that share those pages
 (reference counts). Each computes the last prompt token itself; whoever writes
@@ -35,6 +39,11 @@ from jaxserve.sampling import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
 
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
+
+
+def page_hash(previous: int | None, tokens: list[int]) -> int:
+    """Prefix-cache key of a full page: its tokens and the key of the page before it."""
+    return hash((previous, tuple(tokens)))
 
 
 @dataclasses.dataclass
@@ -135,8 +144,12 @@ class Scheduler:
             i += 1
         while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            matched = self._match_prefix(seq)
             n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
             if not self._allocate(seq, n, batch.page_copies):
+                if matched:  # give the cached pages back until it can be admitted
+                    self.allocator.release(seq.page_ids)
+                    seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -145,6 +158,35 @@ class Scheduler:
             budget -= n
         batch.num_tokens = self.config.max_num_batched_tokens - budget
         return batch
+
+    def _match_prefix(self, seq: Sequence) -> bool:
+        """Start a sequence that holds no pages on the cached pages of its longest known prefix
+        (full pages only, leaving at least one token to compute). -> whether any matched."""
+        if not self.config.enable_prefix_caching or seq.page_ids:
+            return False
+        size = self.allocator.page_size
+        prefix_hash = None
+        for i in range((seq.num_wanted_tokens - 1) // size):
+            prefix_hash = page_hash(prefix_hash, seq.token_ids[i * size:(i + 1) * size])
+            page = self.allocator.lookup(prefix_hash)
+            if page is None:
+                break
+            self.allocator.acquire(page)
+            seq.page_ids.append(page)
+            seq.page_hashes.append(prefix_hash)
+        seq.num_computed_tokens = len(seq.page_ids) * size
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        return bool(seq.page_ids)
+
+    def _register_full_pages(self, seq: Sequence) -> None:
+        """Enter the sequence's newly completed pages into the prefix cache."""
+        size = self.allocator.page_size
+        for i in range(len(seq.page_hashes), seq.num_computed_tokens // size):
+            prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else None,
+                                    seq.token_ids[i * size:(i + 1) * size])
+            self.allocator.register(seq.page_ids[i], prefix_hash)
+            seq.page_hashes.append(prefix_hash)
 
     def _allocate(self, seq: Sequence, n: int, page_copies: list[tuple[int, int]]) -> bool:
         """Pages for seq's next n tokens: a private copy of a shared page it writes into, then new pages.
@@ -165,7 +207,7 @@ class Scheduler:
         while not self._allocate(seq, n, batch.page_copies):
             victim = self.running.pop()
             self.allocator.release(victim.page_ids)
-            victim.num_computed_tokens = 0
+            victim.page_hashes, victim.num_computed_tokens = [], 0
             victim.status = SequenceStatus.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
@@ -192,6 +234,8 @@ class Scheduler:
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
             seq.num_computed_tokens += len(row.token_ids)
+            if self.config.enable_prefix_caching:
+                self._register_full_pages(seq)
             self._fork_if_ready(seq)
             if not row.sample:
                 continue
@@ -215,15 +259,16 @@ class Scheduler:
             sibling = Sequence(seq_id=self.new_seq_id(), request_id=seq.request_id,
                                prompt_token_ids=seq.prompt_token_ids, params=seq.params,
                                seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
-                               page_ids=list(seq.page_ids), num_computed_tokens=seq.num_computed_tokens,
-                               status=seq.status, index=seq.index + k)
+                               page_ids=list(seq.page_ids), page_hashes=list(seq.page_hashes),
+                               num_computed_tokens=seq.num_computed_tokens, status=seq.status, index=seq.index + k,
+                               num_cached_tokens=seq.num_cached_tokens)
             self.seqs[sibling.seq_id] = sibling
             seq.forks.append(sibling)
             if seq.status is SequenceStatus.RUNNING and len(self.running) < self.config.max_num_seqs:
                 self.allocator.share(sibling.page_ids)
                 self.running.insert(self.running.index(seq) + k, sibling)
             else:  # no room in the batch: wait holding no pages, and prefill on its own later
-                sibling.page_ids, sibling.num_computed_tokens = [], 0
+                sibling.page_ids, sibling.page_hashes, sibling.num_computed_tokens = [], [], 0
                 sibling.status = SequenceStatus.WAITING
                 self.waiting.appendleft(sibling)
         seq.pending_forks = 0

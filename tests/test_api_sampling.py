@@ -167,3 +167,10 @@ def test_tokenize_and_detokenize(served):
     assert post(served, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "héllo"}
     assert post(served, "/detokenize", {"tokens": [1, -1]}).status_code == 400
     assert post(served, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    prompt = "a shared system prompt that is long enough to fill a few pages " * 2
+    client.completions.create(model=MODEL, prompt=prompt + "first", max_tokens=2)
+    r = client.completions.create(model=MODEL, prompt=prompt + "second", max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == (len(prompt) // 16) * 16

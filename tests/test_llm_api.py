@@ -107,3 +107,20 @@ def test_stop_strings_logprobs_and_penalties_offline(default_llm):
     penalised = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                                             frequency_penalty=2.0, repetition_penalty=1.5))
     assert penalised[0].outputs[0].token_ids != free.token_ids
+
+
+def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_llm):
+    sched = default_llm.engine.scheduler
+    shared = list(range(60, 110))  # 50 tokens: 3 full pages of 16
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first = default_llm.generate([shared + [7, 8, 9]], greedy)[0]
+    before = sched.num_prompt_tokens_computed
+    second = default_llm.generate([shared + [7, 8, 9]], greedy)[0]
+    assert second.num_cached_tokens == 48 and sched.num_prompt_tokens_computed - before == 53 - 48
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    before = sched.num_prompt_tokens_computed
+    other = default_llm.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0]  # diverges inside page 3
+    assert other.num_cached_tokens == 32 and sched.num_prompt_tokens_computed - before == 45 - 32
+    uncached = LLM(**SMALL_ENGINE, enable_prefix_caching=False)
+    assert uncached.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0].outputs[0].token_ids == \
+        other.outputs[0].token_ids
