@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -187,10 +188,22 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     async def prometheus():
         return Response(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card() -> dict:
+        return {"id": limits.served_model_name, "object": "model", "created": now(), "owned_by": "jaxserve",
+                "max_model_len": limits.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": limits.served_model_name, "object": "model", "created": now(),
-                                            "owned_by": "jaxserve", "max_model_len": limits.max_model_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/<path:model>")
+    async def model(model: str):
+        check_model({"model": model}, limits)
+        return model_card()
+
+    @app.get("/version")
+    async def version():
+        return {"version": importlib.metadata.version("jaxserve")}
 
     def streams(req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:
         return [metrics.timed(engine.generate(f"{request_id}-{i}", ids, req.params), req.params.n)

@@ -21,6 +21,10 @@ def test_health_and_models(served, client):
     assert httpx.get(served[0].url + "/health").status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    assert httpx.get(served[0].url + "/version").json()["version"]
 
 
 def test_chat_completion_shape_and_usage(served, client):
