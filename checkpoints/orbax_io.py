@@ -37,7 +37,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).resolve()
     cfg = ModelConfig.from_hf(hf_dir)
-    _, state = load_hf_params(hf_dir, cfg, dtype)
+    with jax.default_device(jax.devices("cpu")[0]):  # host memory, not one accelerator's
+        _, state = load_hf_params(hf_dir, cfg, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     flat = {path.replace(".", "/"): value for path, value in _flatten(nnx.to_pure_dict(state)).items()}
     checkpointer = ocp.StandardCheckpointer()

@@ -137,18 +137,27 @@ class Engine:
 
 
 def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int) -> int:
-    """Bytes for the KV cache: `fraction` of the devices' memory (host RAM on CPU) minus the weights."""
+    """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights.
+
+    On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
+    weights; the cache is split over them, or copied to each when its KV heads do not divide.
+    On CPU the (virtual) devices share one pool of host RAM."""
     if not 0 < fraction <= 1:
         raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction}")
-    stats = jax.devices()[0].memory_stats() or {}
-    per_device = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    tp = tensor_parallel_size
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
         nnx.state(abstract_decoder(model_config, jnp.dtype(dtype)))))
-    budget = int(fraction * per_device * tensor_parallel_size) - weights
+    copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
+    stats = jax.devices()[0].memory_stats() or {}
+    if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
+        budget = (fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weights) / copies
+    else:
+        per_device = fraction * stats["bytes_limit"] - weights / tp
+        budget = per_device * (tp if copies == 1 else 1)
     if budget <= 0:
-        raise ValueError(f"kv_cache_memory_fraction={fraction} of {per_device} bytes per device leaves nothing "
-                         f"for the KV cache after {weights} bytes of weights")
-    return budget
+        raise ValueError(f"kv_cache_memory_fraction={fraction} leaves no memory for the KV cache next to "
+                         f"{weights} bytes of weights")
+    return int(budget)
 
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,

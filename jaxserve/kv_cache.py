@@ -49,8 +49,8 @@ class PageAllocator:
         # Popped from the end: low ids first, which keeps tests readable.
         self._free = list(range(num_pages - 1, NULL_PAGE, -1))
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # unheld hashed pages, LRU first
-        self._page_of: dict[int, int] = {}  # prefix hash -> page
-        self._hash_of: dict[int, int] = {}  # page -> prefix hash
+        self._page_of: dict[bytes, int] = {}  # prefix hash -> page
+        self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
 
     @property
     def num_free(self) -> int:
@@ -104,13 +104,13 @@ class PageAllocator:
             self.drop(page)
         page_ids.clear()
 
-    def register(self, page: int, prefix_hash: int) -> None:
+    def register(self, page: int, prefix_hash: bytes) -> None:
         """Remember that `page` (full) holds the tokens whose prefix hash is `prefix_hash`."""
         if prefix_hash not in self._page_of and page not in self._hash_of:
             self._page_of[prefix_hash] = page
             self._hash_of[page] = prefix_hash
 
-    def lookup(self, prefix_hash: int) -> int | None:
+    def lookup(self, prefix_hash: bytes) -> int | None:
         return self._page_of.get(prefix_hash)
 
     def acquire(self, page: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import itertools
 
 import numpy as np
@@ -41,9 +42,10 @@ from jaxserve.sequence import Sequence, SequenceStatus
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
 
 
-def page_hash(previous: int | None, tokens: list[int]) -> int:
-    """Prefix-cache key of a full page: its tokens and the key of the page before it."""
-    return hash((previous, tuple(tokens)))
+def page_hash(previous: bytes | None, tokens: list[int]) -> bytes:
+    """Prefix-cache key of a full page: sha256 of the previous page's key and its own tokens
+    (a collision would serve another prompt's keys and values, so no 64-bit hash)."""
+    return hashlib.sha256((previous or b"") + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
 @dataclasses.dataclass

@@ -25,7 +25,7 @@ class Sequence:
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
-    page_hashes: list[int] = dataclasses.field(default_factory=list)  # prefix hashes of its first full pages
+    page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix hashes of its first full pages
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
