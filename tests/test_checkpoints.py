@@ -42,8 +42,12 @@ def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
         np.testing.assert_array_equal(got, want)
 
 
-def _copy(src, dst):
+def _copy(src, dst, **config_changes):
+    """A copy of the checkpoint `src` at `dst`, with `config_changes` written into its config.json."""
     shutil.copytree(src, dst)
+    if config_changes:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config_changes}))
     return dst
 
 
@@ -68,20 +72,14 @@ def test_unsupported_architecture_is_refused(tmp_path):
 
 def test_unsupported_rope_type_is_refused(hf_checkpoint, tmp_path):
     _, src = hf_checkpoint("llama")
-    d = _copy(src, tmp_path / "m")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = _copy(src, tmp_path / "m", rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="yarn"):
         ModelConfig.from_hf(d)
 
 
 def test_shape_mismatch_names_the_tensor(hf_checkpoint, tmp_path):
     _, src = hf_checkpoint("llama")
-    d = _copy(src, tmp_path / "m")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["intermediate_size"] = 96
-    (d / "config.json").write_text(json.dumps(cfg))
+    d = _copy(src, tmp_path / "m", intermediate_size=96)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.\w+_proj\.weight.*shape"):
         load_hf_params(d, ModelConfig.from_hf(d), "float32")
 
