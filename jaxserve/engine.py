@@ -27,7 +27,7 @@ from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
 from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.sharding import kv_sharding, make_mesh
+from jaxserve.sharding import kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
 
@@ -79,7 +79,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.mesh = make_mesh(config.tensor_parallel_size)
         graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
-        self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config))
+        self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
+                             replicated(self.mesh))
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
@@ -109,9 +110,8 @@ class Engine:
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
-        if params.constraint is not None:  # ValueErrors now rather than in the step
-            params.constraint.grammar()
-            self.output.grammars  # noqa: B018 (builds the grammar tokenizer on first use)
+        if params.constraint is not None:
+            self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, seed=seed, max_tokens=max_tokens)

@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sequence import Sequence
-from jaxserve.structured import GrammarMatchers, mask_width
+from jaxserve.structured import Constraint, GrammarMatchers, mask_width
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -70,6 +70,12 @@ class OutputProcessor:
         if self._grammars is None:
             self._grammars = GrammarMatchers(self.tokenizer.hf, self.vocab_size)
         return self._grammars
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compile the grammar and the grammar tokenizer now, so a bad one is a ValueError for the
+        request rather than an error inside a step."""
+        constraint.grammar()
+        _ = self.grammars
 
     def constrain(self, batch: ScheduledBatch) -> None:
         """Fill `batch.token_masks` for the constrained rows that sample this step."""

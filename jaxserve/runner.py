@@ -49,14 +49,15 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: Sharding | None = None):
+                 kv_sharding: Sharding | None = None, replicated: Sharding | None = None):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
         self.state = state
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
-        self._constants: dict[tuple, jax.Array] = {}  # device copies of unused (all-padding) inputs
+        self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
+        self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
         copies, inputs, sampling = self.prepare(batch)
@@ -67,8 +68,8 @@ class Runner:
                           top_logprobs=out.top_logprobs[:rows])
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
-                ) -> tuple[np.ndarray, ModelInputs, SamplingTensors]:
-        """Host arrays of the plan, padded to its buckets, or to `shape` = (tokens, page-table width)."""
+                ) -> tuple[jax.Array, ModelInputs, SamplingTensors]:
+        """The plan as arrays, padded to its buckets (or to `shape` = (tokens, page-table width))."""
         cfg = self.config
         num_tokens, width = shape or (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
                                       _bucket(max((len(r.page_ids) for r in batch.rows), default=1),
@@ -102,20 +103,19 @@ class Runner:
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
                                              self.model_config.eos_token_ids, batch.token_masks)
-        # Unused per-row inputs are the same padding every step: send them to the device once.
-        if not batch.token_masks:
-            sampling = sampling.replace(token_mask=self._constant("token_mask", sampling.token_mask))
-        if not any(r.params.uses_penalties for r in batch.rows):
-            sampling = sampling.replace(history=self._constant("history", sampling.history))
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        return copies, inputs, sampling
+        # Every host input is placed replicated on the mesh, the same way every step (so jit's
+        # cache always hits); the padding of an unused input goes to the device only once.
+        return jax.tree.map(self._to_device, (copies, inputs, sampling))
 
-    def _constant(self, name: str, padding: np.ndarray) -> jax.Array:
-        key = (name, padding.shape)
+    def _to_device(self, array: np.ndarray) -> jax.Array:
+        if array.flags.writeable:
+            return jax.device_put(array, self.replicated)
+        key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step
         if key not in self._constants:
-            self._constants[key] = jax.device_put(padding)
+            self._constants[key] = jax.device_put(array, self.replicated)
         return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:

@@ -16,6 +16,7 @@ temperature 1 for greedy rows, the tempered and filtered distribution otherwise.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -115,6 +116,15 @@ class SamplingRow:
     num_prompt_tokens: int
 
 
+@functools.lru_cache(maxsize=64)
+def padding(shape: tuple[int, ...], fill: int, dtype) -> np.ndarray:
+    """A shared, read-only array of `fill`: the value of a per-row input no row uses this step.
+    The runner recognises it (not writeable) and sends it to the device only once."""
+    array = np.full(shape, fill, dtype)
+    array.flags.writeable = False
+    return array
+
+
 @flax.struct.dataclass
 class SamplingTensors:
     """Per-row sampling settings of one step; B = padded sequences, V = vocab, H = history length."""
@@ -154,8 +164,10 @@ class SamplingTensors:
         bias_ids = np.full((num_rows, MAX_LOGIT_BIAS), vocab_size, np.int32)
         bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
-        history = np.full((num_rows, history_len), vocab_size, np.int32)
-        token_mask = np.zeros((num_rows, mask_width(vocab_size)), np.int32)
+        uses_penalties = any(r.params.uses_penalties for r in rows)
+        history = (np.full if uses_penalties else padding)((num_rows, history_len), vocab_size, np.int32)
+        token_mask = (np.zeros if token_masks else lambda shape, dtype: padding(shape, 0, dtype))(
+            (num_rows, mask_width(vocab_size)), np.int32)
         has_mask = np.zeros(num_rows, bool)
         for b, mask in (token_masks or {}).items():
             token_mask[b], has_mask[b] = mask, True
@@ -168,7 +180,7 @@ class SamplingTensors:
             if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens and p.constraint is None:
                 ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
-            if p.uses_penalties:
+            if p.uses_penalties:  # then `history` is a fresh array
                 n = min(len(row.token_ids), history_len)
                 history[b, :n] = row.token_ids[:n]
         return cls(

@@ -64,3 +64,8 @@ def kv_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
     """KV pages [num_pages, page_size, num_kv_heads, head_dim]: split over KV heads when they divide."""
     split = cfg.num_kv_heads % mesh.shape[AXIS] == 0
     return NamedSharding(mesh, P(None, None, AXIS, None) if split else P())
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Every device of the mesh holds the whole array (the step's host inputs)."""
+    return NamedSharding(mesh, P())
