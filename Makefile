@@ -1,12 +1,14 @@
 # `make serve` installs the server into .venv and serves the built-in model;
 # `make test` installs the test extras too and runs the default suite;
-# `make test-all` also runs the tests marked slow.
+# `make test-all` also runs the tests marked slow;
+# `make bench` runs the serving benchmark against llama.cpp and transformers (bench/serving.py)
+# and writes bench/RESULTS.md (the first run builds llama-server: about 15 min on 2 cores).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test test-all clean
+.PHONY: serve test test-all bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +30,13 @@ test: $(VENV)/.installed-test
 
 test-all: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m ''
+
+$(VENV)/.installed-bench: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $@ $(VENV)/.installed
+
+bench: $(VENV)/.installed-bench
+	cd bench && ../$(PY) serving.py --runs 2 --write $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

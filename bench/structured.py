@@ -10,35 +10,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
-import socket
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from common import free_port, machine_line, server
+
 SCHEMA = {"type": "array", "minItems": 5, "maxItems": 5, "items": {
     "type": "object", "additionalProperties": False, "required": ["id", "name", "ok"],
     "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
                    "name": {"enum": ["alpha", "beta", "gamma", "delta"]}, "ok": {"type": "boolean"}}}}
 MAX_TOKENS = 256
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def batch(url: str, constrained: bool, n: int = 16) -> tuple[float, int, list[str]]:
@@ -67,17 +50,9 @@ def main() -> None:
     port = free_port()
     cmd = [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "16",
            "--max-num-batched-tokens", "256", "--log-level", "warning"] + (["--model", args.model] if args.model else [])
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.5)
+    with server(cmd, port) as (url, _):
         asyncio.run(batch(url, True, 2))  # warm the grammar compiler and caches
-        print(f"# {time.strftime('%Y-%m-%d')}, {cpu_model()}, {os.cpu_count()} cores")
+        print(f"# {machine_line()}")
         print("| run | unconstrained tok/s | json_schema tok/s | ratio (constrained / unconstrained) |")
         print("| --- | --- | --- | --- |")
         for run in range(1, args.runs + 1):
@@ -85,9 +60,6 @@ def main() -> None:
             constrained, tokens, finishes = asyncio.run(batch(url, True))
             assert all(f == "stop" for f in finishes), finishes
             print(f"| {run} | {free:.1f} | {constrained:.1f} ({tokens} tokens) | {constrained / free:.2f} |", flush=True)
-    finally:
-        server.terminate()
-        server.wait(60)
 
 
 if __name__ == "__main__":

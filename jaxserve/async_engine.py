@@ -152,12 +152,12 @@ class AsyncEngine:
         sub = self._subscribers.get(seq.request_id)
         if sub is None:
             return
-        if seq.is_finished:
+        if out.finished:
             sub.unfinished -= 1
             if not sub.unfinished:
                 del self._subscribers[seq.request_id]
         update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                        num_output_tokens=seq.num_output_tokens,
-                        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                        num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason)
         sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

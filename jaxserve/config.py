@@ -156,7 +156,7 @@ class EngineConfig:
     num_pages: int = 0  # KV pages in the cache, including the null page 0
     dtype: str = "float32"  # weights, activations and KV cache
     seed: int = 0  # draws the seeds of requests that set none
-    min_token_bucket: int = 16  # smallest padded step size
+    min_token_bucket: int = 4  # smallest padded step size (> 1: XLA:CPU multiplies one bfloat16 row slowly)
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
@@ -201,8 +201,12 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded numbers of tokens per step."""
-        return _powers_of_two(min(self.min_token_bucket, self.max_num_batched_tokens), self.max_num_batched_tokens)
+        """Padded numbers of tokens per step: `min_token_bucket`, then powers of two from 16. Below
+        16 tokens a step costs about the same whatever its size (reading the weights dominates), so
+        one small bucket serves decode batches of 1-4 sequences."""
+        top = self.max_num_batched_tokens
+        small = min(self.min_token_bucket, top)
+        return (small, *(b for b in _powers_of_two(16, top) if b > small)) if top > 16 else _powers_of_two(small, top)
 
     @property
     def page_buckets(self) -> tuple[int, ...]:

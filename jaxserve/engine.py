@@ -84,6 +84,7 @@ class Engine:
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
+        self._unreleased: list = []  # sequences with tokens of the last step whose text is not yet released
         if warmup:
             self.runner.warmup()
 
@@ -122,18 +123,25 @@ class Engine:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
             self.scheduler.abort(seq.seq_id)
             self.output.forget(seq.seq_id)
+        self._unreleased = [s for s in self._unreleased if s.request_id != request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._unreleased)
 
     def step(self) -> list[SequenceOutput]:
-        """One step of every running sequence -> what it released for each sequence that got a token."""
+        """One step of every running sequence -> the text released for each sequence that got a token
+        in the step before. The host work of releasing text (detokenizing, stop strings) runs while
+        the device computes this step: JAX dispatches it asynchronously."""
         batch = self.scheduler.schedule()
-        if not batch.rows:
-            return []
-        self.output.constrain(batch)
-        out = self.runner.step(batch)
-        return self.output.process(self.scheduler.update(batch, out))
+        if batch.rows:
+            self.output.constrain(batch)
+            launched = self.runner.launch(batch)
+        released = self.output.process(self._unreleased)  # a stop string found here drops the
+        self._unreleased = []  # sequence's token of this step (the scheduler ignores finished rows)
+        if batch.rows:
+            self._unreleased = self.scheduler.update(batch, self.runner.collect(batch, launched))
+            self.output.advance_grammars(self._unreleased)  # before the next step's masks
+        return released
 
 
 def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int) -> int:

@@ -88,8 +88,16 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
+def dot_general_f32(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
+    """Products accumulate in float32 and return the input dtype. For bfloat16 that is also the fast
+    path of XLA's CPU backend (a bfloat16-output product runs about 2.5x slower)."""
+    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, preferred_element_type=jnp.float32,
+                               **kwargs).astype(lhs.dtype)
+
+
 def _linear(cfg_in: int, cfg_out: int, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Linear(cfg_in, cfg_out, use_bias=bias, dtype=dtype, param_dtype=dtype, dot_general=dot_general_f32,
+                      rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -163,7 +171,10 @@ class Decoder(nnx.Module):
             k_out.append(k_pages)
             v_out.append(v_pages)
         x = self.norm(x[inputs.logits_indices])
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+        if self.lm_head is None:  # tied: the embedding matrix is the head
+            logits = jnp.dot(x, self.embed_tokens.embedding[...].T, preferred_element_type=jnp.float32)
+        else:
+            logits = self.lm_head(x)
         return KVCache(k=k_out, v=v_out), logits.astype(jnp.float32)
 
 

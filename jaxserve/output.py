@@ -3,8 +3,9 @@ progress, detokenization and stop strings.
 
 Before a step, each constrained row that samples gets its allowed-token mask
 (`constrain`). After it, every sequence that got a token advances its grammar
-(a complete grammar finishes the sequence with reason "stop") and is
-detokenized incrementally.
+(`advance_grammars`: a complete grammar finishes the sequence with reason "stop"),
+and is detokenized incrementally (`process`, which the engine runs while the
+next step computes).
 Text is released only once it is decided: a tail that could still be the start
 of a stop string is held back, so no released text ever contains part of a
 stop string that then matches. When a stop string appears, the text is cut
@@ -32,10 +33,14 @@ class SequenceOutput:
     text: str  # newly released text (may be "")
     token_ids: list[int]  # new token ids
     logprobs: list[tuple[float, list[int], list[float]]]  # for the new tokens, when requested
+    # the sequence as of this release (it may have moved on by the time the output is published)
+    num_output_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None
 
     @property
     def finished(self) -> bool:
-        return self.seq.is_finished
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -85,6 +90,15 @@ class OutputProcessor:
                 self.grammars.fill(row.seq_id, row.params.constraint, mask)
                 batch.token_masks[b] = mask
 
+    def advance_grammars(self, seqs: list[Sequence]) -> None:
+        """Feed each constrained sequence's new token to its grammar: a complete grammar finishes it
+        ("stop"), a token it refuses aborts it."""
+        for seq in seqs:
+            if seq.params.constraint is not None:
+                verdict = self.grammars.accept(seq.seq_id, seq.output_token_ids[-1])
+                if verdict is not None and not seq.is_finished:
+                    self.scheduler.finish(seq.seq_id, "stop" if verdict == "done" else "abort")
+
     def process(self, seqs: list[Sequence]) -> list[SequenceOutput]:
         return [self._process(seq) for seq in seqs]
 
@@ -94,10 +108,6 @@ class OutputProcessor:
             detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
-        if seq.params.constraint is not None:
-            verdict = self.grammars.accept(seq.seq_id, new_tokens[-1])
-            if verdict is not None and not seq.is_finished:  # complete: "stop"; a failed matcher: "abort"
-                self.scheduler.finish(seq.seq_id, "stop" if verdict == "done" else "abort")
         new_logprobs = seq.logprobs[state.num_tokens:]
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
@@ -125,7 +135,9 @@ class OutputProcessor:
         seq.text = state.text[:end]
         if seq.is_finished:
             self.forget(seq.seq_id)
-        return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs)
+        return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
+                              num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
+                              stop_reason=seq.stop_reason)
 
     def forget(self, seq_id: int) -> None:
         """Drop the host state of a finished or aborted sequence."""

@@ -1,6 +1,6 @@
 """The device side of a step: pad the plan to a shape bucket, run one jitted call.
 
-`step_fn` is the only jitted entry point: model forward (KV written into the
+`make_step_fn` builds the only jitted entry point: model forward (KV written into the
 donated cache) and the sampler, for one padded batch. Its shapes come from
 `EngineConfig`'s buckets (tokens T, sequences B = min(T, max_num_seqs), page
 table width P); `warmup` compiles every (T, P) pair once, so serving never
@@ -9,7 +9,6 @@ compiles. The runner reads nothing but the scheduler's plan.
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import jax
@@ -31,16 +30,21 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kv_sharding"), donate_argnames=("kv",))
-def step_fn(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
-            sampling: SamplingTensors, kv_sharding: Sharding | None = None) -> tuple[KVCache, SampleOutput]:
-    """(weights, cache, step) -> (cache, sampled tokens and logprobs of every row). The cache keeps
-    `kv_sharding`, so the next step sees the same input shardings (no recompilation)."""
-    kv = copy_pages(kv, page_copies)
-    kv, logits = forward(graphdef, state, kv, inputs)
-    if kv_sharding is not None:
-        kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
-    return kv, sample(logits, sampling)
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: Sharding | None):
+    """The jitted step: (weights, cache, page copies, inputs, sampling) -> (cache, sampled tokens and
+    logprobs of every row). `weights` are the leaves of the model state, whose structure
+    (`graphdef`, `state_treedef`) is closed over, so a call hashes no module structure. The cache is
+    donated and keeps `kv_sharding`, so the next step sees the same input shardings."""
+
+    def step(weights: list[jax.Array], kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
+             sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
+        kv = copy_pages(kv, page_copies)
+        kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
+        if kv_sharding is not None:
+            kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
+        return kv, sample(logits, sampling)
+
+    return jax.jit(step, donate_argnames=("kv",))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -56,12 +60,22 @@ class Runner:
         self.state = state
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
+        self.weights, state_treedef = jax.tree.flatten(state)
+        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding)
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
 
     def step(self, batch: ScheduledBatch) -> StepOutput:
+        return self.collect(batch, self.launch(batch))
+
+    def launch(self, batch: ScheduledBatch) -> SampleOutput:
+        """Dispatch the step; returns at once with the outputs still being computed on the device."""
         copies, inputs, sampling = self.prepare(batch)
-        self.kv, out = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling, self.kv_sharding)
+        self.kv, out = self.step_fn(self.weights, self.kv, copies, inputs, sampling)
+        return out
+
+    def collect(self, batch: ScheduledBatch, out: SampleOutput) -> StepOutput:
+        """Wait for a launched step and bring its outputs to the host."""
         out = jax.device_get(out)
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
@@ -125,5 +139,5 @@ class Runner:
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
             copies, inputs, sampling = self.prepare(empty, shape)
-            self.kv, _ = step_fn(self.graphdef, self.state, self.kv, copies, inputs, sampling, self.kv_sharding)
+            self.kv, _ = self.step_fn(self.weights, self.kv, copies, inputs, sampling)
         jax.block_until_ready(self.kv)

@@ -31,6 +31,7 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
 MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
 MAX_N = 16  # sequences per request
 MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
+CANDIDATES = 64  # largest logits a row's top-k / top-p threshold is read from without sorting the vocab
 
 
 @dataclasses.dataclass
@@ -146,6 +147,7 @@ class SamplingTensors:
     num_prompt: jax.Array  # i32[B] how many of history are prompt tokens
     token_mask: jax.Array  # i32[B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32
     has_mask: jax.Array  # bool[B] whether the row's token_mask applies
+    wants_top: jax.Array  # bool[B] the row asked for top logprobs
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
@@ -198,6 +200,7 @@ class SamplingTensors:
             bias_ids=bias_ids, bias_values=bias_values, suppress_ids=suppress, history=history,
             num_prompt=column((r.num_prompt_tokens for r in rows), 0, np.int32),
             token_mask=token_mask, has_mask=has_mask,
+            wants_top=column((bool(p.logprobs) for p in params), False, bool),
         )
 
 
@@ -245,36 +248,78 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
 def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
     """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
-    An all-greedy batch skips the sort."""
+
+    No step sorts the vocabulary: greedy rows take the argmax; top-k, min-p and top-p become one
+    logit threshold per row, read off the CANDIDATES largest logits (a full sort only for the rare row
+    whose top-k or nucleus reaches past them); the draw inverts the CDF over the whole vocabulary.
+    The top logprobs are computed only when some row asks for them."""
     logits = process_logits(logits, t)
+    num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
-    k = min(MAX_LOGPROBS, logits.shape[-1])
-    greedy_lp = jax.nn.log_softmax(logits, axis=-1)
-    greedy_top, greedy_ids = jax.lax.top_k(greedy_lp, k)
-    greedy_out = SampleOutput(tokens=greedy_ids[:, 0].astype(jnp.int32), logprobs=greedy_top[:, 0],
-                              top_ids=greedy_ids.astype(jnp.int32), top_logprobs=greedy_top)
-    sampled = jax.lax.cond(jnp.all(greedy), lambda: greedy_out, lambda: _sample_filtered(logits, t, greedy, k))
-    return jax.tree.map(lambda g, s: jnp.where(greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, s),
-                        greedy_out, sampled)
-
-
-def _sample_filtered(logits: jax.Array, t: SamplingTensors, greedy: jax.Array, k: int) -> SampleOutput:
-    vocab = logits.shape[-1]
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, vocab)  # descending
-    rank = jnp.arange(vocab)[None, :]
-    keep = rank < t.top_k[:, None]
-    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-    keep &= probs >= t.min_p[:, None] * probs[:, :1]
-    probs = jnp.where(keep, probs, 0.0)
-    probs = probs / probs.sum(axis=-1, keepdims=True)
-    # top_p = 1 keeps everything, whatever the rounding of the cumulative sum
-    keep &= ((jnp.cumsum(probs, axis=-1) - probs) < t.top_p[:, None]) | (t.top_p[:, None] >= 1.0)
-    filtered_lp = jax.nn.log_softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
+    k = min(MAX_LOGPROBS, vocab)
+    candidates = min(CANDIDATES, vocab)
 
+    def top(c: int):
+        values, ids = jax.lax.top_k(scaled, c)
+        threshold, exact = _threshold(scaled, values, t)
+        return threshold, exact, values[:, :k], ids[:, :k].astype(jnp.int32)
+
+    def no_top():
+        return (jnp.full(num_rows, -jnp.inf), jnp.ones(num_rows, bool), jnp.full((num_rows, k), -jnp.inf),
+                jnp.zeros((num_rows, k), jnp.int32))
+
+    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | t.wants_top), lambda: top(candidates),
+                                                         no_top)
+    if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
+        threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
+    threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
+    kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
     keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-    choice = jax.vmap(jax.random.categorical)(keys, filtered_lp)  # i32[B] rank in sorted order
-    return SampleOutput(
-        tokens=jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32),
-        logprobs=jnp.take_along_axis(filtered_lp, choice[:, None], axis=-1)[:, 0],
-        top_ids=sorted_ids[:, :k].astype(jnp.int32), top_logprobs=filtered_lp[:, :k])
+    drawn = _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    logprobs = jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
+    top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
+    """The logit each row keeps at or above, from its C largest scaled logits `values` (descending):
+    top-k, then min-p (relative to the best token), then top-p over what is left (the smallest prefix
+    whose mass reaches top_p). -> (f32[B] threshold, bool[B] whether C candidates were enough)."""
+    num_rows, c = values.shape
+    vocab = scaled.shape[-1]
+    rows = jnp.arange(num_rows)
+    off = t.top_k >= vocab
+    top_k = jnp.where(off, -jnp.inf, values[rows, jnp.clip(t.top_k, 1, c) - 1])
+    min_p = values[:, 0] + jnp.log(t.min_p)  # p / p_max >= min_p
+    kept = jnp.maximum(top_k, min_p)
+    log_norm = jax.nn.logsumexp(jnp.where(scaled >= kept[:, None], scaled, -jnp.inf), axis=-1)
+    probs = jnp.where(values >= kept[:, None], jnp.exp(values - log_norm[:, None]), 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates
+    last = jnp.sum((before < t.top_p[:, None]) & (probs > 0), axis=-1) - 1
+    nucleus = jnp.where(t.top_p >= 1.0, -jnp.inf, values[rows, jnp.maximum(last, 0)])
+    all_kept = jnp.sum(scaled >= kept[:, None], axis=-1) <= c
+    exact = (off | (t.top_k <= c)) & ((t.top_p >= 1.0) | (probs.sum(-1) >= t.top_p) | all_kept)
+    return jnp.maximum(kept, nucleus), exact
+
+
+def _inverse_cdf(probs: jax.Array, u: jax.Array, block: int = 128) -> jax.Array:
+    """For each row, the token at which the cumulative distribution passes u * total: a draw from
+    `probs` (f32[B, V], unnormalised) with u ~ U[0, 1), by blocks of the vocabulary so that no
+    cumulative sum runs over it whole. Never returns a zero-probability token."""
+    num_rows, vocab = probs.shape
+    padded = jnp.pad(probs, ((0, 0), (0, -vocab % block))).reshape(num_rows, -1, block)
+    block_mass = padded.sum(-1)
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = u * block_cdf[:, -1]
+    last_block = jnp.max(jnp.where(block_mass > 0, jnp.arange(block_mass.shape[1]), 0), axis=-1)
+    chosen = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), last_block)
+    rows = jnp.arange(num_rows)
+    inside = padded[rows, chosen]  # [B, block]
+    remainder = target - (block_cdf[rows, chosen] - block_mass[rows, chosen])
+    last_token = jnp.max(jnp.where(inside > 0, jnp.arange(block), 0), axis=-1)
+    offset = jnp.minimum(jnp.sum(jnp.cumsum(inside, axis=-1) <= remainder[:, None], axis=-1), last_token)
+    return chosen * block + offset

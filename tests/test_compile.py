@@ -30,19 +30,20 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
-def test_fifty_mixed_requests_after_warmup_compile_nothing():
-    """Mixed lengths, sampling settings, penalties, biases, n, stop strings, logprobs and grammars."""
+def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
+    """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
+    penalties, biases, n, stop strings, logprobs and grammars."""
     llm = LLM(None, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=20)
     rng = np.random.default_rng(0)
     prompts, params = [], []
-    for i in range(50):
+    for i in range(100):
         prompts.append(rng.integers(0, 256, size=int(rng.integers(1, 90))).tolist())
         params.append(SamplingParams(
             max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 0.7, 1.5])),
-            top_k=int(rng.choice([-1, 1, 5])), top_p=float(rng.choice([1.0, 0.8])),
+            top_k=int(rng.choice([-1, 1, 5, 100])), top_p=float(rng.choice([1.0, 0.8, 0.99])),
             min_p=float(rng.choice([0.0, 0.1])), seed=int(rng.integers(0, 2**40)) if i % 3 else None,
             ignore_eos=bool(i % 2), stop_token_ids=[int(rng.integers(0, 256))] if i % 4 == 0 else [],
-            presence_penalty=0.5 if i % 5 == 0 else 0.0, repetition_penalty=1.3 if i % 6 == 0 else 1.0,
+            presence_penalty=0.5 if i % 5 == 0 else 0.0, frequency_penalty=0.3 if i % 13 == 0 else 0.0, repetition_penalty=1.3 if i % 6 == 0 else 1.0,
             logit_bias={65: 3.0} if i % 7 == 0 else {}, min_tokens=2 if i % 8 == 0 else 0,
             n=2 if i % 9 == 0 else 1, stop=["ab"] if i % 10 == 0 else [], logprobs=3 if i % 11 == 0 else None,
             constraint=Constraint("regex", "[a-z]{3,9}") if i % 12 == 0 else None))

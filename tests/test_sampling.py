@@ -17,10 +17,10 @@ _jit_sample = jax.jit(sample)
 
 
 def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int,
-            histories: list[list[int]] | None = None, num_prompt: int = 0) -> SamplingTensors:
+            histories: list[list[int]] | None = None, num_prompt: int = 0, vocab: int = VOCAB) -> SamplingTensors:
     histories = histories or [[]] * len(params)
     rows = [SamplingRow(p, seed, pos, h, num_prompt) for p, seed, pos, h in zip(params, seeds, positions, histories)]
-    return SamplingTensors.from_rows(rows, num_rows, VOCAB, history_len=32)
+    return SamplingTensors.from_rows(rows, num_rows, vocab, history_len=32)
 
 
 def _sample(logits, t):
@@ -30,7 +30,7 @@ def _sample(logits, t):
 
 def draw(params: SamplingParams, rows: int = ROWS, logits: np.ndarray = LOGITS) -> np.ndarray:
     """`rows` draws from the same logits: one row each, distinct seeds."""
-    t = tensors([params] * rows, list(range(rows)), [7] * rows, rows)
+    t = tensors([params] * rows, list(range(rows)), [7] * rows, rows, vocab=len(logits))
     tokens, logprobs = _sample(np.tile(logits, (rows, 1)), t)
     return np.asarray(tokens)
 
@@ -82,17 +82,49 @@ def test_each_row_keeps_its_own_settings():
     assert len(set(tokens[4])) > 4
 
 
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_distribution_matches_tempered_softmax(temperature):
-    tokens = draw(SamplingParams(temperature=temperature), rows=20000)
-    expected = softmax(LOGITS / temperature) * len(tokens)
-    observed = np.bincount(tokens, minlength=VOCAB)
+def assert_distribution(tokens: np.ndarray, probs: np.ndarray) -> None:
+    """Chi-square of the drawn tokens against `probs` (cells expecting < 5 draws pooled), and no
+    token outside the support."""
+    expected = probs * len(tokens)
+    observed = np.bincount(tokens, minlength=len(probs))
+    assert observed[probs == 0].sum() == 0
     keep = expected >= 5  # chi-square needs enough expected counts per cell
     pooled_obs = np.append(observed[keep], observed[~keep].sum())
     pooled_exp = np.append(expected[keep], expected[~keep].sum())
     if pooled_exp[-1] == 0:
         pooled_obs, pooled_exp = pooled_obs[:-1], pooled_exp[:-1]
     assert scipy.stats.chisquare(pooled_obs, pooled_exp).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_distribution_matches_tempered_softmax(temperature):
+    tokens = draw(SamplingParams(temperature=temperature), rows=20000)
+    assert_distribution(tokens, softmax(LOGITS / temperature))
+
+
+WIDE = np.random.default_rng(1).normal(0.0, 0.7, size=700).astype(np.float32)  # > CANDIDATES, not blocks of 128
+
+
+def filtered(probs: np.ndarray, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> np.ndarray:
+    """float64 reference of the filters: top-k, then min-p, then the smallest top_p prefix, renormalised."""
+    order = np.argsort(-probs, kind="stable")
+    keep = np.zeros(len(probs), bool)
+    keep[order[:top_k or len(probs)]] = True
+    keep &= probs >= min_p * probs.max()
+    p = np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
+    before = np.cumsum(p[order]) - p[order]
+    keep[order[before >= top_p]] = False
+    return np.where(keep, probs, 0.0) / np.where(keep, probs, 0.0).sum()
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(top_k=10), dict(top_k=200), dict(top_p=0.05), dict(top_p=0.9),
+                                      dict(min_p=0.3), dict(top_k=300, top_p=0.8, min_p=0.2)],
+                         ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "plain")
+def test_wide_vocab_filters_match_float64(settings):
+    """A 700-token vocabulary: thresholds read off the 64 candidates (top_k=10, top_p=0.05, min_p), or
+    from a full sort when top-k or the nucleus reaches past them (top_k=200, top_p=0.9)."""
+    tokens = draw(SamplingParams(temperature=1.0, **settings), rows=20000, logits=WIDE)
+    assert_distribution(tokens, filtered(softmax(WIDE), **settings))
 
 
 def test_key_depends_on_seed_and_position_only():

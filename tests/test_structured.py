@@ -58,13 +58,15 @@ def test_json_schema_over_twenty_seeds(served):
 
 def test_json_object_parses_when_it_stops(client):
     stopped = 0
-    for seed in range(8):
+    for seed in range(32):  # random weights: most objects run out of tokens; stop after two that close
         r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=64, temperature=1.0, seed=seed,
                                            response_format={"type": "json_object"})
         if r.choices[0].finish_reason == "stop":
             stopped += 1
             assert isinstance(json.loads(r.choices[0].message.content), dict)
-    assert stopped >= 1
+            if stopped == 2:
+                break
+    assert stopped == 2
 
 
 def test_guided_choice_and_regex(client):

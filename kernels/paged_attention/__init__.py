@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 
-from kernels.paged_attention.reference import paged_attention_reference, write_kv
+from kernels.paged_attention.reference import cache_dtype, paged_attention_reference, write_kv
 
 # backend name -> kernel with the reference's signature
 _KERNELS = {"cpu": paged_attention_reference}
@@ -25,4 +25,4 @@ def paged_attention(q, k_pages, v_pages, kv_lens, page_table, query_start, num_s
                   sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-__all__ = ["paged_attention", "paged_attention_reference", "write_kv"]
+__all__ = ["cache_dtype", "paged_attention", "paged_attention_reference", "write_kv"]

@@ -2,7 +2,7 @@
 
 Layout
   k_pages, v_pages: [num_pages, page_size, num_kv_heads, head_dim], one pair per
-  layer. Page 0 is the null page: padding tokens write there and padded
+  layer, of `cache_dtype(model dtype)`. Page 0 is the null page: padding tokens write there and padded
   page-table entries point there, always behind a mask.
 
 A step is a ragged batch: sequence b owns the query rows
@@ -22,6 +22,31 @@ import jax.numpy as jnp
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives no NaN
 
 
+BITS = jnp.uint16  # a cache of this type holds bfloat16 values as raw bits (see `cache_dtype`)
+
+
+def cache_dtype(dtype, backend: str | None = None):
+    """The element type the KV pages are stored in for model dtype `dtype`.
+
+    On CPU a bfloat16 cache is stored as its raw bits (uint16): XLA's CPU backend widens a bfloat16
+    scatter to float32 over the whole cache (and back) every layer of every step, while an integer
+    scatter updates the pages in place. Elsewhere the cache has the model's dtype."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(BITS) if dtype == jnp.bfloat16 and (backend or jax.default_backend()) == "cpu" else dtype
+
+
+def to_cache(x, cache: jax.Array):
+    """Values -> the cache's element type."""
+    if cache.dtype == BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BITS)
+    return x.astype(cache.dtype)
+
+
+def from_cache(x):
+    """Cache elements (a gathered tile, never the whole cache) -> values."""
+    return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == BITS else x
+
+
 def write_kv(k_pages, v_pages, k, v, kv_write_index):
     """Write the step's new keys and values into their pages (in place when donated).
 
@@ -29,9 +54,8 @@ def write_kv(k_pages, v_pages, k, v, kv_write_index):
     """
     page_size = k_pages.shape[1]
     pages, offsets = kv_write_index // page_size, kv_write_index % page_size
-    k_pages = k_pages.at[pages, offsets].set(k.astype(k_pages.dtype))
-    v_pages = v_pages.at[pages, offsets].set(v.astype(v_pages.dtype))
-    return k_pages, v_pages
+    return (k_pages.at[pages, offsets].set(to_cache(k, k_pages)),
+            v_pages.at[pages, offsets].set(to_cache(v, v_pages)))
 
 
 def token_positions(query_start, kv_lens, num_seqs, num_tokens):
@@ -66,17 +90,20 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_st
 
     def attend(row):
         q_t, pages_t, pos_t = row  # [H, D], i32[P], i32[]
-        k = k_pages[pages_t].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
-        v = v_pages[pages_t].reshape(context, num_kv_heads, head_dim).astype(jnp.float32)
-        qg = q_t.reshape(num_kv_heads, group, head_dim).astype(jnp.float32)
-        s = jnp.einsum("kgd,ckd->kgc", qg, k) * sm_scale
+        # Products take the cache's dtype and accumulate in float32; converting the gathered pages
+        # instead would let XLA hoist the conversion over the whole cache.
+        k = from_cache(k_pages[pages_t]).reshape(context, num_kv_heads, head_dim)
+        v = from_cache(v_pages[pages_t]).reshape(context, num_kv_heads, head_dim)
+        qg = q_t.reshape(num_kv_heads, group, head_dim).astype(k.dtype)
+        s = jnp.einsum("kgd,ckd->kgc", qg, k, preferred_element_type=jnp.float32) * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         mask = key_pos <= pos_t
         if sliding_window is not None:
             mask &= key_pos > pos_t - sliding_window
         p = jax.nn.softmax(jnp.where(mask, s, _MASKED), axis=-1)
-        return jnp.einsum("kgc,ckd->kgd", p, v).reshape(num_heads, head_dim)
+        return jnp.einsum("kgc,ckd->kgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).reshape(
+            num_heads, head_dim)
 
     # Query rows are processed in chunks so that at most ~gathered_tokens keys are gathered at once.
     chunk = max(1, min(num_tokens, gathered_tokens // context))

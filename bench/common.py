@@ -1,0 +1,64 @@
+"""What every benchmark script shares: the machine line, free ports, a server started and stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def machine_line() -> str:
+    return f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({os.cpu_count()} cores)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], port: int, *, ready_path: str = "/health", timeout: float = 1800, log: Path | None = None,
+           env: dict | None = None):
+    """Start `cmd` (a server listening on `port`), wait until `ready_path` answers 200, yield its URL
+    and the seconds it took to become ready; stop it on exit."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}" + (f"; see {log}" if log else ""))
+            if time.perf_counter() - start > timeout:
+                raise TimeoutError(f"{cmd[0]} not ready after {timeout} s")
+            try:
+                if httpx.get(url + ready_path, timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield url, time.perf_counter() - start
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if log:
+            out.close()

@@ -1,0 +1,178 @@
+"""The serving benchmark: jaxserve vs llama.cpp's server vs transformers on bench-125m, in one run.
+
+    python bench/serving.py [--runs 2] [--write]        # `make bench` runs it with --write
+
+Makes bench-125m (float32 and bfloat16), measures the machine's limits (bench/roofline.py), builds
+llama-server and converts the checkpoint to GGUF f32 and f16 (bench/peers.py, cached outside the
+repo), then for each run starts every server in turn and sends it W1, W2 and W3 (bench/loadgen.py).
+transformers is timed in-process (`model.generate`, batch 1 and 32, same prompts and lengths).
+Prints the tables; `--write` also puts them into bench/RESULTS.md between the serving markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import ROOT, free_port, machine_line, server
+from loadgen import NEW_TOKENS, prompts, run
+from make_model import make
+from peers import CACHE, gguf, llama_server
+from roofline import measure, report
+
+THREADS = 2
+MARKERS = ("<!-- serving:start -->", "<!-- serving:end -->")
+
+
+def jaxserve_cmd(model: Path, dtype: str, port: int) -> list[str]:
+    return [sys.executable, "run_server.py", "--model", str(model), "--served-model-name", "bench", "--dtype", dtype,
+            "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+            "--log-level", "warning"]
+
+
+def llama_cmd(model: Path, port: int) -> list[str]:
+    return [str(llama_server()), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "--parallel", "32",
+            "--threads", str(THREADS), "--threads-batch", str(THREADS), "--ctx-size", str(32 * 512), "--cont-batching",
+            "--alias", "bench", "--log-disable"]
+
+
+TRANSFORMERS_SCRIPT = """
+import json, sys, time, torch, transformers
+torch.set_num_threads({threads})
+model = transformers.AutoModelForCausalLM.from_pretrained({model!r}, dtype=getattr(torch, {dtype!r})).eval()
+prompts = {prompts}
+out = {{}}
+for name, batch in (("W1", prompts[:1]), ("W2", prompts)):
+    ids = torch.tensor(batch)
+    kw = dict(max_new_tokens={new}, min_new_tokens={new}, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
+        start = time.perf_counter()
+        model.generate(ids, **kw)
+    out[name] = len(batch) * {new} / (time.perf_counter() - start)
+print(json.dumps(out))
+"""
+
+
+def transformers_generate(model: Path, dtype: str, offset: int) -> dict:
+    """Output tokens/s of `generate` (no HTTP) at batch 1 (W1's shape) and 32 (W2's), prefill included."""
+    script = TRANSFORMERS_SCRIPT.format(threads=THREADS, model=str(model), dtype=dtype, new=NEW_TOKENS,
+                                        prompts=prompts(32, offset + 100))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def bounds(limits: dict, config: dict, itemsize: int, dtype: str) -> dict:
+    """Decode tokens/s bounds: bandwidth (every weight but the embedding read once per step) and
+    compute (2 FLOPs per weight and token, embedding excluded)."""
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    layers, inter = config["num_hidden_layers"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
+    matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + hidden * vocab
+    return dict(bandwidth=limits["bandwidth"] / (matmul_params * itemsize),
+                compute=limits["flops"][dtype] / (2 * matmul_params), params=matmul_params)
+
+
+def fmt(result: dict) -> str:
+    w1, w2, w3 = (result[w] for w in ("W1", "W2", "W3"))
+    ms = lambda v: f"{1000 * v:.0f}"  # noqa: E731
+    return (f"{ms(w1['ttft_p50'])} | {ms(w1['itl_p50'])} | {w1['decode_tok_s']:.1f} | {w2['output_tok_s']:.1f} | "
+            f"{ms(w2['ttft_p50'])} / {ms(w2['ttft_p99'])} | {ms(w2['itl_p50'])} / {ms(w2['itl_p99'])} | "
+            f"{w3['output_tok_s']:.1f} | {ms(w3['ttft_p50'])} / {ms(w3['ttft_p99'])} | "
+            f"{ms(w3['itl_p50'])} / {ms(w3['itl_p99'])}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="update bench/RESULTS.md")
+    parser.add_argument("--only", default="", help="comma-separated server names to run (default: all)")
+    args = parser.parse_args()
+    f32 = make()
+    bf16 = f32.with_name(f32.name + "-bf16")
+    config = json.loads((f32 / "config.json").read_text())
+    print(f"# {machine_line()}", flush=True)
+    limits = measure(THREADS)
+    print(report(limits), flush=True)
+    servers = {
+        "jaxserve float32": lambda port: jaxserve_cmd(f32, "float32", port),
+        "jaxserve bfloat16": lambda port: jaxserve_cmd(bf16, "bfloat16", port),
+        "llama.cpp f32": lambda port: llama_cmd(gguf(f32, "f32"), port),
+        "llama.cpp f16": lambda port: llama_cmd(gguf(f32, "f16"), port),
+    }
+    if args.only:
+        servers = {k: v for k, v in servers.items() if k in args.only.split(",")}
+    results, startups = {}, {}
+    for run_index in range(1, args.runs + 1):
+        for name, cmd in servers.items():
+            port = free_port()
+            log = CACHE / f"{name.replace(' ', '-')}.log"
+            ready = "/health" if name.startswith("jaxserve") else "/v1/models"
+            with server(cmd(port), port, ready_path=ready, log=log) as (url, startup):
+                startups[(run_index, name)] = startup
+                print(f"run {run_index}: {name} ready in {startup:.1f} s", flush=True)
+                results[(run_index, name)] = {r["workload"]: r for r in run(url, ["W1", "W2", "W3"],
+                                                                            offset=1000 * run_index)}
+            print(f"  {fmt(results[(run_index, name)])}", flush=True)
+        for dtype, model in (("float32", f32), ("bfloat16", bf16)):
+            results[(run_index, f"transformers {dtype}")] = transformers_generate(model, dtype, 1000 * run_index)
+            print(f"run {run_index}: transformers {dtype}: {results[(run_index, f'transformers {dtype}')]}",
+                  flush=True)
+    text = render(results, startups, limits, config, args.runs, list(servers))
+    print(text)
+    if args.write:
+        path = ROOT / "bench" / "RESULTS.md"
+        current = path.read_text()
+        start, end = current.find(MARKERS[0]), current.find(MARKERS[1])
+        block = f"{MARKERS[0]}\n{text}\n{MARKERS[1]}"
+        path.write_text(current[:start] + block + current[end + len(MARKERS[1]):] if start >= 0 and end >= 0
+                        else current.rstrip() + "\n\n" + block + "\n")
+
+
+def render(results: dict, startups: dict, limits: dict, config: dict, runs: int, names: list[str]) -> str:
+    lines = [f"{machine_line()}, {THREADS} threads for every peer. Command: `make bench` "
+             f"(`python bench/serving.py --runs {runs} --write`).", "", "Machine limits (same run):", "",
+             report(limits), "",
+             "| run | server | W1 TTFT ms | W1 ITL ms | W1 decode tok/s | W2 tok/s | W2 TTFT p50/p99 ms | "
+             "W2 ITL p50/p99 ms | W3 tok/s | W3 TTFT p50/p99 ms | W3 ITL p50/p99 ms |",
+             "| --- |" * 1 + " --- |" * 10]
+    for (run_index, name), result in results.items():
+        if name in names:
+            lines.append(f"| {run_index} | {name} | {fmt(result)} |")
+    lines += ["", "transformers `generate` (in-process, no HTTP; prefill included), output tok/s:", "",
+              "| run | dtype | batch 1 (W1 shape) | batch 32 (W2 shape) |", "| --- | --- | --- | --- |"]
+    for (run_index, name), result in results.items():
+        if name.startswith("transformers"):
+            lines.append(f"| {run_index} | {name.split()[1]} | {result['W1']:.1f} | {result['W2']:.1f} |")
+    pairs = [("jaxserve float32", "llama.cpp f32", "float32", 4), ("jaxserve bfloat16", "llama.cpp f16", "bfloat16", 2)]
+    lines += ["", "Ratios, same run (W1/W2: jaxserve tok/s over the peer's; W3 TTFT: the peer's p50 over "
+              "jaxserve's, so > 1 is better for jaxserve everywhere), and jaxserve against the bounds "
+              "(W1 decode / bandwidth bound, W2 tok/s / compute bound):", "",
+              "| run | pair | W1 decode | W2 tok/s | W2 vs transformers generate | W3 TTFT p50 | W1 / bandwidth bound | "
+              "W2 / compute bound |", "| --- |" + " --- |" * 7]
+    for run_index in range(1, runs + 1):
+        for ours, peer, dtype, itemsize in pairs:
+            if (run_index, ours) not in results or (run_index, peer) not in results:
+                continue
+            a, b = results[(run_index, ours)], results[(run_index, peer)]
+            hf = results.get((run_index, f"transformers {dtype}"))
+            bound = bounds(limits, config, itemsize, dtype)
+            vs_hf = f"{a['W2']['output_tok_s'] / hf['W2']:.2f}" if hf else "n/a"
+            lines.append(
+                f"| {run_index} | {ours} / {peer} | {a['W1']['decode_tok_s'] / b['W1']['decode_tok_s']:.2f} | "
+                f"{a['W2']['output_tok_s'] / b['W2']['output_tok_s']:.2f} | {vs_hf} | "
+                f"{b['W3']['ttft_p50'] / a['W3']['ttft_p50']:.2f} | "
+                f"{a['W1']['decode_tok_s'] / bound['bandwidth']:.0%} of {bound['bandwidth']:.0f} | "
+                f"{a['W2']['output_tok_s'] / bound['compute']:.0%} of {bound['compute']:.0f} |")
+    lines += ["", "Start-up to ready (s): " + ", ".join(f"run {r} {n}: {s:.1f}" for (r, n), s in startups.items())]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    main()
+    print(f"# total {time.perf_counter() - t0:.0f} s")
