@@ -112,8 +112,7 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._publish(out)
+                self.engine.step(on_release=self._publish)
         except BaseException as e:  # the loop must not die silently: fail every waiter
             log.exception("engine loop failed")
             self.error = e

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -128,16 +129,19 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._unreleased)
 
-    def step(self) -> list[SequenceOutput]:
+    def step(self, on_release: Callable[[SequenceOutput], None] | None = None) -> list[SequenceOutput]:
         """One step of every running sequence -> the text released for each sequence that got a token
-        in the step before. The host work of releasing text (detokenizing, stop strings) runs while
-        the device computes this step: JAX dispatches it asynchronously."""
+        in the step before. Releasing text (detokenizing, stop strings, and `on_release` of each
+        output, e.g. sending it to a client) runs while the device computes this step: JAX
+        dispatches it asynchronously."""
         batch = self.scheduler.schedule()
         if batch.rows:
             self.output.constrain(batch)
             launched = self.runner.launch(batch)
         released = self.output.process(self._unreleased)  # a stop string found here drops the
         self._unreleased = []  # sequence's token of this step (the scheduler ignores finished rows)
+        for out in released if on_release else ():
+            on_release(out)
         if batch.rows:
             self._unreleased = self.scheduler.update(batch, self.runner.collect(batch, launched))
             self.output.advance_grammars(self._unreleased)  # before the next step's masks
