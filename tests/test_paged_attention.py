@@ -1,4 +1,5 @@
-"""The jnp paged-attention reference against dense float64 numpy attention on contiguous K/V."""
+"""Paged attention (the jnp reference and the tiled XLA implementation) against dense float64 numpy
+attention on contiguous K/V."""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
     return np.einsum("htc,chd->thd", p, v)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla"])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0)])
-def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
+def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl):
     rng = np.random.default_rng(0)
     num_heads, head_dim, page_size, num_pages = 4, 8, 4, 40
     # (tokens already cached, new tokens this step): prefill, chunk, decodes, length 1
@@ -74,9 +76,9 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
     untouched = np.setdiff1d(np.arange(flat_k.shape[0]), kv_write_index)  # nothing else was written
     np.testing.assert_array_equal(flat_k[untouched], k_pages.reshape(flat_k.shape)[untouched])
     np.testing.assert_array_equal(flat_v[untouched], v_pages.reshape(flat_v.shape)[untouched])
-    out = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap"))(
+    out = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl"))(
         q, k_out, v_out, kv_lens, page_table, query_start, np.asarray(len(seqs), np.int32),
-        sm_scale=head_dim**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+        sm_scale=head_dim**-0.5, sliding_window=sliding_window, soft_cap=soft_cap, impl=impl)
     out = np.asarray(out)
     for b, (cached, new) in enumerate(seqs):
         want = dense_attention(qs[b].astype(np.float64), full_k[b].astype(np.float64),
@@ -84,3 +86,33 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap):
                                head_dim**-0.5, sliding_window, soft_cap)
         np.testing.assert_allclose(out[query_start[b]:query_start[b + 1]], want, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(out[real:], 0.0)  # padding rows
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiled_matches_reference_on_wide_tiles(dtype):
+    """Tiles of 16 rows (64 tokens from 4 sequences), partial tiles, a decode, a random cache; in
+    bfloat16 the cache holds its bits (as the engine stores it on CPU)."""
+    from kernels import cache_dtype
+    from kernels.paged_attention.reference import to_cache
+
+    rng = np.random.default_rng(1)
+    num_heads, num_kv_heads, head_dim, page_size, num_pages, width = 8, 2, 16, 8, 64, 8
+    seqs = [(3, 37), (20, 1), (0, 17), (40, 5)]  # (cached, new)
+    page_table = np.zeros((4, width), np.int32)
+    pages = rng.permutation(np.arange(1, num_pages))
+    for b, (cached, new) in enumerate(seqs):
+        n = -(-(cached + new) // page_size)
+        page_table[b, :n], pages = pages[:n], pages[n:]
+    query_start = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    kv_lens = np.array([c + n for c, n in seqs], np.int32)
+    q = rng.normal(size=(64, num_heads, head_dim)).astype(np.float32)
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    store = jax.numpy.zeros((), cache_dtype(dtype))
+    k_pages, v_pages = (to_cache(jax.numpy.asarray(rng.normal(size=shape), dtype), store) for _ in range(2))
+    args = (jax.numpy.asarray(q, dtype), k_pages, v_pages, kv_lens, page_table, query_start, np.int32(len(seqs)))
+    run = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl"))
+    for window in (None, 9):
+        want = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl="reference"), np.float32)
+        got = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl="xla"), np.float32)
+        np.testing.assert_allclose(got, want, atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+        assert np.abs(want[:query_start[-1]]).max() > 0.1 and np.all(want[query_start[-1]:] == 0)

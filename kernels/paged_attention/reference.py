@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # finite, so a fully masked (padding) row gives no NaN
+MASKED = -1e30  # finite, so a fully masked (padding) row gives no NaN
 
 
 BITS = jnp.uint16  # a cache of this type holds bfloat16 values as raw bits (see `cache_dtype`)
@@ -101,7 +101,7 @@ def paged_attention_reference(q, k_pages, v_pages, kv_lens, page_table, query_st
         mask = key_pos <= pos_t
         if sliding_window is not None:
             mask &= key_pos > pos_t - sliding_window
-        p = jax.nn.softmax(jnp.where(mask, s, _MASKED), axis=-1)
+        p = jax.nn.softmax(jnp.where(mask, s, MASKED), axis=-1)
         return jnp.einsum("kgc,ckd->kgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).reshape(
             num_heads, head_dim)
 
