@@ -65,9 +65,6 @@ class Runner:
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
 
-    def step(self, batch: ScheduledBatch) -> StepOutput:
-        return self.collect(batch, self.launch(batch))
-
     def launch(self, batch: ScheduledBatch) -> SampleOutput:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
         copies, inputs, sampling = self.prepare(batch)

@@ -277,8 +277,12 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
     threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
     log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-    keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-    drawn = _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+
+    def draw():
+        keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
+        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     logprobs = jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
