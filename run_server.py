@@ -4,6 +4,11 @@
     python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096
 
 SIGINT / SIGTERM stop the server: in-flight requests are cancelled, the engine thread stops, the process exits.
+
+Multi-host (one process per host, e.g. a TPU slice): every process runs the same command plus
+`--coordinator-address HOST:PORT --num-processes N --process-id I` (or `--distributed` where JAX
+finds them in the environment). Process 0 serves the API and schedules; the others run its steps
+and stop when it stops.
 """
 
 from __future__ import annotations
@@ -15,12 +20,15 @@ import os
 import signal
 from pathlib import Path
 
+import jax
+
 from api.app import create_app
 from api.protocol import Limits
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.engine import build_engine
+from jaxserve.sharding import initialize_distributed, is_leader
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +47,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
                    help="size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split weights and KV cache over")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices to split weights and KV cache over (multi-host: all devices of all processes)")
+    p.add_argument("--coordinator-address", default=None, help="multi-host: HOST:PORT of process 0's coordinator")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: the number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's index (0 serves the API)")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host with the coordinator, process count and id JAX reads from the environment "
+                        "(TPU VMs, SLURM)")
+    p.add_argument("--distributed-timeout", type=int, default=100,
+                   help="multi-host: seconds without a heartbeat after which a process counts as dead and all exit")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of earlier prompts with the same prefix (default: on)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -85,12 +102,18 @@ async def serve(app, host: str, port: int, log_level: str, engine: AsyncEngine) 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    multihost = (args.coordinator_address, args.num_processes, args.process_id)
+    if args.distributed or any(a is not None for a in multihost):
+        initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
         num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+    if not is_leader():
+        follow(engine)
+        return
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)
@@ -100,10 +123,19 @@ def main(argv: list[str] | None = None) -> None:
     try:
         asyncio.run(serve(app, args.host, args.port, args.log_level, async_engine))
     finally:
-        async_engine.shutdown()
+        if async_engine.shutdown():  # not while the engine thread may still broadcast a step
+            engine.runner.stop_followers()
         print("jaxserve: stopped", flush=True)
     if async_engine.error is not None:
         raise SystemExit(f"jaxserve: the engine loop failed: {async_engine.error!r}")
+
+
+def follow(engine) -> None:
+    """A process other than 0 runs process 0's steps until it stops (or, if process 0 dies, until
+    JAX's heartbeat check gives up on it and ends this process with an error)."""
+    print(f"jaxserve: process {jax.process_index()} of {jax.process_count()} runs process 0's steps", flush=True)
+    engine.runner.follow()
+    print("jaxserve: stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import abstract_decoder
-from jaxserve.sharding import weight_sharding
+from jaxserve.sharding import place, weight_sharding
 
 # (HF name pattern, decoder state path, transpose [out, in] -> [in, out])
 HF_NAME_MAP = [
@@ -113,7 +113,7 @@ def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: str,
                     raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {want}"
                                      f"{' (after transposing)' if transpose else ''} from config.json")
                 array = np.ascontiguousarray(array).astype(jnp.dtype(dtype), copy=False)
-                loaded[path] = jax.device_put(array, weight_sharding(mesh, path, cfg)) if mesh is not None \
+                loaded[path] = place(array, weight_sharding(mesh, path, cfg)) if mesh is not None \
                     else jnp.asarray(array)
     missing = sorted(set(expected) - set(loaded))
     if missing:

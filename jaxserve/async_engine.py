@@ -62,11 +62,12 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Cancel every request and stop the loop thread."""
+    def shutdown(self, timeout: float = 10.0) -> bool:
+        """Cancel every request and stop the loop thread; False if it is still in a step after `timeout`."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     @property
     def is_running(self) -> bool:
@@ -111,6 +112,7 @@ class AsyncEngine:
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self.engine.runner.keepalive()
                     continue
                 self.engine.step(on_release=self._publish)
         except BaseException as e:  # the loop must not die silently: fail every waiter

@@ -28,7 +28,7 @@ from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
 from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
 from jaxserve.scheduler import Scheduler
-from jaxserve.sharding import kv_sharding, make_mesh, replicated
+from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
 
@@ -86,7 +86,7 @@ class Engine:
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
         self._unreleased: list = []  # sequences with tokens of the last step whose text is not yet released
-        if warmup:
+        if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
             self.runner.warmup()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -201,6 +201,8 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
                  num_pages: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
                  enable_prefix_caching: bool = True):
+        if jax.process_count() > 1:
+            raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
         self.engine, self.tokenizer = build_engine(
             model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,

@@ -5,11 +5,15 @@ donated cache) and the sampler, for one padded batch. Its shapes come from
 `EngineConfig`'s buckets (tokens T, sequences B = min(T, max_num_seqs), page
 table width P); `warmup` compiles every (T, P) pair once, so serving never
 compiles. The runner reads nothing but the scheduler's plan.
+
+Across hosts, process 0's runner sends each step's command and padded plan to the others
+(`broadcast_plan`), which run the same jitted call in `follow` until it sends STOP.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 
 import jax
 import numpy as np
@@ -22,6 +26,11 @@ from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward
 from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput
+from jaxserve.sharding import broadcast_plan, is_leader, place
+
+# Commands process 0 broadcasts to the other processes: [command, tokens bucket, page-table width].
+RUN, KEEPALIVE, STOP = 0, 1, 2
+KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
 
 
 def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
@@ -30,21 +39,20 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: Sharding | None):
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: Sharding, replicated: Sharding):
     """The jitted step: (weights, cache, page copies, inputs, sampling) -> (cache, sampled tokens and
     logprobs of every row). `weights` are the leaves of the model state, whose structure
     (`graphdef`, `state_treedef`) is closed over, so a call hashes no module structure. The cache is
-    donated and keeps `kv_sharding`, so the next step sees the same input shardings."""
+    donated and keeps `kv_sharding`, so the next step sees the same input shardings; the samples
+    come out `replicated`, so any process can read them."""
 
     def step(weights: list[jax.Array], kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
              sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
         kv = copy_pages(kv, page_copies)
         kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
-        if kv_sharding is not None:
-            kv = jax.lax.with_sharding_constraint(kv, kv_sharding)
         return kv, sample(logits, sampling)
 
-    return jax.jit(step, donate_argnames=("kv",))
+    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -53,7 +61,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: Sharding | None = None, replicated: Sharding | None = None):
+                 kv_sharding: Sharding, replicated: Sharding):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -61,15 +69,49 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
-        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding)
+        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated)
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
+        self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
+        self._last_broadcast = time.monotonic()
 
     def launch(self, batch: ScheduledBatch) -> SampleOutput:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
-        copies, inputs, sampling = self.prepare(batch)
+        shape = self.shape(batch)
+        return self._run(shape, self.prepare(batch, shape))
+
+    def _run(self, shape: tuple[int, int], plan) -> SampleOutput:
+        if self._leads:  # the other processes run the same step on the same plan
+            self._command(RUN, shape)
+            broadcast_plan(plan)
+        copies, inputs, sampling = jax.tree.map(self._to_device, plan)
         self.kv, out = self.step_fn(self.weights, self.kv, copies, inputs, sampling)
         return out
+
+    def _command(self, command: int, shape: tuple[int, int] = (0, 0)) -> None:
+        broadcast_plan(np.array([command, *shape], np.int32))
+        self._last_broadcast = time.monotonic()
+
+    def keepalive(self) -> None:
+        """Called by an idle process 0: tell the followers it is alive once in a while (a collective
+        that waits for hours could time out)."""
+        if self._leads and time.monotonic() - self._last_broadcast > KEEPALIVE_S:
+            self._command(KEEPALIVE)
+
+    def stop_followers(self) -> None:
+        """Process 0, shutting down: the other processes leave `follow`."""
+        if self._leads:
+            self._command(STOP)
+
+    def follow(self) -> None:
+        """Processes other than 0: run each step process 0 broadcasts, until it broadcasts STOP."""
+        empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        while True:
+            command, *shape = broadcast_plan(np.zeros(3, np.int32)).tolist()
+            if command == STOP:
+                return
+            if command == RUN:
+                self._run(tuple(shape), broadcast_plan(self.prepare(empty, tuple(shape))))
 
     def collect(self, batch: ScheduledBatch, out: SampleOutput) -> StepOutput:
         """Wait for a launched step and bring its outputs to the host."""
@@ -78,13 +120,17 @@ class Runner:
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
                           top_logprobs=out.top_logprobs[:rows])
 
-    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
-                ) -> tuple[jax.Array, ModelInputs, SamplingTensors]:
-        """The plan as arrays, padded to its buckets (or to `shape` = (tokens, page-table width))."""
+    def shape(self, batch: ScheduledBatch) -> tuple[int, int]:
+        """The step's buckets: (tokens, page-table width)."""
         cfg = self.config
-        num_tokens, width = shape or (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
-                                      _bucket(max((len(r.page_ids) for r in batch.rows), default=1),
-                                              cfg.page_buckets))
+        return (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
+                _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
+
+    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
+                ) -> tuple[np.ndarray, ModelInputs, SamplingTensors]:
+        """The plan as host arrays, padded to its buckets (or to `shape` = (tokens, page-table width))."""
+        cfg = self.config
+        num_tokens, width = shape or self.shape(batch)
         num_rows = cfg.seqs_bucket(num_tokens)
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
@@ -117,16 +163,16 @@ class Runner:
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        # Every host input is placed replicated on the mesh, the same way every step (so jit's
-        # cache always hits); the padding of an unused input goes to the device only once.
-        return jax.tree.map(self._to_device, (copies, inputs, sampling))
+        return copies, inputs, sampling
 
     def _to_device(self, array: np.ndarray) -> jax.Array:
+        """Every host input is placed replicated on the mesh, the same way every step (so jit's cache
+        always hits); the padding of an unused input goes to the device only once."""
         if array.flags.writeable:
-            return jax.device_put(array, self.replicated)
+            return place(array, self.replicated)
         key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step
         if key not in self._constants:
-            self._constants[key] = jax.device_put(array, self.replicated)
+            self._constants[key] = place(array, self.replicated)
         return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:
@@ -135,6 +181,5 @@ class Runner:
         pairs = list(itertools.product(cfg.token_buckets, cfg.page_buckets))
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
-            copies, inputs, sampling = self.prepare(empty, shape)
-            self.kv, _ = self.step_fn(self.weights, self.kv, copies, inputs, sampling)
+            self._run(shape, self.prepare(empty, shape))
         jax.block_until_ready(self.kv)

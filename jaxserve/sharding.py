@@ -13,6 +13,10 @@ Rules (Megatron-style; the HF name map's paths, kernels stored [in, out]):
 - KV pages split over KV heads.
 A dimension is only split when its heads (or size) divide evenly over the mesh;
 otherwise that array is replicated (e.g. 2 KV heads on 8 devices).
+
+Across hosts (`initialize_distributed`), `jax.devices()` lists every process's devices and
+the mesh spans them all; process 0 plans the steps and broadcasts each plan
+(`broadcast_plan`), and every process runs the same jitted step on it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import re
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,11 +48,45 @@ PARTITION_RULES = [
 ]
 
 
+def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
+                           process_id: int | None = None, heartbeat_timeout_s: int = 100) -> None:
+    """Join the processes of a multi-host run (`jax.distributed.initialize`), before JAX touches a device.
+    With no arguments JAX reads them from the environment (TPU VMs, SLURM). A process that stops sending
+    heartbeats for `heartbeat_timeout_s` makes every other process exit with an error."""
+    jax.distributed.initialize(coordinator_address, num_processes, process_id,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s)
+
+
+def is_leader() -> bool:
+    """Process 0 runs the scheduler (and the API); the others only follow its steps."""
+    return jax.process_index() == 0
+
+
+def broadcast_plan(tree):
+    """Process 0's pytree of host arrays, on every process (each passes a pytree of the same shapes).
+    One process: the tree itself."""
+    if jax.process_count() == 1:
+        return tree
+    return jax.tree.map(np.array, multihost_utils.broadcast_one_to_all(tree))  # writeable copies
+
+
+def place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same on every process) onto `sharding`: each device receives only its shard.
+    Across processes each one fills its own devices (`device_put` would first compare the whole
+    array between the processes, a collective per array)."""
+    if jax.process_count() == 1:
+        return jax.device_put(array, sharding)
+    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
 def make_mesh(tensor_parallel_size: int) -> Mesh:
     devices = jax.devices()
     if not 1 <= tensor_parallel_size <= len(devices):
         raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but there are {len(devices)} devices "
                          f"({jax.default_backend()})")
+    if jax.process_count() > 1 and tensor_parallel_size != len(devices):
+        raise ValueError(f"with {jax.process_count()} processes the mesh must span all {len(devices)} devices: "
+                         f"set --tensor-parallel-size {len(devices)}")
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
 
 
