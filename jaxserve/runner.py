@@ -18,7 +18,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Sharding
+from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig
@@ -39,7 +39,7 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.tree.map(lambda pages: pages.at[dst].set(pages[src]), kv)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: Sharding, replicated: Sharding):
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding):
     """The jitted step: (weights, cache, page copies, inputs, sampling) -> (cache, sampled tokens and
     logprobs of every row). `weights` are the leaves of the model state, whose structure
     (`graphdef`, `state_treedef`) is closed over, so a call hashes no module structure. The cache is
@@ -49,7 +49,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: Sharding, r
     def step(weights: list[jax.Array], kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
              sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
         kv = copy_pages(kv, page_copies)
-        kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
+        with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
+            kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
         return kv, sample(logits, sampling)
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated))
@@ -61,7 +62,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: Sharding, replicated: Sharding):
+                 kv_sharding: NamedSharding, replicated: NamedSharding):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef

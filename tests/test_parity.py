@@ -103,6 +103,27 @@ def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     assert len(set(outputs[1].outputs[0].token_ids)) > 4  # diverse paths, not one repeated token
 
 
+@pytest.mark.parametrize("kernel", ["tpu-interpret", "gpu-interpret"])
+@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHITECTURES])
+def test_engine_on_pallas_kernels_matches_transformers(arch, kernel, hf_checkpoint, monkeypatch):
+    """The engine with attention forced onto a Pallas kernel (run by Pallas' interpreter): logits of
+    a chunked prompt and greedy generations (batched, chunked prefill, preemption) as above."""
+    monkeypatch.setenv("JAXSERVE_ATTENTION", kernel)
+    model, model_dir = hf_checkpoint(arch)
+    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=40).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(chunked_logits(model_dir, ids, [29, 1, 10]), want, atol=1e-4, rtol=0)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 40, 17, 1, 33, 8)]
+    llm = LLM(str(model_dir), num_pages=11, **SMALL_ENGINE)
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for prompt, out in zip(prompts, outputs):
+        want, ref_logits = _hf_greedy(model, prompt, 20)
+        assert_same_greedy(out.outputs[0].token_ids, want, ref_logits)
+
+
 def test_bfloat16_close_to_float32(hf_checkpoint):
     """bfloat16 weights, activations and cache: logits near transformers' float32 ones."""
     model, model_dir = hf_checkpoint("llama")

@@ -1,29 +1,68 @@
 """Ragged paged attention: one call for a batch of prefill chunks and decodes.
 
-`paged_attention` dispatches by backend. The jnp reference (`reference.py`) defines the semantics;
-on CPU the query-tiled XLA implementation (`xla.py`) runs. TPU (Mosaic) and GPU Pallas kernels
-plug in here (`_BY_BACKEND`); until they exist those backends run the tiled one too. `impl=`
-picks an implementation by name (tests use it to compare them).
+`paged_attention` dispatches by backend: TPU -> the Pallas Mosaic kernel (`tpu.py`), GPU -> the
+Pallas Triton kernel (`gpu.py`), CPU -> the query-tiled XLA implementation (`xla.py`). The jnp
+reference (`reference.py`) defines the semantics every implementation matches.
+
+`impl=` (tests) or the environment variable JAXSERVE_ATTENTION picks one by name:
+"reference", "xla", "tpu", "gpu", or "tpu-interpret" / "gpu-interpret" (a Pallas kernel run by
+Pallas' interpreter, on any backend: how the kernels are tested on CPU).
+
+Under tensor parallelism the step is traced inside its mesh (`jax.set_mesh`); a Pallas kernel
+is a custom call XLA cannot split, so it runs per device under `shard_map`: each device attends
+with its own query heads and KV heads when the KV heads divide over the mesh, and all of them
+otherwise (the cache is then replicated anyway).
 """
 
 from __future__ import annotations
 
-import jax
+import functools
+import logging
+import os
 
+import jax
+from jax.sharding import PartitionSpec as P
+
+from kernels.paged_attention.gpu import paged_attention_gpu, unsupported_on_gpu
 from kernels.paged_attention.reference import cache_dtype, paged_attention_reference, write_kv
+from kernels.paged_attention.tpu import paged_attention_tpu
 from kernels.paged_attention.xla import paged_attention_tiled
 
-IMPLEMENTATIONS = {"reference": paged_attention_reference, "xla": paged_attention_tiled}
-_BY_BACKEND: dict[str, str] = {}  # backend -> implementation name, where it is not "xla"
+IMPLEMENTATIONS = {"reference": paged_attention_reference, "xla": paged_attention_tiled,
+                   "tpu": paged_attention_tpu, "gpu": paged_attention_gpu}
+PALLAS = ("tpu", "gpu")
+BY_BACKEND = {"tpu": "tpu", "gpu": "gpu"}  # jax.default_backend() -> implementation; otherwise "xla"
+ENV = "JAXSERVE_ATTENTION"
+AXIS = "model"  # the mesh axis heads are split over (jaxserve.sharding)
+
+log = logging.getLogger(__name__)
 
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, *,
                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
                     impl: str | None = None):
     """See `reference.paged_attention_reference` for shapes and semantics."""
-    kernel = IMPLEMENTATIONS[impl or _BY_BACKEND.get(jax.default_backend(), "xla")]
-    return kernel(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs,
-                  sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    name = impl or os.environ.get(ENV) or BY_BACKEND.get(jax.default_backend(), "xla")
+    base, _, mode = name.partition("-")
+    if base not in IMPLEMENTATIONS or mode not in ("", "interpret") or (mode and base not in PALLAS):
+        raise ValueError(f"unknown attention implementation {name!r} (from {'impl' if impl else ENV}); "
+                         f"choose from {sorted(IMPLEMENTATIONS)} or tpu-interpret / gpu-interpret")
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if base == "gpu" and (reason := unsupported_on_gpu(q.shape[-1], k_pages.shape[1])):
+        log.warning("paged attention: %s; using the XLA implementation", reason)
+        base = "xla"
+    if base not in PALLAS:
+        return IMPLEMENTATIONS[base](q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, **options)
+    kernel = functools.partial(IMPLEMENTATIONS[base], **options, interpret=mode == "interpret")
+    mesh = jax.sharding.get_abstract_mesh()
+    shards = 1 if mesh.empty else mesh.shape.get(AXIS, 1)
+    if shards == 1:
+        return kernel(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs)
+    split = k_pages.shape[2] % shards == 0 and q.shape[1] % shards == 0
+    heads, kv_heads = (P(None, AXIS, None), P(None, None, AXIS, None)) if split else (P(), P())
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, kv_heads, kv_heads, P(), P(), P(), P()),
+                         out_specs=heads, check_vma=False)(
+        q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs)
 
 
 __all__ = ["IMPLEMENTATIONS", "cache_dtype", "paged_attention", "paged_attention_reference", "write_kv"]
