@@ -103,8 +103,10 @@ def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     assert len(set(outputs[1].outputs[0].token_ids)) > 4  # diverse paths, not one repeated token
 
 
-@pytest.mark.parametrize("kernel", ["tpu-interpret", "gpu-interpret"])
-@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHITECTURES])
+@pytest.mark.parametrize("arch,kernel", [
+    (arch, kernel) if (arch, kernel) in (("llama", "tpu-interpret"), ("mistral", "gpu-interpret"))
+    else pytest.param(arch, kernel, marks=pytest.mark.slow)
+    for arch in ARCHITECTURES for kernel in ("tpu-interpret", "gpu-interpret")])
 def test_engine_on_pallas_kernels_matches_transformers(arch, kernel, hf_checkpoint, monkeypatch):
     """The engine with attention forced onto a Pallas kernel (run by Pallas' interpreter): logits of
     a chunked prompt and greedy generations (batched, chunked prefill, preemption) as above."""
