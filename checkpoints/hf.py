@@ -2,8 +2,8 @@
 
 Tensors are read straight from the safetensors files as numpy arrays (memory
 mapped); no PyTorch model is ever built. Each HF name is mapped to a path in
-the decoder's state by `HF_NAME_MAP`, transposed where HF stores [out, in],
-checked against the expected shape and cast to the requested dtype.
+the decoder's state by `HF_NAME_MAP` (the decoder keeps HF's [out, in] layout, so
+nothing is transposed), checked against the expected shape and cast to the requested dtype.
 """
 
 from __future__ import annotations
@@ -23,25 +23,25 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import abstract_decoder
 from jaxserve.sharding import place, weight_sharding
 
-# (HF name pattern, decoder state path, transpose [out, in] -> [in, out])
+# (HF name pattern, decoder state path)
 HF_NAME_MAP = [
-    (r"model\.embed_tokens\.weight", r"embed_tokens.embedding", False),
-    (r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight", r"layers.\1.\2.\3.kernel", True),
-    (r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.bias", r"layers.\1.\2.\3.bias", False),
-    (r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", r"layers.\1.self_attn.\2.weight", False),
-    (r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight", False),
-    (r"model\.norm\.weight", r"norm.weight", False),
-    (r"lm_head\.weight", r"lm_head.kernel", True),
+    (r"model\.embed_tokens\.weight", r"embed_tokens.embedding"),
+    (r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight", r"layers.\1.\2.\3.weight"),
+    (r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.bias", r"layers.\1.\2.\3.bias"),
+    (r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight", r"layers.\1.self_attn.\2.weight"),
+    (r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
+    (r"model\.norm\.weight", r"norm.weight"),
+    (r"lm_head\.weight", r"lm_head.weight"),
 ]
 # Buffers some exporters leave in the file; they are recomputed, not loaded.
 IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
-def hf_to_state_path(name: str) -> tuple[str, bool] | None:
-    """HF tensor name -> (decoder state path, transpose), or None if unknown."""
-    for pattern, path, transpose in HF_NAME_MAP:
+def hf_to_state_path(name: str) -> str | None:
+    """HF tensor name -> decoder state path, or None if unknown."""
+    for pattern, path in HF_NAME_MAP:
         if re.fullmatch(pattern, name):
-            return re.sub(pattern, path, name), transpose
+            return re.sub(pattern, path, name)
     return None
 
 
@@ -98,20 +98,18 @@ def load_hf_params(model_dir: str | Path, cfg: ModelConfig, dtype: str,
             for name in f.keys():
                 if IGNORED.fullmatch(name):
                     continue
-                mapped = hf_to_state_path(name)
-                if mapped is None:
+                path = hf_to_state_path(name)
+                if path is None:
                     raise ValueError(f"unexpected tensor {name!r} in {file} for a {cfg.architecture} checkpoint")
-                path, transpose = mapped
                 if path not in expected:
-                    if path == "lm_head.kernel" and cfg.tie_word_embeddings:
+                    if path == "lm_head.weight" and cfg.tie_word_embeddings:
                         continue  # tied: the head is the embedding
                     raise ValueError(f"tensor {name!r} in {file} does not fit this {cfg.architecture} config")
                 array = f.get_tensor(name)
-                array = array.T if transpose else array
                 want = tuple(expected[path].shape)
                 if array.shape != want:
-                    raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {want}"
-                                     f"{' (after transposing)' if transpose else ''} from config.json")
+                    raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {want} "
+                                     "from config.json")
                 array = np.ascontiguousarray(array).astype(jnp.dtype(dtype), copy=False)
                 loaded[path] = place(array, weight_sharding(mesh, path, cfg)) if mesh is not None \
                     else jnp.asarray(array)

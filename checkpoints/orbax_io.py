@@ -23,6 +23,7 @@ from jaxserve.model import abstract_decoder
 from jaxserve.sharding import weight_sharding
 
 MARKER = "jaxserve_orbax.json"
+FORMAT = 2  # 2: linear weights [out, in] under `.weight` (1 stored them [in, out] under `.kernel`)
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
           "special_tokens_map.json", "chat_template.jinja", "README.md")
 
@@ -47,7 +48,7 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
     for name in COPIED:
         if (hf_dir / name).is_file():
             shutil.copy(hf_dir / name, out_dir / name)
-    (out_dir / MARKER).write_text(json.dumps({"source": str(hf_dir), "dtype": dtype}, indent=2))
+    (out_dir / MARKER).write_text(json.dumps({"source": str(hf_dir), "dtype": dtype, "format": FORMAT}, indent=2))
     return out_dir
 
 
@@ -56,6 +57,11 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype: str,
     """The decoder's (graphdef, state) from a converted directory, each array in `dtype` and its sharding."""
     import orbax.checkpoint as ocp
 
+    made = json.loads((Path(model_dir) / MARKER).read_text())
+    if made.get("format", 1) != FORMAT:
+        raise ValueError(f"{model_dir} was converted by an older jaxserve (format {made.get('format', 1)}, this one "
+                         f"reads {FORMAT}); convert it again: python -m checkpoints.convert --model "
+                         f"{made.get('source', 'HF_DIR')} --out {model_dir}")
     graphdef, state = nnx.split(abstract_decoder(cfg, jnp.dtype(dtype)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {path.replace(".", "/"): jax.ShapeDtypeStruct(

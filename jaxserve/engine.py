@@ -23,6 +23,7 @@ from tqdm import tqdm
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
@@ -62,11 +63,13 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-def enable_compilation_cache() -> None:
-    """XLA's persistent compilation cache, so a restart reuses the compiled buckets."""
-    if not jax.config.jax_compilation_cache_dir:
+def compilation_cache() -> ExecutableCache:
+    """What makes a restart fast: in one process, the cache of compiled step executables
+    (`executables.py`); across processes, XLA's persistent compilation cache. Not both (see there)."""
+    if jax.process_count() > 1 and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return ExecutableCache(cache_root() / "executables")
 
 
 class Engine:
@@ -74,14 +77,14 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
                  tokenizer: Tokenizer, *, warmup: bool = True):
-        enable_compilation_cache()
+        executable_cache = compilation_cache()
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
         self.mesh = make_mesh(config.tensor_parallel_size)
         graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh))
+                             replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)

@@ -3,7 +3,8 @@
 `make_step_fn` builds the only jitted entry point: model forward (KV written into the
 donated cache) and the sampler, for one padded batch. Its shapes come from
 `EngineConfig`'s buckets (tokens T, sequences B = min(T, max_num_seqs), page
-table width P); `warmup` compiles every (T, P) pair once, so serving never
+table width P); `warmup` compiles every (T, P) pair ahead of time (or loads it from the
+executable cache, `executables.py`), and a step calls its bucket's executable, so serving never
 compiles. The runner reads nothing but the scheduler's plan.
 
 Across hosts, process 0's runner sends each step's command and padded plan to the others
@@ -22,6 +23,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward
 from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
@@ -62,7 +64,7 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: NamedSharding, replicated: NamedSharding):
+                 kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -71,6 +73,8 @@ class Runner:
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated)
+        self.executable_cache = executable_cache
+        self.executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, page width) -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
@@ -85,9 +89,20 @@ class Runner:
         if self._leads:  # the other processes run the same step on the same plan
             self._command(RUN, shape)
             broadcast_plan(plan)
-        copies, inputs, sampling = jax.tree.map(self._to_device, plan)
-        self.kv, out = self.step_fn(self.weights, self.kv, copies, inputs, sampling)
+        args = self._args(plan)
+        self.kv, out = self._executable(shape, args)(*args)
         return out
+
+    def _args(self, plan) -> tuple:
+        return self.weights, self.kv, *jax.tree.map(self._to_device, plan)
+
+    def _executable(self, shape: tuple[int, int], args: tuple) -> jax.stages.Compiled:
+        """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
+        if shape not in self.executables:
+            description = repr((self.model_config, self.config, shape))
+            self.executables[shape] = self.executable_cache.compile(
+                self.step_fn, args, description, list(self.kv_sharding.mesh.devices.flat))
+        return self.executables[shape]
 
     def _command(self, command: int, shape: tuple[int, int] = (0, 0)) -> None:
         broadcast_plan(np.array([command, *shape], np.int32))
@@ -177,10 +192,16 @@ class Runner:
         return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile every (tokens, pages) bucket with an empty batch (it writes only the null page)."""
+        """Compile (or load) every (tokens, pages) bucket. Process 0 of several also runs each once with
+        an empty batch (it writes only the null page), so the other processes compile theirs as they
+        follow."""
         cfg = self.config
         pairs = list(itertools.product(cfg.token_buckets, cfg.page_buckets))
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
-            self._run(shape, self.prepare(empty, shape))
+            plan = self.prepare(empty, shape)
+            if self._leads:
+                self._run(shape, plan)
+            else:
+                self._executable(shape, self._args(plan))
         jax.block_until_ready(self.kv)

@@ -4,7 +4,7 @@ and the partition rules that place every weight and the KV pages on it.
 Sharding is declarative: arrays carry `NamedSharding`s and XLA inserts the
 collectives, so the model code is the same for 1 or N devices.
 
-Rules (Megatron-style; the HF name map's paths, kernels stored [in, out]):
+Rules (Megatron-style; the HF name map's paths, weights stored [out, in] as in HF):
 - q/k/v projections column-parallel (output split over heads), o projection row-parallel;
 - MLP gate/up column-parallel, down row-parallel;
 - embedding split over the hidden size, the LM head over the vocabulary (the logits
@@ -35,16 +35,16 @@ AXIS = "model"
 
 # (decoder state path pattern, partition spec, the count that must divide the mesh size)
 PARTITION_RULES = [
-    (r"layers\.\d+\.self_attn\.q_proj\.kernel", P(None, AXIS), "num_heads"),
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
     (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.kernel", P(None, AXIS), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
     (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.o_proj\.kernel", P(AXIS, None), "num_heads"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.kernel", P(None, AXIS), "intermediate_size"),
+    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
     (r"layers\.\d+\.mlp\.(gate|up)_proj\.bias", P(AXIS), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.down_proj\.kernel", P(AXIS, None), "intermediate_size"),
+    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
     (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
-    (r"lm_head\.kernel", P(None, AXIS), "vocab_size"),
+    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
 ]
 
 

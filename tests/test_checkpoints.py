@@ -35,10 +35,10 @@ def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
     model = build_hf_model("qwen2").to(torch.bfloat16)
     d = save_hf_model(model, tmp_path / "bf16")
     cfg = ModelConfig.from_hf(d)
-    want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy().T
+    want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy()
     for dtype in ("bfloat16", "float32"):
         state = load_hf_params(d, cfg, dtype)[1]
-        got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["kernel"][...], np.float32)
+        got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["weight"][...], np.float32)
         np.testing.assert_array_equal(got, want)
 
 

@@ -13,13 +13,15 @@ class CompileCounter:
     """Counts jaxpr traces and backend compiles reported through jax.monitoring
     (`test_counter_sees_a_compilation` guards against the event names changing)."""
 
-    EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
+    TRACE, LOWER, COMPILE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                             "/jax/core/compile/backend_compile_duration")
 
-    def __init__(self):
+    def __init__(self, events=(TRACE, COMPILE)):
+        self.events = events
         self.count = 0
 
     def __call__(self, event: str, duration: float, **kwargs):
-        if event in self.EVENTS:
+        if event in self.events:
             self.count += 1
 
     def __enter__(self):
@@ -58,3 +60,31 @@ def test_counter_sees_a_compilation():
     with CompileCounter() as counter:
         jax.jit(lambda x: x * 3 + 1)(np.arange(7))
     assert counter.count >= 1
+
+
+def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkeypatch, caplog):
+    """The second engine of a configuration neither traces nor compiles its step: each bucket's
+    executable comes from the disk cache, and generates the same tokens. A damaged entry is
+    compiled again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh cache (and a fresh jaxserve-tiny)
+    settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    prompts = [[5, 6, 7, 8, 9], list(range(40, 61))]
+    params = SamplingParams(max_tokens=12, temperature=0.9, seed=11)
+    with CompileCounter() as counter:
+        first = LLM(None, **settings)
+    assert counter.count > 0
+    buckets = len(first.engine.config.token_buckets) * len(first.engine.config.page_buckets)
+    entries = sorted((tmp_path / "jaxserve" / "executables").glob("*.executable"))
+    assert len(entries) == buckets
+    want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]
+
+    with CompileCounter(events=(CompileCounter.LOWER, CompileCounter.COMPILE)) as counter:
+        second = LLM(None, **settings)  # (loading the weights traces the model's shapes, nothing more)
+    assert counter.count == 0
+    assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
+
+    entries[0].write_bytes(b"not an executable")
+    third = LLM(None, **settings)
+    assert "compiling it again" in caplog.text
+    assert [o.outputs[0].token_ids for o in third.generate(prompts, params)] == want
+    assert len(list(entries[0].parent.glob("*.executable"))) == buckets

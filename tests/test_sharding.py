@@ -32,12 +32,13 @@ def check(results: dict, heads: int, kv_heads: int, intermediate: int) -> None:
         q, k, o, down, kv = (arrays[n] for n in ("q_proj", "k_proj", "o_proj", "down_proj", "kv_pages"))
         assert q["devices"] == kv["devices"] == tp
         split = heads % tp == 0
-        assert q["shard"] == [q["shape"][0], q["shape"][1] // (tp if split else 1)]
-        assert o["shard"] == [o["shape"][0] // (tp if split else 1), o["shape"][1]]
+        # weights are [out, in]: column-parallel splits dim 0, row-parallel dim 1
+        assert q["shard"] == [q["shape"][0] // (tp if split else 1), q["shape"][1]]
+        assert o["shard"] == [o["shape"][0], o["shape"][1] // (tp if split else 1)]
         kv_split = kv_heads % tp == 0
-        assert k["shard"][1] == k["shape"][1] // (tp if kv_split else 1)
+        assert k["shard"][0] == k["shape"][0] // (tp if kv_split else 1)
         assert kv["shard"][2] == kv["shape"][2] // (tp if kv_split else 1)  # pages split over KV heads
-        assert down["shard"][0] == down["shape"][0] // (tp if intermediate % tp == 0 else 1)
+        assert down["shard"][1] == down["shape"][1] // (tp if intermediate % tp == 0 else 1)
 
 
 def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):

@@ -37,10 +37,10 @@ def main(model_dir: str, sizes: list[int]) -> None:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                                use_tqdm=False)
         layer = engine.runner.state["layers"][0]
-        arrays = {"q_proj": layer["self_attn"]["q_proj"]["kernel"][...],
-                  "k_proj": layer["self_attn"]["k_proj"]["kernel"][...],
-                  "o_proj": layer["self_attn"]["o_proj"]["kernel"][...],
-                  "down_proj": layer["mlp"]["down_proj"]["kernel"][...],
+        arrays = {"q_proj": layer["self_attn"]["q_proj"]["weight"][...],
+                  "k_proj": layer["self_attn"]["k_proj"]["weight"][...],
+                  "o_proj": layer["self_attn"]["o_proj"]["weight"][...],
+                  "down_proj": layer["mlp"]["down_proj"]["weight"][...],
                   "kv_pages": engine.runner.kv.k[0]}
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
