@@ -5,31 +5,21 @@
 The products of one bench-125m decode step (12 layers of q, k, v, o, gate, up, down, then the
 768 x 32000 head; 100 M weights, 400 MB in float32, so they stream from memory as in serving),
 chained through the layers, for M = 1 ... 128 token rows. Each configuration is jitted once and
-timed (median of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
+timed (best of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
 jaxserve stores its weights [out, in] (`jaxserve.model.Linear`) because of this table.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from roofline import best_time
 
 LAYERS, HIDDEN, KV, INTER, VOCAB = 12, 768, 256, 2048, 32000
 SHAPES = dict(q=(HIDDEN, HIDDEN), k=(KV, HIDDEN), v=(KV, HIDDEN), o=(HIDDEN, HIDDEN), gate=(INTER, HIDDEN),
               up=(INTER, HIDDEN), down=(HIDDEN, INTER))  # [out, in]
 ROWS = (1, 2, 8, 32, 128)
-
-
-def median_time(fn, repeat: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
 
 
 def weights(rng) -> tuple[list[dict], np.ndarray]:
@@ -101,7 +91,7 @@ def main() -> None:
     for run in range(1, args.runs + 1):
         for m in ROWS:
             x = rng.standard_normal((m, HIDDEN), np.float32)
-            times = {name: median_time(lambda f=f: f(x)) for name, f in impls.items()}
+            times = {name: best_time(lambda f=f: f(x), repeat=10) for name, f in impls.items()}
             ratio = times["xla float32 [in,out]"] / times["xla float32 [out,in]"]
             print(f"| {run} | {m} | " + " | ".join(f"{1000 * t:.1f}" for t in times.values()) + f" | {ratio:.2f} |",
                   flush=True)

@@ -91,10 +91,10 @@ class RMSNorm(nnx.Module):
 class Linear(nnx.Module):
     """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it.
 
-    Products accumulate in float32 and return the input dtype. Both choices are the fast path of
-    XLA's CPU backend at decode shapes: it reads a row-major [out, in] weight 1.2-1.7x faster than
-    an [in, out] one (bench/matmul_layout.py), and a bfloat16-output product runs about 2.5x slower
-    than a float32-accumulated one."""
+    Products accumulate in float32 and return the input dtype. Both choices suit XLA's CPU backend:
+    its float32 products of a row-major [out, in] weight are faster than of an [in, out] one at 1, 8
+    and 32 rows (up to 1.4x), mixed at 2 rows and even at 128 (bench/RESULTS.md), and a
+    bfloat16-output product runs about 2.5x slower than a float32-accumulated one."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(nnx.initializers.lecun_normal(in_axis=1, out_axis=0)(rngs.params(), (d_out, d_in),
