@@ -115,3 +115,12 @@ def test_default_model_is_real_hf_format_and_matches_transformers():
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(chunked_logits(d, ids, [30]), want, atol=1e-4, rtol=0)
+
+
+def test_an_orbax_conversion_of_an_older_format_is_refused_with_the_fix(tmp_path):
+    from checkpoints.orbax_io import MARKER, restore
+
+    (tmp_path / MARKER).write_text(json.dumps({"source": "/models/llama", "dtype": "float32"}))  # no format: 1
+    with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m checkpoints.convert --model "
+                                         r"/models/llama"):
+        restore(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
