@@ -43,7 +43,7 @@ ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION")
 
 
 @functools.cache
-def _environment_digest() -> str:
+def _installation_digest() -> str:
     """What every executable depends on and that does not change while the process runs."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
@@ -52,10 +52,15 @@ def _environment_digest() -> str:
             h.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
     backend = jax.devices()[0].client
     h.update(repr((jax.__version__, jaxlib.__version__, flax.__version__, backend.platform,
-                   backend.platform_version, [(d.id, d.device_kind) for d in jax.devices()],
-                   [os.environ.get(name) for name in ENVIRONMENT_VARIABLES],
-                   jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)).encode())
+                   backend.platform_version, [(d.id, d.device_kind) for d in jax.devices()])).encode())
     return h.hexdigest()
+
+
+def _settings() -> str:
+    """What may change while the process runs (read at each compilation: tests switch the attention
+    implementation through the environment)."""
+    return repr(([os.environ.get(name) for name in ENVIRONMENT_VARIABLES], jax.config.jax_enable_x64,
+                 jax.config.jax_default_matmul_precision))
 
 
 def _argument_signature(args) -> str:
@@ -75,8 +80,7 @@ class ExecutableCache:
     def compile(self, fn, args: tuple, description: str, devices: list) -> jax.stages.Compiled:
         if self.directory is None:
             return fn.lower(*args).compile()
-        key = hashlib.sha256(f"{_environment_digest()}\0{description}\0{_argument_signature(args)}".encode())
-        path = self.directory / f"{key.hexdigest()}.executable"
+        path = self.path(args, description)
         if path.is_file():
             try:
                 serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
@@ -103,6 +107,12 @@ class ExecutableCache:
         except OSError as e:  # e.g. a read-only cache directory
             log.warning("could not save the executable to %s: %s", path, e)
         return compiled
+
+    def path(self, args: tuple, description: str) -> Path:
+        """Where the executable for `args` and `description` is kept."""
+        key = hashlib.sha256(
+            f"{_installation_digest()}\0{_settings()}\0{description}\0{_argument_signature(args)}".encode())
+        return self.directory / f"{key.hexdigest()}.executable"
 
     def _prune(self) -> None:
         entries = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)

@@ -88,3 +88,20 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     assert "compiling it again" in caplog.text
     assert [o.outputs[0].token_ids for o in third.generate(prompts, params)] == want
     assert len(list(entries[0].parent.glob("*.executable"))) == buckets
+
+
+def test_executable_key_follows_the_attention_choice_and_the_arguments(tmp_path, monkeypatch):
+    """Tests switch the attention implementation through the environment within one process: the
+    executable saved for one choice must never be loaded for another."""
+    from jaxserve.executables import ExecutableCache
+
+    cache = ExecutableCache(tmp_path)
+    args = (jax.numpy.zeros((2, 3)),)
+    monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
+    default = cache.path(args, "step")
+    monkeypatch.setenv("JAXSERVE_ATTENTION", "tpu-interpret")
+    assert cache.path(args, "step") != default
+    monkeypatch.delenv("JAXSERVE_ATTENTION")
+    assert cache.path(args, "step") == default
+    assert cache.path((jax.numpy.zeros((2, 4)),), "step") != default
+    assert cache.path(args, "another bucket") != default
