@@ -133,6 +133,10 @@ def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+FEW_SEQS_MIN_TOKENS = 64  # steps of at least this many tokens also get a bucket of few sequences
+FEW_SEQS_ROWS = 16  # ... of tokens / 16 sequences
+
+
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     """lo, 2*lo, 4*lo, ... below hi, then hi itself."""
     out, b = [], lo
@@ -219,6 +223,17 @@ class EngineConfig:
             b *= 4
         return tuple(out) + (self.max_pages_per_seq,)
 
-    def seqs_bucket(self, token_bucket: int) -> int:
-        """Sequences per step for a token bucket: every sequence brings >= 1 token."""
-        return min(token_bucket, self.max_num_seqs)
+    def seqs_buckets(self, token_bucket: int) -> tuple[int, ...]:
+        """Padded numbers of sequences for a step of `token_bucket` tokens T: min(T, max_num_seqs)
+        (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
+        step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
+        rows instead of max_num_seqs, and the CPU attention cuts its chunks into tiles of 16 rows
+        instead of T / max_num_seqs (kernels/paged_attention/tiles.py). Smaller steps cost too little
+        to pay for more compilations."""
+        full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
+        return (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
+
+    @property
+    def step_buckets(self) -> list[tuple[int, int, int]]:
+        """Every step shape compiled: (tokens, sequences, page-table width)."""
+        return [(t, s, p) for t in self.token_buckets for s in self.seqs_buckets(t) for p in self.page_buckets]

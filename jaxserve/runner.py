@@ -2,8 +2,8 @@
 
 `make_step_fn` builds the only jitted entry point: model forward (KV written into the
 donated cache) and the sampler, for one padded batch. Its shapes come from
-`EngineConfig`'s buckets (tokens T, sequences B = min(T, max_num_seqs), page
-table width P); `warmup` compiles every (T, P) pair ahead of time (or loads it from the
+`EngineConfig`'s buckets (tokens T, sequences B, page table width P: `step_buckets`);
+`warmup` compiles every (T, B, P) triple ahead of time (or loads it from the
 executable cache, `executables.py`), and a step calls its bucket's executable, so serving never
 compiles. The runner reads nothing but the scheduler's plan.
 
@@ -13,7 +13,6 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import jax
@@ -30,7 +29,7 @@ from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput
 from jaxserve.sharding import broadcast_plan, is_leader, place
 
-# Commands process 0 broadcasts to the other processes: [command, tokens bucket, page-table width].
+# Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
 RUN, KEEPALIVE, STOP = 0, 1, 2
 KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
 
@@ -74,7 +73,7 @@ class Runner:
         self.weights, state_treedef = jax.tree.flatten(state)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated)
         self.executable_cache = executable_cache
-        self.executables: dict[tuple[int, int], jax.stages.Compiled] = {}  # (tokens, page width) -> step
+        self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
@@ -85,7 +84,7 @@ class Runner:
         shape = self.shape(batch)
         return self._run(shape, self.prepare(batch, shape))
 
-    def _run(self, shape: tuple[int, int], plan) -> SampleOutput:
+    def _run(self, shape: tuple[int, int, int], plan) -> SampleOutput:
         if self._leads:  # the other processes run the same step on the same plan
             self._command(RUN, shape)
             broadcast_plan(plan)
@@ -96,7 +95,7 @@ class Runner:
     def _args(self, plan) -> tuple:
         return self.weights, self.kv, *jax.tree.map(self._to_device, plan)
 
-    def _executable(self, shape: tuple[int, int], args: tuple) -> jax.stages.Compiled:
+    def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
         if shape not in self.executables:
             description = repr((self.model_config, self.config, shape))
@@ -104,7 +103,7 @@ class Runner:
                 self.step_fn, args, description, list(self.kv_sharding.mesh.devices.flat))
         return self.executables[shape]
 
-    def _command(self, command: int, shape: tuple[int, int] = (0, 0)) -> None:
+    def _command(self, command: int, shape: tuple[int, int, int] = (0, 0, 0)) -> None:
         broadcast_plan(np.array([command, *shape], np.int32))
         self._last_broadcast = time.monotonic()
 
@@ -123,7 +122,7 @@ class Runner:
         """Processes other than 0: run each step process 0 broadcasts, until it broadcasts STOP."""
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         while True:
-            command, *shape = broadcast_plan(np.zeros(3, np.int32)).tolist()
+            command, *shape = broadcast_plan(np.zeros(4, np.int32)).tolist()
             if command == STOP:
                 return
             if command == RUN:
@@ -136,18 +135,18 @@ class Runner:
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
                           top_logprobs=out.top_logprobs[:rows])
 
-    def shape(self, batch: ScheduledBatch) -> tuple[int, int]:
-        """The step's buckets: (tokens, page-table width)."""
+    def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
+        """The step's buckets: (tokens, sequences, page-table width)."""
         cfg = self.config
-        return (_bucket(max(batch.num_tokens, 1), cfg.token_buckets),
+        tokens = _bucket(max(batch.num_tokens, 1), cfg.token_buckets)
+        return (tokens, _bucket(max(len(batch.rows), 1), cfg.seqs_buckets(tokens)),
                 _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
 
-    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int] | None = None
+    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None
                 ) -> tuple[np.ndarray, ModelInputs, SamplingTensors]:
-        """The plan as host arrays, padded to its buckets (or to `shape` = (tokens, page-table width))."""
+        """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`)."""
         cfg = self.config
-        num_tokens, width = shape or self.shape(batch)
-        num_rows = cfg.seqs_bucket(num_tokens)
+        num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         kv_write_index = np.full(num_tokens, NULL_PAGE * cfg.page_size, np.int32)
@@ -192,13 +191,12 @@ class Runner:
         return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile (or load) every (tokens, pages) bucket. Process 0 of several also runs each once with
+        """Compile (or load) every step bucket. Process 0 of several also runs each once with
         an empty batch (it writes only the null page), so the other processes compile theirs as they
         follow."""
         cfg = self.config
-        pairs = list(itertools.product(cfg.token_buckets, cfg.page_buckets))
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
-        for shape in tqdm(pairs, desc="compiling step buckets", disable=not progress):
+        for shape in tqdm(cfg.step_buckets, desc="compiling step buckets", disable=not progress):
             plan = self.prepare(empty, shape)
             if self._leads:
                 self._run(shape, plan)

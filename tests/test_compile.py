@@ -73,7 +73,7 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     with CompileCounter() as counter:
         first = LLM(None, **settings)
     assert counter.count > 0
-    buckets = len(first.engine.config.token_buckets) * len(first.engine.config.page_buckets)
+    buckets = len(first.engine.config.step_buckets)
     entries = sorted((tmp_path / "jaxserve" / "executables").glob("*.executable"))
     assert len(entries) == buckets
     want = [o.outputs[0].token_ids for o in first.generate(prompts, params)]

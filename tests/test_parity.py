@@ -103,6 +103,24 @@ def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     assert len(set(outputs[1].outputs[0].token_ids)) > 4  # diverse paths, not one repeated token
 
 
+def test_long_prompts_in_the_few_sequences_bucket_match_transformers(hf_checkpoint):
+    """A step of 64 tokens from at most 4 sequences runs padded to 4 sequence rows, not 8 (its
+    attention in 16-row tiles): greedy generation still equals transformers'."""
+    model, model_dir = hf_checkpoint("llama")
+    llm = LLM(str(model_dir), max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    assert llm.engine.config.seqs_buckets(64) == (4, 8)
+    shapes = []
+    shape = llm.engine.runner.shape
+    llm.engine.runner.shape = lambda batch: shapes.append(shape(batch)) or shapes[-1]
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (61, 50, 3)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    assert (64, 4) in {s[:2] for s in shapes}
+    for prompt, out in zip(prompts, outputs):
+        want, ref_logits = _hf_greedy(model, prompt, 24)
+        assert_same_greedy(out.outputs[0].token_ids, want, ref_logits)
+
+
 @pytest.mark.parametrize("arch,kernel", [
     (arch, kernel) if (arch, kernel) in (("llama", "tpu-interpret"), ("mistral", "gpu-interpret"))
     else pytest.param(arch, kernel, marks=pytest.mark.slow)
