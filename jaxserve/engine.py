@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import os
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -76,21 +77,23 @@ class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer, *, warmup: bool = True):
+                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True):
+        """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
+        and every bucket is compiled."""
         executable_cache = compilation_cache()
         self.model_config = model_config
         self.config = config
-        self.tokenizer = tokenizer
         self.mesh = make_mesh(config.tensor_parallel_size)
         graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
-        self.output = OutputProcessor(tokenizer, self.scheduler, model_config.vocab_size)
         self._seeds = np.random.default_rng(config.seed)
         self._unreleased: list = []  # sequences with tokens of the last step whose text is not yet released
         if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
             self.runner.warmup()
+        self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
+        self.output = OutputProcessor(self.tokenizer, self.scheduler, model_config.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
@@ -187,8 +190,10 @@ def build_engine(model: str | None, *, chat_template: str | None = None, max_mod
             model_config, engine_options.get("dtype", "float32"), kv_cache_memory_fraction,
             engine_options.get("tensor_parallel_size", 1))
     config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, **engine_options)
-    tokenizer = Tokenizer(model_dir, chat_template=chat_template)
-    return Engine(model_dir, model_config, config, tokenizer), tokenizer
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
+        tokenizer = pool.submit(Tokenizer, model_dir, chat_template=chat_template)
+        engine = Engine(model_dir, model_config, config, tokenizer)
+    return engine, engine.tokenizer
 
 
 PromptInput = str | list[int] | dict

@@ -68,6 +68,14 @@ def _argument_signature(args) -> str:
     return repr((str(treedef), [(x.shape, str(x.dtype), str(x.sharding)) for x in leaves]))
 
 
+def _mtime(path: Path) -> float:
+    """0 for a file another thread or process has just removed."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
+
+
 class ExecutableCache:
     """`compile(fn, args, description, devices)`: `fn` (a jitted function) lowered and compiled for
     `args`, or its executable loaded from `directory` (None: always compile, nothing is written).
@@ -115,6 +123,6 @@ class ExecutableCache:
         return self.directory / f"{key.hexdigest()}.executable"
 
     def _prune(self) -> None:
-        entries = sorted(self.directory.glob("*.executable"), key=lambda p: p.stat().st_mtime)
+        entries = sorted(self.directory.glob("*.executable"), key=_mtime)
         for stale in entries[:max(0, len(entries) - MAX_ENTRIES)]:
             stale.unlink(missing_ok=True)

@@ -13,7 +13,9 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -31,6 +33,7 @@ from jaxserve.sharding import broadcast_plan, is_leader, place
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
 RUN, KEEPALIVE, STOP = 0, 1, 2
+WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at once
 KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
 
 
@@ -191,15 +194,19 @@ class Runner:
         return self._constants[key]
 
     def warmup(self, progress: bool = True) -> None:
-        """Compile (or load) every step bucket. Process 0 of several also runs each once with
-        an empty batch (it writes only the null page), so the other processes compile theirs as they
-        follow."""
-        cfg = self.config
+        """Compile (or load) every step bucket, WARMUP_THREADS at a time (XLA compiles and loads
+        without holding the GIL). Process 0 of several instead runs each bucket in turn with an empty
+        batch (it writes only the null page), so the other processes compile theirs as they follow."""
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
-        for shape in tqdm(cfg.step_buckets, desc="compiling step buckets", disable=not progress):
-            plan = self.prepare(empty, shape)
+        shapes = self.config.step_buckets
+        with tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress) as bar:
             if self._leads:
-                self._run(shape, plan)
+                for shape in shapes:
+                    self._run(shape, self.prepare(empty, shape))
+                    bar.update()
             else:
-                self._executable(shape, self._args(plan))
+                with ThreadPoolExecutor(WARMUP_THREADS) as pool:
+                    for _ in pool.map(lambda shape: self._executable(shape, self._args(self.prepare(empty, shape))),
+                                      shapes):
+                        bar.update()
         jax.block_until_ready(self.kv)
