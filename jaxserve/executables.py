@@ -7,7 +7,8 @@ key that hashes everything it depends on and that is known without tracing:
 
 - the source of the packages that define the step (`jaxserve`, `kernels`) and the versions of
   jax, jaxlib and flax;
-- the backend, its devices, `XLA_FLAGS` and the attention choice (`JAXSERVE_ATTENTION`);
+- the backend, its devices, `XLA_FLAGS` and the attention implementation (resolving it also
+  registers the CPU kernel's custom call, which a loaded executable may call);
 - the caller's description (model and engine configs, the bucket) and the shapes, dtypes and
   shardings of the arguments.
 
@@ -35,9 +36,12 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from kernels import implementation as attention_implementation
+
 log = logging.getLogger(__name__)
 
 SOURCE_PACKAGES = ("jaxserve", "kernels")
+SOURCE_SUFFIXES = (".py", ".cc")
 MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted (an entry is 0.2-2 MB)
 ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION")
 
@@ -48,7 +52,7 @@ def _installation_digest() -> str:
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for package in SOURCE_PACKAGES:
-        for file in sorted((root / package).rglob("*.py")):
+        for file in sorted(f for f in (root / package).rglob("*") if f.suffix in SOURCE_SUFFIXES):
             h.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
     backend = jax.devices()[0].client
     h.update(repr((jax.__version__, jaxlib.__version__, flax.__version__, backend.platform,
@@ -59,8 +63,8 @@ def _installation_digest() -> str:
 def _settings() -> str:
     """What may change while the process runs (read at each compilation: tests switch the attention
     implementation through the environment)."""
-    return repr(([os.environ.get(name) for name in ENVIRONMENT_VARIABLES], jax.config.jax_enable_x64,
-                 jax.config.jax_default_matmul_precision))
+    return repr(([os.environ.get(name) for name in ENVIRONMENT_VARIABLES], attention_implementation(),
+                 jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision))
 
 
 def _argument_signature(args) -> str:

@@ -70,13 +70,15 @@ def broadcast_plan(tree):
     return jax.tree.map(np.array, multihost_utils.broadcast_one_to_all(tree))  # writeable copies
 
 
-def place(array: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """A host array (the same on every process) onto `sharding`: each device receives only its shard.
+def place(arrays, sharding: NamedSharding):
+    """Host arrays (one, or a list; the same on every process) onto `sharding`: each device receives
+    only its shard. A list goes in one transfer (a step's ~25 small inputs: about 1 ms instead of 3).
     Across processes each one fills its own devices (`device_put` would first compare the whole
     array between the processes, a collective per array)."""
     if jax.process_count() == 1:
-        return jax.device_put(array, sharding)
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        return jax.device_put(arrays, sharding)
+    return jax.tree.map(lambda array: jax.make_array_from_callback(array.shape, sharding, lambda index: array[index]),
+                        arrays)
 
 
 def make_mesh(tensor_parallel_size: int) -> Mesh:

@@ -1,5 +1,5 @@
-"""Paged attention (the jnp reference and the tiled XLA implementation) against dense float64 numpy
-attention on contiguous K/V."""
+"""Paged attention (the jnp reference, the tiled XLA implementation and the CPU custom call) against
+dense float64 numpy attention on contiguous K/V."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
     return np.einsum("htc,chd->thd", p, v)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "cpu"])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0)])
 def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl):
@@ -88,8 +88,9 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
     np.testing.assert_array_equal(out[real:], 0.0)  # padding rows
 
 
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiled_matches_reference_on_wide_tiles(dtype):
+def test_matches_reference_on_wide_tiles(dtype, impl):
     """Tiles of 16 rows (64 tokens from 4 sequences), partial tiles, a decode, a random cache; in
     bfloat16 the cache holds its bits (as the engine stores it on CPU)."""
     from kernels import cache_dtype
@@ -113,6 +114,25 @@ def test_tiled_matches_reference_on_wide_tiles(dtype):
     run = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl"))
     for window in (None, 9):
         want = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl="reference"), np.float32)
-        got = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl="xla"), np.float32)
+        got = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl=impl), np.float32)
         np.testing.assert_allclose(got, want, atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
         assert np.abs(want[:query_start[-1]]).max() > 0.1 and np.all(want[query_start[-1]:] == 0)
+
+
+def test_without_a_compiler_cpu_attention_falls_back_to_xla(monkeypatch, tmp_path, caplog):
+    """The CPU kernel is built on first use; where it cannot be, the CPU backend's default becomes the
+    XLA implementation (with a warning), and asking for "cpu" by name is an error."""
+    from kernels import implementation
+    from kernels.paged_attention import cpu
+
+    assert implementation() == "cpu"  # this machine builds it
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu._load.cache_clear()
+    try:
+        assert implementation() == "xla"
+        assert "falling back to the XLA implementation" in caplog.text
+        with pytest.raises(ValueError, match="could not be built"):
+            implementation("cpu")
+    finally:
+        cpu._load.cache_clear()
