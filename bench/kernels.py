@@ -1,6 +1,7 @@
 """Paged-attention kernels against the XLA implementation and the reference, per shape.
 
     python bench/kernels.py                 # on a TPU or GPU VM: realistic shapes, the backend's kernel
+    python bench/kernels.py --dtype float32 # on CPU: bench-125m's shapes, the C++ kernel
     python bench/kernels.py --interpret     # anywhere (CPU): small shapes, kernels in Pallas' interpreter
 
 For each shape (a batch of sequences each adding `new` query tokens to a context of `context`
@@ -33,6 +34,9 @@ PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765
 FULL = [(b, 1, c, d, g) for b in (1, 32, 256) for c in (128, 2048, 32768) for d in (64, 128) for g in (1, 4, 8)
         if b * c <= 256 * 4096] + [(4, 512, 4096, 128, 4), (16, 128, 2048, 128, 8)]
 SMALL = [(2, 1, 64, 64, 1), (4, 1, 128, 64, 4), (2, 16, 96, 64, 8)]
+# CPU: steps the size of bench-125m's W1 and W2 decodes and prefills (head_dim 64, 3 query heads per KV
+# head; 8 KV heads, as in every shape here)
+CPU = [(1, 1, 256, 64, 3), (32, 1, 256, 64, 3), (64, 1, 512, 64, 3), (1, 128, 128, 64, 3), (4, 128, 128, 64, 3)]
 
 
 def make_step(num_seqs: int, new: int, context: int, head_dim: int, group: int, dtype, page_size: int = 16,
@@ -72,6 +76,9 @@ def main() -> None:
     peak = args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in kind), None)
     if args.interpret:
         impls, shapes = ["reference", "xla", "tpu-interpret", "gpu-interpret"], SMALL
+        impls += ["cpu"] if jax.default_backend() == "cpu" else []
+    elif jax.default_backend() == "cpu":
+        impls, shapes = ["reference", "xla", "cpu"], CPU
     else:
         kernel = BY_BACKEND.get(jax.default_backend())
         impls, shapes = ["reference", "xla"] + ([kernel] if kernel else []), FULL

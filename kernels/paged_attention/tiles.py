@@ -1,9 +1,9 @@
 """Query tiles: how the kernels cut a ragged batch of query rows into equal blocks.
 
 A tile is up to `tile` consecutive query rows of ONE sequence (a sequence's rows are cut from
-its first row on, so a tile never spans two sequences). Every implementation but the
-reference computes attention one tile at a time: the tile's rows share their sequence's
-pages, so those are read once per tile instead of once per row. `gather` lays the query rows
+its first row on, so a tile never spans two sequences). The Pallas kernels and the XLA form
+compute attention one tile at a time: the tile's rows share their sequence's pages, so those
+are read once per tile instead of once per row. `gather` lays the query rows
 out tile by tile and `scatter` puts each tile's real rows back; rows of a tile past its real
 ones are padding, computed and dropped.
 """

@@ -1,5 +1,5 @@
-"""Ragged paged attention in plain XLA, by query tiles: the implementation for backends without a
-Pallas kernel (CPU).
+"""Ragged paged attention in plain XLA, by query tiles: for backends without a kernel of their own
+(CPU without a C++ compiler for `cpu.cc`).
 
 The reference gathers a sequence's keys and values once per query row, and multiplies them by that
 row alone. Here the query rows of each sequence are cut into tiles of up to 16 consecutive rows
