@@ -227,8 +227,8 @@ class EngineConfig:
         """Padded numbers of sequences for a step of `token_bucket` tokens T: min(T, max_num_seqs)
         (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
         step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
-        rows instead of max_num_seqs, and the CPU attention cuts its chunks into tiles of 16 rows
-        instead of T / max_num_seqs (kernels/paged_attention/tiles.py). Smaller steps cost too little
+        rows instead of max_num_seqs, and a tiled attention (kernels/paged_attention/tiles.py) cuts
+        its chunks into tiles of 16 rows instead of T / max_num_seqs. Smaller steps cost too little
         to pay for more compilations."""
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
         return (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
