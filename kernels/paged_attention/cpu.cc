@@ -5,7 +5,7 @@
 // keys of its own pages; padding rows are zeros. Unlike the XLA implementations it reads
 // each key straight from its page (no gathered copy of the context), visits only the keys
 // a row can see (no masked padding up to the page-table width), and computes the scores
-// of the query heads that share a KV head in one pass over the keys.
+// of every query head in one pass over the keys.
 //
 // Work items are (sequence, block of up to 16 query rows), claimed from an atomic
 // counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool.
@@ -166,7 +166,8 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   for (int64_t t = item.first_row; t < item.end_row; ++t) {
     const int64_t pos = kv_len - q_len + (t - p.query_start[item.seq]);
     const int64_t first_key = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-    const int64_t num_keys = pos + 1 - first_key;
+    // (keys past the page table's width are outside the context, as in the reference)
+    const int64_t num_keys = std::min(pos + 1, p.pages_per_seq * p.page_size) - first_key;
     const float* q = p.q.Read(t * heads * d, heads * d, query);
     std::fill(maxima, maxima + heads, -INFINITY);
     for (int64_t j = 0; j < num_keys; ++j) {
