@@ -1,7 +1,8 @@
 """The engine loop and the offline Python API.
 
 `Engine` owns the scheduler, the runner and the output processor and advances
-them one step at a time (`step`: schedule, grammar masks, run, update, release text). `LLM` is
+them one step at a time (`step`: schedule, grammar masks, launch; then finish the
+step launched before: update, release text). `LLM` is
 the vLLM-style offline API on top: tokenize, add every prompt, step until all
 are finished. Neither knows anything about HTTP.
 """
@@ -28,8 +29,8 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
-from jaxserve.sampling import MAX_SUPPRESSED, SamplingParams
-from jaxserve.scheduler import Scheduler
+from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput, SamplingParams
+from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
@@ -89,7 +90,7 @@ class Engine:
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
-        self._unreleased: list = []  # sequences with tokens of the last step whose text is not yet released
+        self._in_flight: tuple[ScheduledBatch, SampleOutput] | None = None  # launched, not yet finished
         if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
             self.runner.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
@@ -130,27 +131,41 @@ class Engine:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
             self.scheduler.abort(seq.seq_id)
             self.output.forget(seq.seq_id)
-        self._unreleased = [s for s in self._unreleased if s.request_id != request_id]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._unreleased)
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def step(self, on_release: Callable[[SequenceOutput], None] | None = None) -> list[SequenceOutput]:
-        """One step of every running sequence -> the text released for each sequence that got a token
-        in the step before. Releasing text (detokenizing, stop strings, and `on_release` of each
-        output, e.g. sending it to a client) runs while the device computes this step: JAX
-        dispatches it asynchronously."""
+        """Launch the next step, then finish the one launched before it -> the text released for each
+        sequence that got a token in that one.
+
+        The next step is planned and launched before the previous step's tokens reach the host (its
+        rows read them on the device, see `scheduler`), so the host's work on them (recording tokens,
+        detokenizing, stop strings, and `on_release` of each output, e.g. sending it to a client)
+        runs while the device computes. Only when the previous step's tokens feed the host side of
+        the next (penalties, grammars) is it finished first."""
+        released = []
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight[0]):
+            released = self._finish_in_flight(on_release)
         batch = self.scheduler.schedule()
+        launched = None
         if batch.rows:
             self.output.constrain(batch)
-            launched = self.runner.launch(batch)
-        released = self.output.process(self._unreleased)  # a stop string found here drops the
-        self._unreleased = []  # sequence's token of this step (the scheduler ignores finished rows)
-        for out in released if on_release else ():
+            launched = batch, self.runner.launch(batch)
+        if self._in_flight is not None:
+            released = self._finish_in_flight(on_release)
+        self._in_flight = launched
+        return released
+
+    def _finish_in_flight(self, on_release: Callable[[SequenceOutput], None] | None) -> list[SequenceOutput]:
+        """Wait for the launched step; record its tokens, advance grammars, release text."""
+        batch, launched = self._in_flight
+        self._in_flight = None
+        changed = self.scheduler.update(batch, self.runner.collect(batch, launched))
+        self.output.advance_grammars(changed)
+        released = self.output.process(changed)  # a stop string found here drops the sequence's row
+        for out in released if on_release else ():  # in the step already launched
             on_release(out)
-        if batch.rows:
-            self._unreleased = self.scheduler.update(batch, self.runner.collect(batch, launched))
-            self.output.advance_grammars(self._unreleased)  # before the next step's masks
         return released
 
 

@@ -13,10 +13,12 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,50 @@ from jaxserve.sharding import broadcast_plan, is_leader, place
 RUN, KEEPALIVE, STOP = 0, 1, 2
 WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at once
 KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
+PACKED_MAX_BYTES = 16384  # host inputs up to this size travel to the device together, in one buffer
+
+
+@flax.struct.dataclass
+class PackedPlan:
+    """A step's host inputs as few device arrays: every small input in one buffer of 32-bit words
+    (one transfer instead of ~25, each of which costs ~0.1 ms on CPU), the large ones (the penalty
+    history, the grammar masks: usually padding, sent once) on their own. `layout` gives each leaf
+    of the plan, in order: (shape, dtype, offset into `words`, or -1 for the next of `large`). It
+    depends only on the step's bucket, so it is part of the compiled signature (a static field)."""
+
+    words: jax.Array  # i32[n]
+    large: tuple[jax.Array, ...]
+    layout: tuple[tuple[tuple[int, ...], str, int], ...] = flax.struct.field(pytree_node=False)
+
+    @classmethod
+    def layout_of(cls, leaves: list[np.ndarray]) -> tuple[tuple[tuple[int, ...], str, int], ...]:
+        layout, offset = [], 0
+        for leaf in leaves:
+            if leaf.dtype.itemsize != 4 and leaf.dtype != bool:
+                raise TypeError(f"a step input of dtype {leaf.dtype} does not pack into 32-bit words")
+            packed = leaf.nbytes <= PACKED_MAX_BYTES
+            layout.append((leaf.shape, leaf.dtype.name, offset if packed else -1))
+            offset += leaf.size if packed else 0
+        return tuple(layout)
+
+    @staticmethod
+    def words_of(leaves: list[np.ndarray], layout) -> np.ndarray:
+        """The packed buffer on the host: 4-byte values bit for bit, booleans as 0 or 1."""
+        parts = [(leaf.astype(np.int32) if leaf.dtype == bool else leaf.view(np.int32)).ravel()
+                 for leaf, (_, _, offset) in zip(leaves, layout) if offset >= 0]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+    def unpack(self) -> list[jax.Array]:
+        """The plan's leaves again (inside the step)."""
+        large = iter(self.large)
+        leaves = []
+        for shape, dtype, offset in self.layout:
+            if offset < 0:
+                leaves.append(next(large))
+                continue
+            words = self.words[offset:offset + int(np.prod(shape))].reshape(shape)
+            leaves.append(words != 0 if dtype == "bool" else jax.lax.bitcast_convert_type(words, jnp.dtype(dtype)))
+        return leaves
 
 
 def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
@@ -50,21 +96,29 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.lax.fori_loop(0, jnp.sum(page_copies[:, 0] != page_copies[:, 1]), copy, kv)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding):
-    """The jitted step: (weights, cache, page copies, inputs, sampling) -> (cache, sampled tokens and
-    logprobs of every row). `weights` are the leaves of the model state, whose structure
-    (`graphdef`, `state_treedef`) is closed over, so a call hashes no module structure. The cache is
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_sharding: NamedSharding,
+                 replicated: NamedSharding):
+    """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
+    tokens and logprobs of every row, the tokens again padded to max_num_seqs rows: the next step's
+    `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
+    from `previous` on the device, so the next step is launched before this one's tokens reach the
+    host. `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`)
+    is closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
+    copies, model inputs, sampling tensors; see `Runner.prepare`). The cache is
     donated and keeps `kv_sharding`, so the next step sees the same input shardings; the samples
     come out `replicated`, so any process can read them."""
 
-    def step(weights: list[jax.Array], kv: KVCache, page_copies: jax.Array, inputs: ModelInputs,
-             sampling: SamplingTensors) -> tuple[KVCache, SampleOutput]:
+    def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
+             ) -> tuple[KVCache, SampleOutput, jax.Array]:
+        page_copies, pending, inputs, sampling = jax.tree.unflatten(plan_treedef, plan.unpack())
+        inputs = inputs.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], inputs.token_ids))
         kv = copy_pages(kv, page_copies)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
             kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
-        return kv, sample(logits, sampling)
+        out = sample(logits, sampling)
+        return kv, out, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
 
-    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated))
+    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -81,11 +135,15 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
-        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated)
+        plan_treedef = jax.tree.structure(self.prepare(ScheduledBatch(rows=[], num_tokens=0, preempted=[]),
+                                                       config.step_buckets[0]))
+        self.step_fn = make_step_fn(graphdef, state_treedef, plan_treedef, kv_sharding, replicated)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
+        self._layouts: dict[tuple[int, int, int], tuple] = {}  # step bucket -> its PackedPlan layout
+        self._previous = place(np.zeros(config.max_num_seqs, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
 
@@ -98,18 +156,24 @@ class Runner:
         if self._leads:  # the other processes run the same step on the same plan
             self._command(RUN, shape)
             broadcast_plan(plan)
-        args = self._args(plan)
-        self.kv, out = self._executable(shape, args)(*args)
+        args = self._args(plan, shape)
+        self.kv, out, self._previous = self._executable(shape, args)(*args)
         return out
 
-    def _args(self, plan) -> tuple:
-        """The step's arguments: every host input is placed replicated on the mesh, the same way every
-        step, all in one transfer; the padding of an unused input goes to the device only once."""
-        leaves, treedef = jax.tree.flatten(plan)
-        fresh = [i for i, array in enumerate(leaves) if array.flags.writeable]
-        placed = dict(zip(fresh, place([leaves[i] for i in fresh], self.replicated)))
-        return self.weights, self.kv, *jax.tree.unflatten(
-            treedef, [placed[i] if i in placed else self._constant(array) for i, array in enumerate(leaves)])
+    def _args(self, plan, shape: tuple[int, int, int]) -> tuple:
+        """The step's arguments: the host inputs packed (`PackedPlan`) and placed replicated on the
+        mesh, the same way every step, in one transfer; the padding of an unused large input goes to
+        the device only once."""
+        leaves = jax.tree.leaves(plan)
+        if shape not in self._layouts:
+            self._layouts[shape] = PackedPlan.layout_of(leaves)
+        layout = self._layouts[shape]
+        large = [leaf for leaf, (_, _, offset) in zip(leaves, layout) if offset < 0]
+        fresh = [i for i, array in enumerate(large) if array.flags.writeable]
+        words, *placed = place([PackedPlan.words_of(leaves, layout), *[large[i] for i in fresh]], self.replicated)
+        placed = dict(zip(fresh, placed))
+        large = tuple(placed[i] if i in placed else self._constant(array) for i, array in enumerate(large))
+        return self.weights, self.kv, PackedPlan(words=words, large=large, layout=layout), self._previous
 
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
@@ -159,8 +223,10 @@ class Runner:
                 _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None
-                ) -> tuple[np.ndarray, ModelInputs, SamplingTensors]:
-        """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`)."""
+                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors]:
+        """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`): page copies,
+        pending (i32[T]: for each token still being sampled, the row of the step before that samples
+        it; else -1), model inputs and sampling tensors."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -170,6 +236,7 @@ class Runner:
         page_table = np.full((num_rows, width), NULL_PAGE, np.int32)
         query_start = np.zeros(num_rows + 1, np.int32)
         logits_indices = np.zeros(num_rows, np.int32)
+        pending = np.full(num_tokens, -1, np.int32)
         start = 0
         for b, row in enumerate(batch.rows):
             n = len(row.token_ids)
@@ -181,6 +248,7 @@ class Runner:
             kv_lens[b] = row.start_position + n
             page_table[b, :len(pages)] = pages
             start += n
+            pending[start - 1] = row.pending_row
             query_start[b + 1] = start
             logits_indices[b] = start - 1
         query_start[len(batch.rows) + 1:] = start
@@ -194,7 +262,7 @@ class Runner:
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        return copies, inputs, sampling
+        return copies, pending, inputs, sampling
 
     def _constant(self, array: np.ndarray) -> jax.Array:
         key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step
@@ -215,7 +283,7 @@ class Runner:
                     bar.update()
             else:
                 with ThreadPoolExecutor(WARMUP_THREADS) as pool:
-                    for _ in pool.map(lambda shape: self._executable(shape, self._args(self.prepare(empty, shape))),
+                    for _ in pool.map(lambda shape: self._executable(shape, self._args(self.prepare(empty, shape), shape)),
                                       shapes):
                         bar.update()
         jax.block_until_ready(self.kv)

@@ -113,7 +113,7 @@ class SamplingRow:
     params: SamplingParams
     seed: int
     position: int  # position of the token being sampled
-    token_ids: list[int]  # the sequence's prompt + generated tokens (read only)
+    token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
 
 
@@ -179,7 +179,7 @@ class SamplingTensors:
                 ids = np.fromiter(p.logit_bias.keys(), np.int64)
                 bias_ids[b, :len(ids)] = np.where(ids < vocab_size, ids, vocab_size)
                 bias_values[b, :len(ids)] = list(p.logit_bias.values())
-            if len(row.token_ids) - row.num_prompt_tokens < p.min_tokens and p.constraint is None:
+            if row.position - row.num_prompt_tokens < p.min_tokens and p.constraint is None:  # outputs before it
                 ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
             if p.uses_penalties:  # then `history` is a fresh array

@@ -21,6 +21,17 @@ last token is cached; it then forks n - 1 siblings that share those pages
 (reference counts). Each computes the last prompt token itself; whoever writes
 into a shared page first gets a private copy (`ScheduledBatch.page_copies`).
 
+Steps are planned one ahead: a step may be scheduled while the one before it
+still computes. Scheduling counts a row's tokens as computed at once, and a row
+that samples leaves its sequence one *pending* token, which the next step may
+already take as its input: that row names the previous step's row
+(`ScheduledSeq.pending_row`) and the device feeds the sampled token in.
+`update` then records the sampled tokens of a finished step; a result for a
+sequence that has finished or been preempted since is dropped (a preempted
+sequence samples that position again, with the same random key). Sequences
+whose next step needs their last token on the host (penalties, grammars) are
+not planned ahead (`can_schedule_ahead`).
+
 The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never
 touches device arrays. It knows nothing about the model, tokenizers or HTTP.
 """
@@ -55,6 +66,8 @@ class ScheduledSeq:
     seq_id: int
     token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or the last token)
     start_position: int  # position of token_ids[0] in the sequence (= num_computed_tokens)
+    # >= 0: the last of token_ids is still being sampled by that row of the step before (a 0 here)
+    pending_row: int
     page_ids: list[int]  # the sequence's page table, covering start_position + len(token_ids) tokens
     sample: bool  # the chunk ends the known tokens: sample the next one
     params: SamplingParams
@@ -138,12 +151,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            i += 1
             n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:  # its pending token is its last: nothing more to compute
+                continue
             if not self._reserve(seq, n, batch):
                 break  # seq itself was preempted: it was the newest
-            batch.rows.append(self._row(seq, n))
+            batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
-            i += 1
         while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             matched = self._match_prefix(seq)
@@ -156,7 +171,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            batch.rows.append(self._row(seq, n))
+            batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
         batch.num_tokens = self.config.max_num_batched_tokens - budget
         return batch
@@ -183,7 +198,7 @@ class Scheduler:
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Enter the sequence's newly completed pages into the prefix cache."""
-        size = self.allocator.page_size
+        size = self.allocator.page_size  # (a page the step in flight fills holds no pending token)
         for i in range(len(seq.page_hashes), seq.num_computed_tokens // size):
             prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else None,
                                     seq.token_ids[i * size:(i + 1) * size])
@@ -209,7 +224,7 @@ class Scheduler:
         while not self._allocate(seq, n, batch.page_copies):
             victim = self.running.pop()
             self.allocator.release(victim.page_ids)
-            victim.page_hashes, victim.num_computed_tokens = [], 0
+            victim.page_hashes, victim.num_computed_tokens, victim.num_pending = [], 0, 0
             victim.status = SequenceStatus.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
@@ -220,14 +235,34 @@ class Scheduler:
         return True
 
     @staticmethod
-    def _row(seq: Sequence, n: int) -> ScheduledSeq:
+    def _row(seq: Sequence, n: int, index: int) -> ScheduledSeq:
+        """Row `index` of the step: seq's next n tokens, counted as computed from now on. The last may
+        be the pending token of the step before (only ever one: a row that samples covers all known
+        tokens)."""
         start = seq.num_computed_tokens
-        return ScheduledSeq(seq_id=seq.seq_id, token_ids=seq.token_ids[start:start + n], start_position=start,
-                            page_ids=list(seq.page_ids), sample=start + n == seq.num_tokens, params=seq.params,
-                            seed=seq.seed, all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+        token_ids = seq.token_ids[start:start + n]
+        pending_row = -1
+        if len(token_ids) < n:
+            token_ids.append(0)
+            pending_row = seq.pending_row
+        seq.num_computed_tokens += n
+        sample = seq.num_computed_tokens == seq.num_tokens + seq.num_pending
+        if sample:
+            seq.num_pending += 1
+            seq.pending_row = index
+        return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids, start_position=start, pending_row=pending_row,
+                            page_ids=list(seq.page_ids), sample=sample, params=seq.params, seed=seq.seed,
+                            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+
+    def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
+        """Whether the next step may be planned before `batch`'s tokens are known: not when one of
+        its sampled tokens feeds the host side of the next step (the penalties' history, a grammar)."""
+        return not any(row.sample and (row.params.uses_penalties or row.params.constraint is not None)
+                       for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
-        """Record the step: computed counts, sampled tokens, forks, stop checks. -> sequences that got a token."""
+        """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
+        a token."""
         changed = []
         for b, row in enumerate(batch.rows):
             seq = self.seqs.get(row.seq_id)
@@ -235,14 +270,15 @@ class Scheduler:
                 continue  # finished or preempted since the plan was made
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
-            seq.num_computed_tokens += len(row.token_ids)
+            if row.sample:
+                seq.num_pending -= 1
+                seq.token_ids.append(int(out.token_ids[b]))
             if self.config.enable_prefix_caching:
                 self._register_full_pages(seq)
             self._fork_if_ready(seq)
             if not row.sample:
                 continue
-            token = int(out.token_ids[b])
-            seq.token_ids.append(token)
+            token = seq.token_ids[-1]
             seq.cumulative_logprob += float(out.logprobs[b])
             if seq.params.logprobs is not None:
                 k = seq.params.logprobs

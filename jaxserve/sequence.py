@@ -23,7 +23,9 @@ class Sequence:
     seed: int  # the request's seed, or one drawn by the engine
     max_tokens: int  # params.max_tokens, resolved against max_model_len
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache, or being written by a launched step
+    num_pending: int = 0  # sampled by launched steps, not yet in token_ids (0-2)
+    pending_row: int = -1  # the row of the last launched step that samples its next token
     page_ids: list[int] = dataclasses.field(default_factory=list)  # the page table
     page_hashes: list[bytes] = dataclasses.field(default_factory=list)  # prefix hashes of its first full pages
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when it was first scheduled
@@ -45,9 +47,11 @@ class Sequence:
 
     @property
     def num_wanted_tokens(self) -> int:
-        """Tokens to have in the cache: all of them, but the prompt's last one while forks are pending
-        (each sibling computes that token itself, writing into its own copy of the last page)."""
-        return self.num_tokens - (1 if self.pending_forks else 0)
+        """Tokens to have in the cache: all of them, pending ones included, but the prompt's last one
+        while forks are pending (each sibling computes that token itself, writing into its own copy
+        of the last page), and not a pending token that is its last (max_tokens)."""
+        wanted = self.num_tokens + self.num_pending - (1 if self.pending_forks else 0)
+        return wanted - (1 if self.num_pending and self.num_output_tokens + self.num_pending >= self.max_tokens else 0)
 
     @property
     def num_tokens(self) -> int:

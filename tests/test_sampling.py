@@ -204,7 +204,8 @@ def test_logit_bias_and_min_tokens_masking():
     bias = SamplingParams(logit_bias={3: 100.0, 5: -100.0})
     masked = SamplingParams(min_tokens=4, stop_token_ids=[2])
     done = SamplingParams(min_tokens=1, stop_token_ids=[2])
-    rows = [SamplingRow(bias, 0, 0, [1], 1), SamplingRow(masked, 0, 0, [1, 9], 1), SamplingRow(done, 0, 0, [1, 9], 1)]
+    # (seed, position of the token sampled: one prompt token and one output token before it)
+    rows = [SamplingRow(bias, 0, 2, [1, 9], 1), SamplingRow(masked, 0, 2, [1, 9], 1), SamplingRow(done, 0, 2, [1, 9], 1)]
     t = SamplingTensors.from_rows(rows, 4, VOCAB, history_len=8, eos_token_ids=(0,))
     got = np.asarray(jax.jit(process_logits)(np.tile(LOGITS, (4, 1)), t))
     np.testing.assert_allclose(got[0, [3, 5]], LOGITS[[3, 5]] + [100, -100], rtol=1e-6)

@@ -23,12 +23,63 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Seq
                     params=SamplingParams(max_tokens=max_tokens, **params), seed=0, max_tokens=max_tokens)
 
 
+def outputs(tokens: list[int]) -> StepOutput:
+    n = len(tokens)
+    return StepOutput(token_ids=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
+                      top_ids=np.asarray(tokens, np.int32)[:, None], top_logprobs=np.zeros((n, 1), np.float32))
+
+
 def run_step(sched: Scheduler, token: int = 7):
     batch = sched.schedule()
-    n = len(batch.rows)
-    sched.update(batch, StepOutput(token_ids=np.full(n, token, np.int32), logprobs=np.zeros(n, np.float32),
-                                   top_ids=np.full((n, 1), token, np.int32), top_logprobs=np.zeros((n, 1), np.float32)))
+    sched.update(batch, outputs([token] * len(batch.rows)))
     return batch
+
+
+def test_the_next_step_is_planned_before_the_sampled_tokens_are_known():
+    sched = make_scheduler()
+    for i in range(3):
+        sched.add(make_seq(i, 3, max_tokens=2))
+    first = sched.schedule()  # three prefills, each sampling
+    second = sched.schedule()  # planned while the first computes: each row's input is pending
+    assert [(r.seq_id, r.token_ids, r.start_position, r.pending_row, r.sample) for r in second.rows] == [
+        (0, [0], 3, 0, True), (1, [0], 3, 1, True), (2, [0], 3, 2, True)]
+    assert sched.can_schedule_ahead(second)
+    # max_tokens=2: the second step's tokens are the last; nothing more is planned before they are known
+    assert sched.schedule().rows == []
+    sched.update(first, outputs([EOS, 5, 6]))  # seq 0 ends: its row of the second step is dropped
+    assert 0 not in sched.seqs
+    assert [s.token_ids[3:] for s in (sched.seqs[1], sched.seqs[2])] == [[5], [6]]
+    assert sched.seqs[1].num_pending == 1 and sched.seqs[1].num_computed_tokens == 4
+    third = sched.schedule()
+    assert third.rows == []  # both are waiting for their last token
+    changed = sched.update(second, outputs([EOS, 8, 9]))
+    assert [(s.seq_id, s.output_token_ids, s.finish_reason) for s in changed] == [
+        (1, [5, 8], "length"), (2, [6, 9], "length")]
+    assert not sched.has_unfinished() and sched.allocator.num_free == sched.allocator.num_usable
+
+
+def test_a_sequence_preempted_with_a_pending_token_recomputes_it():
+    sched = make_scheduler(num_pages=5)  # 4 usable pages of 4 tokens
+    sched.add(make_seq(0, 8, max_tokens=8))
+    sched.add(make_seq(1, 7, max_tokens=8))
+    first = sched.schedule()  # both prefill and sample
+    second = sched.schedule()  # seq 0's pending token needs a third page: seq 1 gives its pages back
+    assert second.preempted == [1] and [(r.seq_id, r.pending_row) for r in second.rows] == [(0, 0)]
+    seq1 = sched.seqs[1]
+    assert (seq1.num_computed_tokens, seq1.num_pending, seq1.page_ids) == (0, 0, [])
+    sched.update(first, outputs([3, 4]))  # seq 1's sampled token is dropped: it samples that position again
+    assert seq1.num_tokens == 7 and sched.seqs[0].output_token_ids == [3]
+    sched.update(second, outputs([5]))
+    assert sched.seqs[0].output_token_ids == [3, 5]
+
+
+def test_penalties_and_grammars_are_not_planned_ahead():
+    sched = make_scheduler()
+    sched.add(make_seq(0, 3))
+    assert sched.can_schedule_ahead(sched.schedule())
+    sched.add(make_seq(1, 3, presence_penalty=0.5))
+    batch = sched.schedule()
+    assert [r.seq_id for r in batch.rows if r.sample] == [0, 1] and not sched.can_schedule_ahead(batch)
 
 
 def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
