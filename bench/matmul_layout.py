@@ -6,15 +6,20 @@ The products of one bench-125m decode step (12 layers of q, k, v, o, gate, up, d
 768 x 32000 head; 100 M weights, 400 MB in float32, so they stream from memory as in serving),
 chained through the layers, for M = 1 ... 128 token rows. Each configuration is jitted once and
 timed (best of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
-jaxserve stores its weights [out, in] (`jaxserve.model.Linear`) because of this table.
+jaxserve stores its weights [out, in] (`jaxserve.model.Linear`) because of this table. The
+"jaxserve cpu kernel" columns run `kernels.matmul_t` with the C++ CPU kernel on the same [out, in] weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 from roofline import best_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
 
 LAYERS, HIDDEN, KV, INTER, VOCAB = 12, 768, 256, 2048, 32000
 SHAPES = dict(q=(HIDDEN, HIDDEN), k=(KV, HIDDEN), v=(KV, HIDDEN), o=(HIDDEN, HIDDEN), gate=(INTER, HIDDEN),
@@ -37,9 +42,12 @@ def decode_products(x, layers, head, mm):
     return mm(x, head)
 
 
-def xla_step(layers, head, dtype: str, layout: str):
+def xla_step(layers, head, dtype: str, layout: str, impl: str = "xla"):
+    """impl "cpu": jaxserve's CPU kernel (`kernels.matmul`, [out, in] only) instead of XLA's dot."""
     import jax
     import jax.numpy as jnp
+
+    from kernels.matmul import matmul_t
 
     def put(w):  # w is [out, in]
         return jnp.asarray(w if layout == "out,in" else w.T, dtype)
@@ -49,6 +57,8 @@ def xla_step(layers, head, dtype: str, layout: str):
     contract = 1 if layout == "out,in" else 0
 
     def mm(x, w):
+        if impl == "cpu":
+            return matmul_t(x, w, impl="cpu")
         return jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -83,6 +93,8 @@ def main() -> None:
     layers, head = weights(rng)
     impls = {f"xla {dtype} [{layout}]": xla_step(layers, head, dtype, layout)
              for dtype in ("float32", "bfloat16") for layout in ("in,out", "out,in")}
+    impls.update({f"jaxserve cpu kernel {dtype}": xla_step(layers, head, dtype, "out,in", "cpu")
+                  for dtype in ("float32", "bfloat16")})
     impls.update({f"torch {dtype}": torch_step(layers, head, dtype) for dtype in ("float32", "bfloat16")})
     print(f"{machine_line()}, {args.threads} threads. Command: `python bench/matmul_layout.py --runs {args.runs}`.\n")
     print("ms per decode step's products (lower is better):\n")

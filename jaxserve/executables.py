@@ -7,8 +7,8 @@ key that hashes everything it depends on and that is known without tracing:
 
 - the source of the packages that define the step (`jaxserve`, `kernels`) and the versions of
   jax, jaxlib and flax;
-- the backend, its devices, `XLA_FLAGS` and the attention implementation (resolving it also
-  registers the CPU kernel's custom call, which a loaded executable may call);
+- the backend, its devices, `XLA_FLAGS` and the attention and matmul implementations (resolving
+  them also registers the CPU kernels' custom calls, which a loaded executable may call);
 - the caller's description (model and engine configs, the bucket) and the shapes, dtypes and
   shardings of the arguments.
 
@@ -37,13 +37,14 @@ import jaxlib
 from jax.experimental import serialize_executable
 
 from kernels import implementation as attention_implementation
+from kernels.matmul import implementation as matmul_implementation
 
 log = logging.getLogger(__name__)
 
 SOURCE_PACKAGES = ("jaxserve", "kernels")
-SOURCE_SUFFIXES = (".py", ".cc")
+SOURCE_SUFFIXES = (".py", ".cc", ".h")
 MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted (an entry is 0.2-2 MB)
-ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION")
+ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION", "JAXSERVE_MATMUL")
 
 
 @functools.cache
@@ -64,7 +65,7 @@ def _settings() -> str:
     """What may change while the process runs (read at each compilation: tests switch the attention
     implementation through the environment)."""
     return repr(([os.environ.get(name) for name in ENVIRONMENT_VARIABLES], attention_implementation(),
-                 jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision))
+                 matmul_implementation(), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision))
 
 
 def _argument_signature(args) -> str:

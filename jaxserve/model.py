@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from jaxserve.config import ModelConfig, RopeConfig
-from kernels import paged_attention, write_kv
+from kernels import matmul_t, paged_attention, write_kv
 
 
 @flax.struct.dataclass
@@ -89,12 +89,13 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it.
+    """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it (`kernels.matmul_t`).
 
     Products accumulate in float32 and return the input dtype. Both choices suit XLA's CPU backend:
     its float32 products of a row-major [out, in] weight are faster than of an [in, out] one at 1, 8
     and 32 rows (up to 1.4x), mixed at 2 rows and even at 128 (bench/RESULTS.md), and a
-    bfloat16-output product runs about 2.5x slower than a float32-accumulated one."""
+    bfloat16-output product runs about 2.5x slower than a float32-accumulated one; the CPU
+    kernel reads both operands along `in` too."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(nnx.initializers.lecun_normal(in_axis=1, out_axis=0)(rngs.params(), (d_out, d_in),
@@ -104,13 +105,6 @@ class Linear(nnx.Module):
     def __call__(self, x):
         y = matmul_t(x, self.weight[...])
         return y if self.bias is None else y + self.bias[...]
-
-
-def matmul_t(x, weight, dtype=None):
-    """x[..., in] @ weight[out, in]^T -> [..., out], accumulated in float32, returned in `dtype`
-    (default: x's)."""
-    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(dtype or x.dtype)
 
 
 class Attention(nnx.Module):

@@ -123,16 +123,16 @@ def test_without_a_compiler_cpu_attention_falls_back_to_xla(monkeypatch, tmp_pat
     """The CPU kernel is built on first use; where it cannot be, the CPU backend's default becomes the
     XLA implementation (with a warning), and asking for "cpu" by name is an error."""
     from kernels import implementation
-    from kernels.paged_attention import cpu
+    from kernels.cpu import build
 
     assert implementation() == "cpu"  # this machine builds it
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu._load.cache_clear()
+    build._register.cache_clear()
     try:
         assert implementation() == "xla"
-        assert "falling back to the XLA implementation" in caplog.text
+        assert "falls back to its XLA implementation" in caplog.text
         with pytest.raises(ValueError, match="could not be built"):
             implementation("cpu")
     finally:
-        cpu._load.cache_clear()
+        build._register.cache_clear()

@@ -8,39 +8,21 @@
 // of every query head in one pass over the keys.
 //
 // Work items are (sequence, block of up to 16 query rows), claimed from an atomic
-// counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool.
+// counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool
+// (common.h's ParallelFor).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "common.h"
 
-namespace ffi = xla::ffi;
-
+namespace jaxserve {
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;
-
-inline float Bf16ToFloat(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof(f));
-  return f;
-}
-
-inline uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA converts
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // Elements are float32 or bfloat16 (as raw 16-bit words): widened to float32 for the math.
 struct Elements {
@@ -54,24 +36,6 @@ struct Elements {
     return dst;
   }
 };
-
-// 8 float lanes (one AVX register on x86-64, two NEON registers on Arm), by GCC/Clang vector extensions.
-typedef float Lanes __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
-
-inline Lanes Load(const float* p) {
-  Lanes v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
-
-inline float Sum(Lanes v) {
-  float s = 0.0f;
-  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 inline float Dot(const float* a, const float* b, int64_t n) {
   Lanes even = {}, odd = {};  // two chains, so consecutive multiply-adds do not wait on each other
@@ -200,23 +164,6 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   }
 }
 
-// Items shared by the calling thread and its helpers; helpers that start late find none left.
-struct Work {
-  Problem problem;
-  std::vector<Item> items;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Run() {
-    std::vector<float> scratch;
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(items.size());) {
-      Attend(problem, items[i], scratch);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-bool IsBf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> num_seqs,
@@ -231,8 +178,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   if (qd.size() != 3 || kd.size() != 4 || page_table.dimensions().size() != 2) {
     return ffi::Error::InvalidArgument("paged attention (cpu): q must be [T, H, D], pages [N, S, KV, D]");
   }
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
   p.q = {q.untyped_data(), IsBf16(q.element_type())};
   p.k = {k_pages.untyped_data(), IsBf16(k_pages.element_type())};
   p.v = {v_pages.untyped_data(), IsBf16(v_pages.element_type())};
@@ -252,23 +198,23 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding rows stay zero
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
+  std::vector<Item> items;
   for (int64_t b = 0; b < seqs; ++b) {
     for (int64_t first = p.query_start[b]; first < p.query_start[b + 1]; first += kRowsPerItem) {
-      work->items.push_back({b, first, std::min<int64_t>(first + kRowsPerItem, p.query_start[b + 1])});
+      items.push_back({b, first, std::min<int64_t>(first + kRowsPerItem, p.query_start[b + 1])});
     }
   }
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(work->items.size())) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Run(); });
-  work->Run();
-  while (work->done.load(std::memory_order_acquire) < static_cast<int64_t>(work->items.size())) {
-    std::this_thread::yield();  // items a helper claimed are being computed right now
-  }
+  ParallelFor(pool, static_cast<int64_t>(items.size()),
+              [&](int64_t i, std::vector<float>& scratch) { Attend(p, items[i], scratch); });
   return ffi::Error::Success();
 }
 
 }  // namespace
+}  // namespace jaxserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
+namespace ffi = xla::ffi;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, jaxserve::PagedAttention,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

@@ -5,80 +5,27 @@ XLA:CPU runs the jnp formulations poorly: each query tile gathers its sequence's
 at a few GFLOP/s. The custom call reads each key and value straight from its page, only those a
 query row can see, on XLA's own intra-op threads.
 
-`load()` compiles `cpu.cc` with the system's C++ compiler (`CXX`, else g++) against the FFI headers
-that ship with jaxlib, into `~/.cache/jaxserve/kernels` (keyed by the source, jaxlib's version, the
-flags and the CPU, since it is built for this CPU), and registers the target with XLA. Without a
-compiler it returns False and the caller keeps the XLA implementation.
+`load()` builds it (`kernels/cpu/build.py`: with the system's C++ compiler, once per machine) and
+registers the target with XLA. Without a compiler it returns False and the caller keeps the XLA
+implementation.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import threading
 from pathlib import Path
 
 import jax
-import jaxlib
 import numpy as np
+
+from kernels.cpu import build
 
 TARGET = "jaxserve_paged_attention"
 SOURCE = Path(__file__).with_name("cpu.cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
-
-log = logging.getLogger(__name__)
-_loading = threading.Lock()  # step buckets compile on several threads; the library is built once
-
-
-def _cpu_identity() -> str:
-    """What a -march=native build depends on: the CPU's model and instruction sets."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))}))
 
 
 def load() -> bool:
     """Build (once per machine) and register the custom call; False where it cannot be built."""
-    with _loading:
-        return _load()
-
-
-@functools.cache
-def _load() -> bool:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        log.warning("no C++ compiler found (set CXX): CPU attention falls back to the XLA implementation")
-        return False
-    from checkpoints.default_model import cache_root  # (not at import: checkpoints imports the model, which imports kernels)
-
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(repr((source, jaxlib.__version__, compiler, FLAGS, _cpu_identity())).encode()).hexdigest()
-    library = cache_root() / "kernels" / f"paged_attention_cpu-{key[:24]}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        partial = library.with_suffix(f".tmp{os.getpid()}")
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
-        try:
-            build = subprocess.run(command, capture_output=True, text=True)
-            failure = build.stderr[-4000:] if build.returncode else None
-        except OSError as e:  # e.g. CXX names no program
-            failure = str(e)
-        if failure is not None:
-            log.warning("building the CPU attention kernel failed (%s): falling back to the XLA implementation\n%s",
-                        " ".join(command), failure)
-            return False
-        partial.replace(library)  # atomic: a concurrent build's reader sees the whole library or none
-    handler = ctypes.cdll.LoadLibrary(str(library)).JaxservePagedAttention
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    return build.register(SOURCE, "JaxservePagedAttention", TARGET)
 
 
 def paged_attention_cpu(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, *,

@@ -1,0 +1,105 @@
+// What the CPU kernels (XLA FFI custom calls built by kernels/cpu/build.py) share: 8-lane float
+// vectors, bfloat16 as raw 16-bit words, and work items shared with XLA's intra-op threads.
+
+#ifndef JAXSERVE_KERNELS_CPU_COMMON_H_
+#define JAXSERVE_KERNELS_CPU_COMMON_H_
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxserve {
+
+namespace ffi = xla::ffi;
+
+inline bool IsBf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
+
+inline float Bf16ToFloat(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
+
+inline uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA converts
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if (std::isnan(f)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// 8 float lanes (one AVX register on x86-64, two NEON registers on Arm), by GCC/Clang vector extensions.
+typedef float Lanes __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+
+inline Lanes Load(const float* p) {
+  Lanes v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Lanes Load(const uint16_t* p) {  // 8 bfloat16 widened to float32
+  typedef uint16_t Halves __attribute__((vector_size(16)));
+  typedef uint32_t Words __attribute__((vector_size(32)));
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  Words w = __builtin_convertvector(h, Words) << 16;
+  Lanes v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+inline void Store(float* p, Lanes v) { std::memcpy(p, &v, sizeof(v)); }
+
+inline float Sum(Lanes v) {  // as a tree, so that the sums of several vectors overlap
+  typedef float Quad __attribute__((vector_size(16)));
+  Quad low, high;
+  std::memcpy(&low, &v, sizeof(low));
+  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
+  const Quad q = low + high;
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// Keeps a loaded vector in a register: without it GCC folds the load into each multiply-add that
+// uses the vector, loading it again for every use (x86-64: a memory operand per vfmadd).
+inline void InRegister(Lanes& v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#endif
+}
+
+// fn(item, scratch) for every item in [0, n), on the calling thread and on up to
+// pool.num_threads() - 1 helpers from XLA's intra-op pool, each with its own scratch vector.
+// Items are claimed from an atomic counter, so a helper that starts late finds none left (it
+// never touches `fn` then) and nothing waits on a thread the pool has not started.
+template <typename Fn>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto counters = std::make_shared<Counters>();
+  auto run = [counters, n, &fn] {
+    std::vector<float> scratch;
+    for (int64_t i; (i = counters->next.fetch_add(1)) < n;) {
+      fn(i, scratch);
+      counters->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(run)(run));  // (a copy: Schedule takes F&&)
+  run();
+  while (counters->done.load(std::memory_order_acquire) < n) {
+    std::this_thread::yield();  // items a helper claimed are being computed right now
+  }
+}
+
+}  // namespace jaxserve
+
+#endif  // JAXSERVE_KERNELS_CPU_COMMON_H_

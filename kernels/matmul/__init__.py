@@ -1,0 +1,75 @@
+"""y = x w^T with w in Hugging Face's [out, in] layout: every linear layer and the LM head.
+
+Products accumulate in float32 and return the requested dtype. Implementations:
+- "xla": XLA's dot (`matmul_t_reference`), on every backend, and wherever the weights are split
+  over a mesh (XLA partitions its own dot; it cannot partition a custom call).
+- "cpu": a C++ XLA FFI custom call (`cpu.cc`, built on first use like the CPU attention kernel):
+  in float32 for the row counts of decode steps (up to KERNEL_MAX_ROWS), where XLA:CPU's products
+  are slower, and in bfloat16 always: XLA runs single-row bfloat16 products about 10x slower than
+  float32 ones, while the kernel streams bfloat16 weights at half float32's bytes
+  (bench/matmul_layout.py, bench/RESULTS.md).
+
+$JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels.cpu import build
+
+ENV = "JAXSERVE_MATMUL"
+IMPLEMENTATIONS = ("xla", "cpu")
+TARGET = "jaxserve_matmul_t"
+SOURCE = Path(__file__).with_name("cpu.cc")
+KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# Beyond this many rows of x, XLA's dot is as fast or faster (bench/matmul_layout.py): its float32
+# products come close to this CPU's peak from about 64 rows on. Its bfloat16 ones stay slower than
+# the kernel's at every row count.
+KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): sys.maxsize}
+
+
+def implementation(impl: str | None = None) -> str:
+    """The implementation `matmul_t` runs: `impl`, else $JAXSERVE_MATMUL, else "cpu" on the CPU
+    backend. Resolving "cpu" builds and registers its custom call, which must happen before a
+    compiled step that calls it is loaded from disk; where it cannot be built, the default falls
+    back to "xla" and an explicit "cpu" is an error."""
+    chosen = impl or os.environ.get(ENV)
+    name = chosen or ("cpu" if jax.default_backend() == "cpu" else "xla")
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown matmul implementation {name!r} (from {'impl' if impl else ENV}); "
+                         f"choose from {list(IMPLEMENTATIONS)}")
+    if name == "cpu" and jax.default_backend() != "cpu":
+        raise ValueError(f"the 'cpu' matmul kernel runs on the CPU backend only, not {jax.default_backend()!r}")
+    if name == "cpu" and not build.register(SOURCE, "JaxserveMatmulT", TARGET):
+        if chosen:
+            raise ValueError("the 'cpu' matmul kernel could not be built (see the log); choose 'xla'")
+        return "xla"
+    return name
+
+
+def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array:
+    return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(dtype or x.dtype)
+
+
+def matmul_t(x: jax.Array, weight: jax.Array, dtype=None, *, impl: str | None = None) -> jax.Array:
+    """x[..., in] @ weight[out, in]^T -> [..., out], accumulated in float32, returned in `dtype`
+    (default: x's). With the "cpu" implementation chosen by default, products of more than
+    KERNEL_MAX_ROWS rows still go to XLA; `impl="cpu"` always runs the kernel."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    mesh = jax.sharding.get_abstract_mesh()
+    if (implementation(impl) == "xla" or (not mesh.empty and mesh.size > 1)
+            or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES)
+            or (impl is None and rows > KERNEL_MAX_ROWS[weight.dtype])):
+        return matmul_t_reference(x, weight, dtype)
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
+    return call(x.reshape(rows, k), weight).reshape(*lead, weight.shape[0])

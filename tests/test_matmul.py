@@ -1,0 +1,54 @@
+"""y = x w^T: the CPU kernel against float64 numpy, on random inputs, at decode and prefill row counts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.matmul import implementation, matmul_t
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+@pytest.mark.parametrize("x_dtype,w_dtype,out_dtype", [("float32", "float32", None), ("bfloat16", "bfloat16", None),
+                                                       ("bfloat16", "bfloat16", "float32"),
+                                                       ("float32", "bfloat16", None)])
+def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
+    rng = np.random.default_rng(0)
+    # rows: one, a tile's remainder, several tiles and blocks; in: with and without a tail past
+    # the 8 lanes (16 values for bfloat16 weights); out: a tile's remainders, and more than one
+    # block of 64 weight rows
+    for rows, d_in, d_out in [(1, 96, 7), (2, 13, 64), (5, 40, 129), (33, 768, 70), (200, 24, 5)]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
+        w = jnp.asarray(rng.standard_normal((d_out, d_in)), w_dtype)
+        got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)
+        assert got.dtype == jnp.dtype(out_dtype or x_dtype)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        tol = 2e-5 if got.dtype == jnp.float32 else 2**-8  # bfloat16 output: its rounding
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
+
+
+def test_matmul_t_keeps_leading_dimensions():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 3, 16)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    got = matmul_t(x, w, impl="cpu")
+    assert got.shape == (2, 3, 5)
+    np.testing.assert_allclose(got, np.einsum("abk,nk->abn", x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_compiler_cpu_matmul_falls_back_to_xla(monkeypatch, tmp_path, caplog):
+    from kernels.cpu import build
+
+    assert implementation() == "cpu"  # this machine builds it
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build._register.cache_clear()
+    try:
+        assert implementation() == "xla"
+        assert "falls back to its XLA implementation" in caplog.text
+        with pytest.raises(ValueError, match="could not be built"):
+            implementation("cpu")
+    finally:
+        build._register.cache_clear()
