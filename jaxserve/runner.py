@@ -13,7 +13,6 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,8 +52,8 @@ class PackedPlan:
     large: tuple[jax.Array, ...]
     layout: tuple[tuple[tuple[int, ...], str, int], ...] = flax.struct.field(pytree_node=False)
 
-    @classmethod
-    def layout_of(cls, leaves: list[np.ndarray]) -> tuple[tuple[tuple[int, ...], str, int], ...]:
+    @staticmethod
+    def layout_of(leaves: list[np.ndarray]) -> tuple[tuple[tuple[int, ...], str, int], ...]:
         layout, offset = [], 0
         for leaf in leaves:
             if leaf.dtype.itemsize != 4 and leaf.dtype != bool:

@@ -198,7 +198,7 @@ class Scheduler:
 
     def _register_full_pages(self, seq: Sequence) -> None:
         """Enter the sequence's newly completed pages into the prefix cache."""
-        size = self.allocator.page_size  # (a page the step in flight fills holds no pending token)
+        size = self.allocator.page_size  # (every computed token is known here: see `update`)
         for i in range(len(seq.page_hashes), seq.num_computed_tokens // size):
             prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else None,
                                     seq.token_ids[i * size:(i + 1) * size])
@@ -270,7 +270,7 @@ class Scheduler:
                 continue  # finished or preempted since the plan was made
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
-            if row.sample:
+            if row.sample:  # first: a step in flight may already have computed this token's K/V
                 seq.num_pending -= 1
                 seq.token_ids.append(int(out.token_ids[b]))
             if self.config.enable_prefix_caching:

@@ -1,4 +1,5 @@
-"""y = x w^T: the CPU kernel against float64 numpy, on random inputs, at decode and prefill row counts."""
+"""y = x w^T: the CPU kernel against float64 numpy, on random inputs, at decode and prefill row counts;
+the CPU kernels' fallback without a compiler."""
 
 from __future__ import annotations
 
@@ -38,17 +39,22 @@ def test_matmul_t_keeps_leading_dimensions():
     np.testing.assert_allclose(got, np.einsum("abk,nk->abn", x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_without_a_compiler_cpu_matmul_falls_back_to_xla(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("kernel", ["attention", "matmul"])
+def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch, tmp_path, caplog):
+    """The CPU kernels are built on first use; where they cannot be, the CPU backend's default becomes
+    the XLA implementation (with a warning), and asking for "cpu" by name is an error."""
+    from kernels import implementation as attention_implementation
     from kernels.cpu import build
 
-    assert implementation() == "cpu"  # this machine builds it
+    resolve = attention_implementation if kernel == "attention" else implementation
+    assert resolve() == "cpu"  # this machine builds it
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     build._register.cache_clear()
     try:
-        assert implementation() == "xla"
+        assert resolve() == "xla"
         assert "falls back to its XLA implementation" in caplog.text
         with pytest.raises(ValueError, match="could not be built"):
-            implementation("cpu")
+            resolve("cpu")
     finally:
         build._register.cache_clear()
