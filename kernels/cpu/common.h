@@ -4,6 +4,7 @@
 #ifndef JAXSERVE_KERNELS_CPU_COMMON_H_
 #define JAXSERVE_KERNELS_CPU_COMMON_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
