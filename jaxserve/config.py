@@ -160,7 +160,7 @@ class EngineConfig:
     num_pages: int = 0  # KV pages in the cache, including the null page 0
     dtype: str = "float32"  # weights, activations and KV cache
     seed: int = 0  # draws the seeds of requests that set none
-    min_token_bucket: int = 0  # smallest padded step size; 0: by dtype (see token_buckets)
+    min_token_bucket: int = 1  # smallest padded step size (see token_buckets)
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
@@ -168,8 +168,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
-        if self.min_token_bucket < 0:
-            raise ValueError(f"min_token_bucket must be >= 0, got {self.min_token_bucket}")
+        if self.min_token_bucket < 1:
+            raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -206,11 +206,11 @@ class EngineConfig:
 
     @property
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded numbers of tokens per step: `min_token_bucket` (by default 1 in float32, 2 in
-        bfloat16, whose one-row product is slow on XLA:CPU), 4, then powers of two from 16. Below 16
-        tokens a step costs about the same whatever its size (reading the weights dominates)."""
+        """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
+        4, then powers of two from 16. Below 16 tokens a step costs about the same whatever its size
+        (reading the weights dominates)."""
         top = self.max_num_batched_tokens
-        small = min(self.min_token_bucket or (1 if self.dtype == "float32" else 2), top)
+        small = min(self.min_token_bucket, top)
         return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top)) if small < b < top)}))
 
     @property
