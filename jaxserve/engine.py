@@ -143,7 +143,7 @@ class Engine:
         rows read them on the device, see `scheduler`), so the host's work on them (recording tokens,
         detokenizing, stop strings, and `on_release` of each output, e.g. sending it to a client)
         runs while the device computes. Only when the previous step's tokens feed the host side of
-        the next (penalties, grammars) is it finished first."""
+        the next (a grammar's mask) is it finished first."""
         released = []
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight[0]):
             released = self._finish_in_flight(on_release)

@@ -111,6 +111,11 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
              ) -> tuple[KVCache, SampleOutput, jax.Array]:
         page_copies, pending, inputs, sampling = jax.tree.unflatten(plan_treedef, plan.unpack())
         inputs = inputs.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], inputs.token_ids))
+        # the penalties' history (from the host) lacks a pending token: each row's last input token
+        # goes in at its position (for other rows it is there already, or the row uses no penalty)
+        last = inputs.logits_indices
+        sampling = sampling.replace(history=sampling.history.at[jnp.arange(last.shape[0]), inputs.positions[last]].set(
+            inputs.token_ids[last], mode="drop"))
         kv = copy_pages(kv, page_copies)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
             kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)

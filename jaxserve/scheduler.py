@@ -28,9 +28,10 @@ already take as its input: that row names the previous step's row
 (`ScheduledSeq.pending_row`) and the device feeds the sampled token in.
 `update` then records the sampled tokens of a finished step; a result for a
 sequence that has finished or been preempted since is dropped (a preempted
-sequence samples that position again, with the same random key). Sequences
-whose next step needs their last token on the host (penalties, grammars) are
-not planned ahead (`can_schedule_ahead`).
+sequence samples that position again, with the same random key). The device
+also puts a pending token into the penalties' history. Sequences whose next
+step needs their last token on the host (a grammar's mask) are not planned
+ahead (`can_schedule_ahead`).
 
 The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never
 touches device arrays. It knows nothing about the model, tokenizers or HTTP.
@@ -256,9 +257,9 @@ class Scheduler:
 
     def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before `batch`'s tokens are known: not when one of
-        its sampled tokens feeds the host side of the next step (the penalties' history, a grammar)."""
-        return not any(row.sample and (row.params.uses_penalties or row.params.constraint is not None)
-                       for row in batch.rows)
+        its sampled tokens feeds the host side of the next step (a grammar's mask). The penalties'
+        history gets a pending token on the device (`runner.make_step_fn`)."""
+        return not any(row.sample and row.params.constraint is not None for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got

@@ -103,6 +103,47 @@ def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     assert len(set(outputs[1].outputs[0].token_ids)) > 4  # diverse paths, not one repeated token
 
 
+def test_engine_penalties_match_transformers_generate(hf_checkpoint):
+    """Greedy decoding under a logit bias and repetition, frequency and presence penalties equals
+    transformers' `generate` with the same as a logits processor. Steps are planned one ahead, so
+    each step's penalties must count a token the host has not seen yet: without it, the biased
+    token would be generated twice in a row."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model, model_dir = hf_checkpoint("llama")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (9, 23, 4)]
+    favourite = 77
+    params = dict(logit_bias={favourite: 6.0}, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.4)
+
+    class Reference(LogitsProcessor):  # jaxserve's order: bias, then repetition, then OpenAI's penalties
+        def __init__(self, prompt_len: int):
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            scores[:, favourite] += params["logit_bias"][favourite]
+            seen = torch.gather(scores, 1, input_ids)
+            rep = params["repetition_penalty"]
+            scores.scatter_(1, input_ids, torch.where(seen > 0, seen / rep, seen * rep))
+            generated = input_ids[:, self.prompt_len:]
+            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+            return scores - params["frequency_penalty"] * counts - params["presence_penalty"] * (counts > 0)
+
+    llm = LLM(str(model_dir), **SMALL_ENGINE)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **params)
+    outputs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                 logits_processor=LogitsProcessorList([Reference(len(prompt))]),
+                                 output_scores=True, return_dict_in_generate=True,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        want = ref.sequences[0, len(prompt):].tolist()
+        assert_same_greedy(out.outputs[0].token_ids, want, torch.stack(ref.scores)[:, 0].numpy())
+        assert favourite in want and [favourite] * 2 not in [want[i:i + 2] for i in range(len(want))]
+
+
 def test_long_prompts_in_the_few_sequences_bucket_match_transformers(hf_checkpoint):
     """A step of 64 tokens from at most 4 sequences runs padded to 4 sequence rows, not 8 (its
     attention in 16-row tiles): greedy generation still equals transformers'."""

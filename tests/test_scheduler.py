@@ -9,6 +9,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler import Scheduler, StepOutput
 from jaxserve.sequence import Sequence
+from jaxserve.structured import Constraint
 
 EOS = 99
 
@@ -73,11 +74,11 @@ def test_a_sequence_preempted_with_a_pending_token_recomputes_it():
     assert sched.seqs[0].output_token_ids == [3, 5]
 
 
-def test_penalties_and_grammars_are_not_planned_ahead():
+def test_penalties_are_planned_ahead_and_grammars_are_not():
     sched = make_scheduler()
-    sched.add(make_seq(0, 3))
+    sched.add(make_seq(0, 3, presence_penalty=0.5))  # the device puts its pending token into the history
     assert sched.can_schedule_ahead(sched.schedule())
-    sched.add(make_seq(1, 3, presence_penalty=0.5))
+    sched.add(make_seq(1, 3, constraint=Constraint("choice", ("yes", "no"))))
     batch = sched.schedule()
     assert [r.seq_id for r in batch.rows if r.sample] == [0, 1] and not sched.can_schedule_ahead(batch)
 
