@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import implementation, matmul_t
+from kernels.matmul import KERNEL_MAX_ROWS, implementation, matmul_t
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -28,6 +28,25 @@ def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         tol = 2e-5 if got.dtype == jnp.float32 else 2**-8  # bfloat16 output: its rounding
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
+
+
+@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
+def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(w_dtype):
+    """Past KERNEL_MAX_ROWS rows, XLA's dot runs, on float32 operands (a bfloat16 weight widened
+    first): XLA:CPU's float32 products beat the kernel there, its bfloat16 ones do not."""
+    w = jnp.ones((8, 16), w_dtype)
+    limit = KERNEL_MAX_ROWS[w.dtype]
+    for rows, kernel in ((limit, True), (limit + 1, False)):
+        eqns = jax.make_jaxpr(lambda x: matmul_t(x, w))(jnp.ones((rows, 16), w_dtype)).eqns
+        assert [e.primitive.name == "ffi_call" for e in eqns].count(True) == kernel, rows
+        dots = [e for e in eqns if e.primitive.name == "dot_general"]
+        assert len(dots) == (not kernel) and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((limit + 1, 40)), w_dtype)
+    w = jnp.asarray(rng.standard_normal((9, 40)), w_dtype)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    tol = 2e-5 if w_dtype == "float32" else 2**-8
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul_t)(x, w), np.float64), want, rtol=tol, atol=tol * np.sqrt(40))
 
 
 def test_matmul_t_keeps_leading_dimensions():

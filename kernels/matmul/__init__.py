@@ -4,10 +4,10 @@ Products accumulate in float32 and return the requested dtype. Implementations:
 - "xla": XLA's dot (`matmul_t_reference`), on every backend, and wherever the weights are split
   over a mesh (XLA partitions its own dot; it cannot partition a custom call).
 - "cpu": a C++ XLA FFI custom call (`cpu.cc`, built on first use like the CPU attention kernel):
-  in float32 for the row counts of decode steps (up to KERNEL_MAX_ROWS), where XLA:CPU's products
-  are slower, and in bfloat16 always: XLA runs single-row bfloat16 products about 10x slower than
-  float32 ones, while the kernel streams bfloat16 weights at half float32's bytes
-  (bench/matmul_layout.py, bench/RESULTS.md).
+  up to KERNEL_MAX_ROWS rows of x: in float32 the row counts of decode steps, where XLA:CPU's
+  products are slower, and in bfloat16 up to mid-sized prefill chunks: XLA runs single-row
+  bfloat16 products about 10x slower than float32 ones, while the kernel streams bfloat16 weights
+  at half float32's bytes (bench/matmul_layout.py, bench/RESULTS.md).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -29,10 +28,11 @@ IMPLEMENTATIONS = ("xla", "cpu")
 TARGET = "jaxserve_matmul_t"
 SOURCE = Path(__file__).with_name("cpu.cc")
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# Beyond this many rows of x, XLA's dot is as fast or faster (bench/matmul_layout.py): its float32
-# products come close to this CPU's peak from about 64 rows on. Its bfloat16 ones stay slower than
-# the kernel's at every row count.
-KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): sys.maxsize}
+# Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
+# comes close to this CPU's peak from about 64 rows on. XLA's bfloat16 products are no faster than
+# the kernel's at any row count, but from about 384 rows on, widening a bfloat16 weight to float32
+# (one pass over it) and running XLA's float32 dot beats both (1.3-1.5x at 384-512 rows: prefill).
+KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 256}
 
 
 def implementation(impl: str | None = None) -> str:
@@ -62,14 +62,16 @@ def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array
 def matmul_t(x: jax.Array, weight: jax.Array, dtype=None, *, impl: str | None = None) -> jax.Array:
     """x[..., in] @ weight[out, in]^T -> [..., out], accumulated in float32, returned in `dtype`
     (default: x's). With the "cpu" implementation chosen by default, products of more than
-    KERNEL_MAX_ROWS rows still go to XLA; `impl="cpu"` always runs the kernel."""
+    KERNEL_MAX_ROWS rows go to XLA's float32 dot (a bfloat16 weight widened first);
+    `impl="cpu"` always runs the kernel."""
     dtype = jnp.dtype(dtype or x.dtype)
     *lead, k = x.shape
     rows = math.prod(lead)
     mesh = jax.sharding.get_abstract_mesh()
     if (implementation(impl) == "xla" or (not mesh.empty and mesh.size > 1)
-            or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES)
-            or (impl is None and rows > KERNEL_MAX_ROWS[weight.dtype])):
+            or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES)):
         return matmul_t_reference(x, weight, dtype)
+    if impl is None and rows > KERNEL_MAX_ROWS[weight.dtype]:
+        return matmul_t_reference(x.astype(jnp.float32), weight.astype(jnp.float32), dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
     return call(x.reshape(rows, k), weight).reshape(*lead, weight.shape[0])
