@@ -27,8 +27,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+# Characters that JSON leaves raw (ensure_ascii=False) but that Python's str.splitlines breaks lines
+# at, as clients reading a stream with httpx's or requests' iter_lines do: escaped in events.
+_LINE_BREAKING = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event: a single `data:` line (UTF-8 JSON), whatever text it carries."""
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 def _finite(logprob: float) -> float:

@@ -161,4 +161,7 @@ class AsyncEngine:
                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason)
-        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)
+        except RuntimeError:  # its event loop has closed (the server is stopping): nobody to tell
+            self._subscribers.pop(seq.request_id, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -75,6 +76,18 @@ def test_streamed_text_equals_non_streamed(client):
             if ch.finish_reason:
                 finish[ch.index] = ch.finish_reason
     assert [pieces[i] for i in (0, 1)] == [c.text for c in whole.choices] and finish == {0: "length", 1: "length"}
+
+
+def test_streamed_line_separators_stay_inside_their_event(served):
+    """U+2028, U+2029 and U+0085 are legal raw in JSON, but httpx's and requests' `iter_lines`
+    split lines at them (str.splitlines): events carry them escaped, so such a client reads whole
+    events."""
+    text = "a\u2028b\u0085c\u2029d"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 16, "temperature": 0, "stream": True,
+            "guided_choice": [text]}
+    with httpx.Client(base_url=served[0].url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == text
 
 
 def test_stream_usage_option(client):
