@@ -1,13 +1,16 @@
 """Which weight layout XLA:CPU multiplies fastest at decode shapes: [in, out] or [out, in].
 
-    python bench/matmul_layout.py [--runs 2]
+    python bench/matmul_layout.py [--runs 2] [--rows 1,2,8,32,128] [--only NAME,...]
 
 The products of one bench-125m decode step (12 layers of q, k, v, o, gate, up, down, then the
 768 x 32000 head; 100 M weights, 400 MB in float32, so they stream from memory as in serving),
 chained through the layers, for M = 1 ... 128 token rows. Each configuration is jitted once and
 timed (best of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
 jaxserve stores its weights [out, in] (`jaxserve.model.Linear`) because of this table. The
-"jaxserve cpu kernel" columns run `kernels.matmul_t` with the C++ CPU kernel on the same [out, in] weights.
+"jaxserve cpu kernel" columns run `kernels.matmul_t` with the C++ CPU kernel on the same [out, in]
+weights; the "jaxserve default" ones `kernels.matmul_t` as the model calls it (the kernel up to its
+row limit, then XLA's float32 dot). `--only` keeps the columns whose names contain one of the
+given strings (prefill row counts are slow for PyTorch's bfloat16).
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ def decode_products(x, layers, head, mm):
     return mm(x, head)
 
 
-def xla_step(layers, head, dtype: str, layout: str, impl: str = "xla"):
-    """impl "cpu": jaxserve's CPU kernel (`kernels.matmul`, [out, in] only) instead of XLA's dot."""
+def xla_step(layers, head, dtype: str, layout: str, impl: str | None = "xla"):
+    """impl "cpu": jaxserve's CPU kernel (`kernels.matmul`, [out, in] only) instead of XLA's dot;
+    None: `kernels.matmul_t`'s default choice."""
     import jax
     import jax.numpy as jnp
 
@@ -57,8 +61,8 @@ def xla_step(layers, head, dtype: str, layout: str, impl: str = "xla"):
     contract = 1 if layout == "out,in" else 0
 
     def mm(x, w):
-        if impl == "cpu":
-            return matmul_t(x, w, impl="cpu")
+        if impl != "xla":
+            return matmul_t(x, w, impl=impl)
         return jax.lax.dot_general(x, w, (((1,), (contract,)), ((), ())),
                                    preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -83,7 +87,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="", help=f"comma-separated row counts M (default: {ROWS})")
+    parser.add_argument("--only", default="", help="comma-separated parts of column names to keep (default: all)")
     args = parser.parse_args()
+    keep = [part for part in args.only.split(",") if part]
     import torch
 
     from common import machine_line
@@ -91,22 +98,29 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     layers, head = weights(rng)
-    impls = {f"xla {dtype} [{layout}]": xla_step(layers, head, dtype, layout)
-             for dtype in ("float32", "bfloat16") for layout in ("in,out", "out,in")}
-    impls.update({f"jaxserve cpu kernel {dtype}": xla_step(layers, head, dtype, "out,in", "cpu")
-                  for dtype in ("float32", "bfloat16")})
-    impls.update({f"torch {dtype}": torch_step(layers, head, dtype) for dtype in ("float32", "bfloat16")})
-    print(f"{machine_line()}, {args.threads} threads. Command: `python bench/matmul_layout.py --runs {args.runs}`.\n")
+    makers = {f"xla {dtype} [{layout}]": lambda dtype=dtype, layout=layout: xla_step(layers, head, dtype, layout)
+              for dtype in ("float32", "bfloat16") for layout in ("in,out", "out,in")}
+    for dtype in ("float32", "bfloat16"):
+        makers[f"jaxserve cpu kernel {dtype}"] = lambda dtype=dtype: xla_step(layers, head, dtype, "out,in", "cpu")
+        makers[f"jaxserve default {dtype}"] = lambda dtype=dtype: xla_step(layers, head, dtype, "out,in", None)
+    makers.update({f"torch {dtype}": lambda dtype=dtype: torch_step(layers, head, dtype)
+                   for dtype in ("float32", "bfloat16")})
+    impls = {name: make() for name, make in makers.items() if not keep or any(part in name for part in keep)}
+    layouts = all(f"xla float32 [{layout}]" in impls for layout in ("in,out", "out,in"))
+    options = "".join(f" --{name} {getattr(args, name)}" for name in ("rows", "only") if getattr(args, name))
+    print(f"{machine_line()}, {args.threads} threads. Command: "
+          f"`python bench/matmul_layout.py --runs {args.runs}{options}`.\n")
     print("ms per decode step's products (lower is better):\n")
-    print("| run | rows (M) | " + " | ".join(impls) + " | xla f32 [in,out] / [out,in] |")
-    print("| --- | --- |" + " --- |" * (len(impls) + 1))
+    print("| run | rows (M) | " + " | ".join(impls) + (" | xla f32 [in,out] / [out,in] |" if layouts else " |"))
+    print("| --- | --- |" + " --- |" * (len(impls) + layouts))
     for run in range(1, args.runs + 1):
-        for m in ROWS:
+        for m in map(int, args.rows.split(",")) if args.rows else ROWS:
             x = rng.standard_normal((m, HIDDEN), np.float32)
             times = {name: best_time(lambda f=f: f(x), repeat=10) for name, f in impls.items()}
-            ratio = times["xla float32 [in,out]"] / times["xla float32 [out,in]"]
-            print(f"| {run} | {m} | " + " | ".join(f"{1000 * t:.1f}" for t in times.values()) + f" | {ratio:.2f} |",
-                  flush=True)
+            cells = [f"{1000 * t:.1f}" for t in times.values()]
+            if layouts:
+                cells.append(f"{times['xla float32 [in,out]'] / times['xla float32 [out,in]']:.2f}")
+            print(f"| {run} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
 # comes close to this CPU's peak from about 64 rows on. XLA's bfloat16 products are no faster than
 # the kernel's at any row count, but from about 384 rows on, widening a bfloat16 weight to float32
-# (one pass over it) and running XLA's float32 dot beats both (1.3-1.5x at 384-512 rows: prefill).
+# (one pass over it) and running XLA's float32 dot beats both (1.1-1.4x at 384-512 rows: prefill;
+# bench/RESULTS.md, "Products").
 KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 256}
 
 

@@ -26,9 +26,9 @@ constexpr int64_t kBytesOfX = 256 * 1024;    // x rows per work item: about this
 constexpr int kTileRows = 2, kTileCols = 4;  // x rows by w rows of one register tile
 // A bfloat16 w is prefetched this far ahead of each row's reads. Widening costs instructions, so
 // fewer bytes of w are in flight within the core's reorder window than for float32, whose
-// streams the hardware prefetcher keeps up with alone: with it, one-row bfloat16 products stream
-// 12-20 % faster, float32 ones none (bench/matmul_layout.py). Only the first tile of rows of x
-// over a tile of w prefetches: the ones after it find w in the cache.
+// streams the hardware prefetcher keeps up with alone (for them, prefetching gained nothing).
+// One-row bfloat16 products are then faster than float32 ones (bench/RESULTS.md, "Products").
+// Only the first tile of rows of x over a tile of w prefetches: the ones after it find w cached.
 constexpr int64_t kBf16PrefetchBytes = 8192;
 static_assert(kTileRows == 2, "Block leaves at most one row of x to a tile of its own");
 
