@@ -9,6 +9,13 @@
 // streams from memory at half the bytes (two float32 vectors from each load, see Tile). Work items
 // are blocks of rows of x (as many as fit in about 256 KB, so they stay in the L2 cache while a
 // block of w passes over them) times blocks of 64 rows of w.
+//
+// The NR rows of w in a tile are a quarter of the block apart (rows t, t + 16, t + 32, t + 48 of
+// 64), not adjacent: the next tile then reads, in each of its NR streams, the row right after the
+// one just read, so every stream runs on through a quarter of the block and the hardware
+// prefetcher keeps ahead of it. Adjacent rows would start NR new short streams per tile (a
+// bfloat16 row of 768 values is 1.5 KB). One-row products stream 1.2-1.5x faster this way
+// (bench/RESULTS.md, "Products").
 
 #include <algorithm>
 #include <cstdint>
@@ -24,12 +31,6 @@ namespace {
 constexpr int64_t kRowsOfW = 64;             // w rows per work item
 constexpr int64_t kBytesOfX = 256 * 1024;    // x rows per work item: about this much
 constexpr int kTileRows = 2, kTileCols = 4;  // x rows by w rows of one register tile
-// A bfloat16 w is prefetched this far ahead of each row's reads. Widening costs instructions, so
-// fewer bytes of w are in flight within the core's reorder window than for float32, whose
-// streams the hardware prefetcher keeps up with alone (for them, prefetching gained nothing).
-// One-row bfloat16 products are then faster than float32 ones (bench/RESULTS.md, "Products").
-// Only the first tile of rows of x over a tile of w prefetches: the ones after it find w cached.
-constexpr int64_t kBf16PrefetchBytes = 8192;
 static_assert(kTileRows == 2, "Block leaves at most one row of x to a tile of its own");
 
 inline float Widen(float x) { return x; }
@@ -43,16 +44,18 @@ inline Lanes AsLanes(Words w) {
   return v;
 }
 
-// y[i, j] = sum_k x[i, k] w[j, k] for i < MR, j < NR (x rows ldx apart, y rows ldy apart).
+// y[i, j * stride] = sum_k x[i, k] w[j * stride, k] for i < MR, j < NR (x rows ldx apart, y rows
+// ldy apart; the tile's rows of w and columns of y `stride` apart).
 //
 // A bfloat16 w is read 16 values of k at a time: one 32-byte load holds them as 8 words of
 // (odd value << 16 | even value), and a shift widens the even ones to float32, a mask the odd
 // ones, with no shuffles. x then comes with each whole block of 16 values reordered the same way:
 // its 8 even values, then its 8 odd ones (`Deinterleave`); the tail past the last block as is.
 template <int MR, int NR, typename W>
-inline void Tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* y, int64_t ldy, bool prefetch) {
+inline void Tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* y, int64_t ldy, int64_t stride) {
   constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
   constexpr int64_t kStep = kBf16 ? 2 * kLanes : kLanes;
+  const int64_t ldw = stride * k_len;
   Lanes acc[MR][NR] = {};
   int64_t k = 0;
   for (; k + kStep <= k_len; k += kStep) {
@@ -67,13 +70,12 @@ inline void Tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* 
     }
     for (int j = 0; j < NR; ++j) {
       if constexpr (kBf16) {
-        if (prefetch) __builtin_prefetch(reinterpret_cast<const char*>(w + j * k_len + k) + kBf16PrefetchBytes);
         Words words;
-        std::memcpy(&words, w + j * k_len + k, sizeof(words));
+        std::memcpy(&words, w + j * ldw + k, sizeof(words));
         const Lanes w_even = AsLanes(words << 16), w_odd = AsLanes(words & 0xFFFF0000u);
         for (int i = 0; i < MR; ++i) acc[i][j] += xs[i] * w_even + odd[i] * w_odd;
       } else {
-        Lanes ws = Load(w + j * k_len + k);
+        Lanes ws = Load(w + j * ldw + k);
         InRegister(ws);
         for (int i = 0; i < MR; ++i) acc[i][j] += xs[i] * ws;
       }
@@ -82,8 +84,8 @@ inline void Tile(const float* x, int64_t ldx, const W* w, int64_t k_len, float* 
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) {
       float s = Sum(acc[i][j]);
-      for (int64_t t = k; t < k_len; ++t) s += x[i * ldx + t] * Widen(w[j * k_len + t]);
-      y[i * ldy + j] = s;
+      for (int64_t t = k; t < k_len; ++t) s += x[i * ldx + t] * Widen(w[j * ldw + t]);
+      y[i * ldy + j * stride] = s;
     }
   }
 }
@@ -109,27 +111,29 @@ void Deinterleave(const X* x, int64_t rows, int64_t k_len, float* out) {
 
 template <int MR, typename W>
 inline void TileRows(const float* x, int64_t ldx, const W* w, int64_t k_len, float* y, int64_t ldy, int64_t cols,
-                     bool prefetch) {
+                     int64_t stride) {
   switch (cols) {
-    case 4: return Tile<MR, 4>(x, ldx, w, k_len, y, ldy, prefetch);
-    case 3: return Tile<MR, 3>(x, ldx, w, k_len, y, ldy, prefetch);
-    case 2: return Tile<MR, 2>(x, ldx, w, k_len, y, ldy, prefetch);
-    default: return Tile<MR, 1>(x, ldx, w, k_len, y, ldy, prefetch);
+    case 4: return Tile<MR, 4>(x, ldx, w, k_len, y, ldy, stride);
+    case 3: return Tile<MR, 3>(x, ldx, w, k_len, y, ldy, stride);
+    case 2: return Tile<MR, 2>(x, ldx, w, k_len, y, ldy, stride);
+    default: return Tile<MR, 1>(x, ldx, w, k_len, y, ldy, stride);
   }
 }
 
-// y[m0:m1, n0:n1] of y [M, N] = x [M, K] w [N, K]^T.
+// y[m0:m1, n0:n1] of y [M, N] = x [M, K] w [N, K]^T. Tile t takes rows n0 + t + c * stride of w,
+// c < kTileCols (see the top of the file).
 template <typename W>
 void Block(const float* x, const W* w, float* y, int64_t n_len, int64_t k_len, int64_t m0, int64_t m1, int64_t n0,
            int64_t n1) {
-  for (int64_t n = n0; n < n1; n += kTileCols) {
-    const int64_t cols = std::min<int64_t>(kTileCols, n1 - n);
+  const int64_t stride = (n1 - n0 + kTileCols - 1) / kTileCols;
+  for (int64_t t = 0; t < stride; ++t) {
+    const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
     const W* wn = w + n * k_len;
     int64_t m = m0;
     for (; m + kTileRows <= m1; m += kTileRows) {
-      TileRows<kTileRows>(x + m * k_len, k_len, wn, k_len, y + m * n_len + n, n_len, cols, m == m0);
+      TileRows<kTileRows>(x + m * k_len, k_len, wn, k_len, y + m * n_len + n, n_len, cols, stride);
     }
-    if (m < m1) TileRows<1>(x + m * k_len, k_len, wn, k_len, y + m * n_len + n, n_len, cols, m == m0);
+    if (m < m1) TileRows<1>(x + m * k_len, k_len, wn, k_len, y + m * n_len + n, n_len, cols, stride);
   }
 }
 
