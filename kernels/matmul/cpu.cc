@@ -14,8 +14,8 @@
 // 64), not adjacent: the next tile then reads, in each of its NR streams, the row right after the
 // one just read, so every stream runs on through a quarter of the block and the hardware
 // prefetcher keeps ahead of it. Adjacent rows would start NR new short streams per tile (a
-// bfloat16 row of 768 values is 1.5 KB). One-row products stream 1.2-1.5x faster this way
-// (bench/RESULTS.md, "Products").
+// bfloat16 row of 768 values is 1.5 KB). One-row products run 1.2-1.4x faster this way in
+// bfloat16, 1.1x in float32 (bench/RESULTS.md, "Products").
 
 #include <algorithm>
 #include <cstdint>
