@@ -13,6 +13,7 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -182,7 +183,10 @@ class Runner:
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
         if shape not in self.executables:
-            description = repr((self.model_config, self.config, shape))
+            # (what only the host reads is left out: changing it needs no new executable)
+            model = dataclasses.replace(self.model_config, eos_token_ids=())
+            config = dataclasses.replace(self.config, seed=0, enable_prefix_caching=True, kv_cache_bytes=0)
+            description = repr((model, config, shape))
             self.executables[shape] = self.executable_cache.compile(
                 self.step_fn, args, description, list(self.kv_sharding.mesh.devices.flat))
         return self.executables[shape]
