@@ -11,6 +11,9 @@ from hf_models import build_hf_model, save_hf_model
 # Engine settings for tests: 2 token buckets x 2 page buckets keep warm-up short,
 # and the 32-token budget forces prefill into chunks.
 SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, page_size=16)
+# 23 usable pages of 16 tokens for up to 16 sequences: preemption is routine. The tests that want
+# it share these settings, so jaxserve-tiny's steps for them compile once (the executable cache).
+CROWDED_ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
 
 
 @pytest.fixture(scope="session")

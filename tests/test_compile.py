@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from conftest import CROWDED_ENGINE
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.structured import Constraint
 
@@ -35,7 +37,7 @@ class CompileCounter:
 def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
     """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
     penalties, biases, n, stop strings, logprobs and grammars."""
-    llm = LLM(None, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, num_pages=20)
+    llm = LLM(None, **CROWDED_ENGINE)
     rng = np.random.default_rng(0)
     prompts, params = [], []
     for i in range(100):

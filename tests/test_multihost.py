@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from conftest import SMALL_ENGINE
 from server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,7 +77,7 @@ def test_two_processes_serve_like_one_and_stop_together(hf_checkpoint, tmp_path)
     from jaxserve import LLM, SamplingParams
 
     _, model_dir = hf_checkpoint("llama")
-    llm = LLM(str(model_dir), max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(str(model_dir), **SMALL_ENGINE)  # (compiled already by other tests of this checkpoint)
     expected = [o.outputs[0].text for o in llm.generate(
         PROMPTS, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)]
     del llm

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import scipy.stats
 
+from conftest import CROWDED_ENGINE
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling import SamplingRow, SamplingTensors, sample
 
@@ -148,7 +150,7 @@ def test_key_depends_on_seed_and_position_only():
 
 
 def test_seed_reproducible_alone_and_in_a_batch_of_16():
-    llm = LLM(None, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64)
+    llm = LLM(None, **CROWDED_ENGINE)  # (the batch of 16 does not fit its pages: some are preempted)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate(["the same prompt"], seeded)[0].outputs[0].token_ids
     rng = np.random.default_rng(5)
@@ -157,6 +159,7 @@ def test_seed_reproducible_alone_and_in_a_batch_of_16():
                          [SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)] * 7 + [seeded]
                          + [SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)] * 8)
     assert batch[7].outputs[0].token_ids == alone
+    assert llm.engine.scheduler.num_preemptions > 0
     unseeded = llm.generate(["the same prompt"] * 2, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from conftest import CROWDED_ENGINE
+
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.scheduler import Scheduler, StepOutput
@@ -196,8 +198,7 @@ def test_abort_frees_pages_at_once():
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    # 23 usable pages of 16 tokens for up to 16 sequences of up to 76 tokens: preemption is routine.
-    return LLM(None, max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+    return LLM(None, **CROWDED_ENGINE)  # (sequences of up to 76 tokens here)
 
 
 def test_pages_all_return_after_300_random_requests_with_cancellations(tiny_llm):

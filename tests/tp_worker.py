@@ -27,7 +27,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     return np.asarray(logits)
 
 
-def main(model_dir: str, sizes: list[int]) -> None:
+def run(model_dir: str, sizes: list[int]) -> dict:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 30, 17, 1)]
     results = {}
@@ -48,8 +48,8 @@ def main(model_dir: str, sizes: list[int]) -> None:
             "arrays": {name: {"shape": list(a.shape), "shard": list(a.sharding.shard_shape(a.shape)),
                               "devices": len(a.sharding.device_set)} for name, a in arrays.items()},
         }
-    print(json.dumps(results))
+    return results
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])
+    print(json.dumps(run(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])))
