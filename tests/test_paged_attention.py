@@ -90,23 +90,27 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_matches_reference_on_wide_tiles(dtype, impl):
-    """Tiles of 16 rows (64 tokens from 4 sequences), partial tiles, a decode, a random cache; in
-    bfloat16 the cache holds its bits (as the engine stores it on CPU)."""
+@pytest.mark.parametrize("head_dim,seqs", [
+    (16, [(3, 37), (20, 1), (0, 17), (40, 5)]),  # (cached, new): 64 tokens, partial tiles, a decode
+    (76, [(40, 1)]),  # one decoding sequence (the CPU kernel splits its KV heads over threads), a
+    # head dimension past its last whole 8 lanes
+])
+def test_matches_reference_on_wide_tiles(dtype, impl, head_dim, seqs):
+    """Tiles of 16 rows, a random cache; in bfloat16 the cache holds its bits (as the engine stores
+    it on CPU)."""
     from kernels import cache_dtype
     from kernels.paged_attention.reference import to_cache
 
     rng = np.random.default_rng(1)
-    num_heads, num_kv_heads, head_dim, page_size, num_pages, width = 8, 2, 16, 8, 64, 8
-    seqs = [(3, 37), (20, 1), (0, 17), (40, 5)]  # (cached, new)
-    page_table = np.zeros((4, width), np.int32)
+    num_heads, num_kv_heads, page_size, num_pages, width = 8, 2, 8, 64, 8
+    page_table = np.zeros((len(seqs), width), np.int32)
     pages = rng.permutation(np.arange(1, num_pages))
     for b, (cached, new) in enumerate(seqs):
         n = -(-(cached + new) // page_size)
         page_table[b, :n], pages = pages[:n], pages[n:]
     query_start = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
     kv_lens = np.array([c + n for c, n in seqs], np.int32)
-    q = rng.normal(size=(64, num_heads, head_dim)).astype(np.float32)
+    q = rng.normal(size=(64, num_heads, head_dim)).astype(np.float32)  # (rows past the last sequence's: padding)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
     store = jax.numpy.zeros((), cache_dtype(dtype))
     k_pages, v_pages = (to_cache(jax.numpy.asarray(rng.normal(size=shape), dtype), store) for _ in range(2))

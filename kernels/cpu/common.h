@@ -28,6 +28,9 @@ inline float Bf16ToFloat(uint16_t bits) {
   return f;
 }
 
+inline float Widen(float x) { return x; }  // an element of either dtype as float32
+inline float Widen(uint16_t x) { return Bf16ToFloat(x); }
+
 inline uint16_t FloatToBf16(float f) {  // round to nearest even, as XLA converts
   uint32_t bits;
   std::memcpy(&bits, &f, sizeof(bits));

@@ -39,9 +39,6 @@ constexpr int kTileCols = 4;  // w rows of one register tile
 template <typename W>
 constexpr int kTileRows = std::is_same_v<W, float> ? 3 : 2;  // x rows of one register tile (see the top)
 
-inline float Widen(float x) { return x; }
-inline float Widen(uint16_t x) { return Bf16ToFloat(x); }
-
 typedef uint32_t Words __attribute__((vector_size(32)));
 
 inline Lanes AsLanes(Words w) {
