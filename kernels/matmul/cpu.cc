@@ -9,11 +9,10 @@
 // the bytes (two float32 vectors from each load, see Tile); each row of x then takes two vectors,
 // so its tiles are 2 x 4. Work items are blocks of rows of x (as many as fit in about 256 KB, so
 // they stay in the L2 cache) times blocks of 64 rows of w. Within an item, each tile's rows of x
-// (a few KB) stay in the L1 cache while the block of w passes over them. The other way round
-// (each tile of w against every row of x, as before) the rows of x pushed w out of L1 and every
-// operand came from L2: float32 products of 32 to 256 rows ran 1.2-1.3x slower with 2 x 4 tiles
-// that way, and 3 x 4 tiles gained nothing without the L1 reuse (a stand-alone timing of
-// bench-125m's products).
+// (a few KB) stay in the L1 cache while the block of w passes over them. In the other loop order
+// (each tile of w against every row of x) the rows of x push w out of L1 and every operand comes
+// from L2: float32 products of 32 to 256 rows run 1.2-1.3x slower that way with 2 x 4 tiles, and
+// 3 x 4 tiles gain nothing without the L1 reuse (a stand-alone timing of bench-125m's products).
 //
 // The NR rows of w in a tile are a quarter of the block apart (rows t, t + 16, t + 32, t + 48 of
 // 64), not adjacent: the next tile then reads, in each of its NR streams, the row right after the
