@@ -6,11 +6,11 @@
 // each key straight from its page (no gathered copy of the context) and visits only the keys
 // a row can see (no masked padding up to the page-table width).
 //
-// For each query row and KV head, the query heads that share the KV head are done together:
-// their scores 4 keys at a time (4 accumulators over the head dimension, summed horizontally
-// together), the softmax over the whole row of scores, then the weighted sum of values with the
-// accumulators of 2 heads x 32 dimensions in registers. Keys and values are read in their own
-// dtype and widened in registers.
+// For each query row: the scores of every query head, 4 keys at a time (a block's slots are read
+// for every KV head while they are in L1; per query head, 4 accumulators over the head dimension,
+// summed horizontally together), the softmax over each head's row of scores, then the weighted
+// sum of values, 8 at a time, with the sums of 2 heads x 32 dimensions in registers. Keys and
+// values are read in their own dtype and widened in registers.
 //
 // Work items are (sequence, block of up to 16 query rows, range of KV heads), claimed from an
 // atomic counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool
