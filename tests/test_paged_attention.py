@@ -92,8 +92,7 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim,seqs", [
     (16, [(3, 37), (20, 1), (0, 17), (40, 5)]),  # (cached, new): 64 tokens, partial tiles, a decode
-    (76, [(40, 1)]),  # one decoding sequence (the CPU kernel splits its KV heads over threads), a
-    # head dimension past its last whole 8 lanes
+    (76, [(40, 1)]),  # one decoding sequence, a head dimension past its last whole 8 lanes
 ])
 def test_matches_reference_on_wide_tiles(dtype, impl, head_dim, seqs):
     """Tiles of 16 rows, a random cache; in bfloat16 the cache holds its bits (as the engine stores

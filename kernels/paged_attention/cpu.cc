@@ -12,11 +12,12 @@
 // sum of values, 8 at a time, with the sums of 2 heads x 32 dimensions in registers. Keys and
 // values are read in their own dtype and widened in registers.
 //
-// Work items are (sequence, block of up to 16 query rows, range of KV heads), claimed from an
-// atomic counter by the calling thread and by helpers scheduled on XLA's intra-op thread pool
-// (common.h's ParallelFor). A sequence's rows take all its KV heads in one item, so that a key's
-// slot (every KV head side by side) is read at once, unless there are too few items for the
-// threads (one decoding sequence): then its KV heads are split over several items.
+// Work items are (sequence, block of up to 16 query rows), claimed from an atomic counter by the
+// calling thread and by helpers scheduled on XLA's intra-op thread pool (common.h's ParallelFor).
+// An item takes all KV heads, so that a key's slot (every KV head side by side) is read at once.
+// (Splitting one decoding sequence's KV heads over the threads made an engine step faster in
+// isolation, but the server's one-stream decode slower and less steady: the threads it waits for
+// share the cores with the server's own.)
 
 #include <algorithm>
 #include <cmath>
@@ -121,7 +122,7 @@ struct Problem {
 };
 
 struct Item {
-  int64_t seq, first_row, end_row, first_kv_head, end_kv_head;
+  int64_t seq, first_row, end_row;
 };
 
 // scores[h * ld + j] = q_h . key j for the query heads h of `kv_heads` KV heads (`group` each, rows
@@ -239,19 +240,19 @@ void Values(const float* w, int64_t kv_heads, int64_t group, int64_t ld, const T
   }
 }
 
-// One work item: the query heads of its KV heads, for every row of its block.
+// One work item: every query head, for every row of its block.
 template <typename T>
 void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
-  const int64_t kv_heads = item.end_kv_head - item.first_kv_head, heads = kv_heads * group;
+  const int64_t kv_heads = p.num_kv_heads, heads = p.num_heads;
   const int64_t width = p.num_kv_heads * d;  // one key (or value) slot: every KV head side by side
   const int64_t q_len = p.query_start[item.seq + 1] - p.query_start[item.seq];
   const int64_t kv_len = p.kv_lens[item.seq];
   // (keys past the page table's width are outside the context, as in the reference)
   const int64_t visible = std::min(kv_len, p.pages_per_seq * p.page_size);
   const int32_t* pages = p.page_table + item.seq * p.pages_per_seq;
-  const T* k_pages = static_cast<const T*>(p.k) + item.first_kv_head * d;
-  const T* v_pages = static_cast<const T*>(p.v) + item.first_kv_head * d;
+  const T* k_pages = static_cast<const T*>(p.k);
+  const T* v_pages = static_cast<const T*>(p.v);
   // scratch: scores [heads][kv_len], the query rows [heads][d] and their outputs [heads][d]; and
   // where each key's slot starts in the pages
   scratch.resize(heads * kv_len + 2 * heads * d);
@@ -268,7 +269,7 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     const int64_t first_key = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
     const int64_t num_keys = std::min(pos + 1, visible) - first_key;
     const int64_t* keys = slots.data() + first_key;
-    const int64_t in = (t * p.num_heads + item.first_kv_head * group) * d;  // the item's first query head
+    const int64_t in = t * heads * d;  // the row's first query head
     for (int64_t i = 0; i < heads * d; ++i) {
       query[i] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + i]) : static_cast<const float*>(p.q)[in + i];
     }
@@ -333,20 +334,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
 
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding rows stay zero
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
-  std::vector<Item> blocks;
+  std::vector<Item> items;
   for (int64_t b = 0; b < seqs; ++b) {
     for (int64_t first = p.query_start[b]; first < p.query_start[b + 1]; first += kRowsPerItem) {
-      blocks.push_back({b, first, std::min<int64_t>(first + kRowsPerItem, p.query_start[b + 1]), 0, p.num_kv_heads});
-    }
-  }
-  // KV heads split into `parts` ranges where the blocks alone leave threads idle (2 items a thread)
-  const int64_t wanted = 2 * std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t parts = blocks.empty() ? 1 : std::clamp<int64_t>((wanted + blocks.size() - 1) / blocks.size(), 1, p.num_kv_heads);
-  std::vector<Item> items;
-  for (const Item& block : blocks) {
-    for (int64_t i = 0; i < parts; ++i) {
-      items.push_back({block.seq, block.first_row, block.end_row, p.num_kv_heads * i / parts,
-                       p.num_kv_heads * (i + 1) / parts});
+      items.push_back({b, first, std::min<int64_t>(first + kRowsPerItem, p.query_start[b + 1])});
     }
   }
   ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i, std::vector<float>& scratch) {
