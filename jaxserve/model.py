@@ -40,6 +40,7 @@ class ModelInputs:
 
     token_ids: jax.Array  # i32[T]; padding 0
     positions: jax.Array  # i32[T] position of each token in its sequence
+    rope: jax.Array  # f32[T, head_dim] cos then sin of each token's rotation angles (`rope_table`)
     kv_write_index: jax.Array  # i32[T] page * page_size + offset to write K/V; padding -> null page 0
     kv_lens: jax.Array  # i32[B] tokens in the cache after this step; padding 0
     page_table: jax.Array  # i32[B, P]; padding -> null page 0
@@ -66,11 +67,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv.astype(np.float32)
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE. x: [T, heads, head_dim]; positions: i32[T]."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]  # [T, 1, D]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
+    """f32[T, head_dim]: cos, then sin, of the RoPE angles (position x inverse frequency, taken in
+    float32 as Hugging Face does) of each token. Made on the host with the step's inputs: computed
+    in the step, XLA:CPU fuses the cosine and sine into each layer's rotation of q and k and
+    evaluates them again for every head and layer (3 % of a bench-125m step's thread time,
+    `bench/step_profile.py`)."""
+    angles = positions.astype(np.float32)[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
+def apply_rope(x, rope):
+    """Rotate-half RoPE. x: [T, heads, head_dim]; rope: f32[T, head_dim] (`rope_table`)."""
+    cos, sin = (jnp.concatenate([half, half], axis=-1)[:, None, :].astype(x.dtype) for half in jnp.split(rope, 2, axis=-1))
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
@@ -119,15 +128,15 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, inv_freq):
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, inputs.positions, inv_freq)
-        k = apply_rope(k, inputs.positions, inv_freq)
+        q = apply_rope(q, inputs.rope)
+        k = apply_rope(k, inputs.rope)
         k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.kv_write_index)
         o = paged_attention(q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, inputs.query_start,
                             inputs.num_seqs, sm_scale=self.head_dim**-0.5, sliding_window=self.sliding_window)
@@ -152,8 +161,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, inv_freq):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs, inv_freq)
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, k_pages, v_pages
@@ -161,8 +170,6 @@ class DecoderLayer(nnx.Module):
 
 class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.rope = cfg.rope
-        self.head_dim = cfg.head_dim
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -170,11 +177,10 @@ class Decoder(nnx.Module):
 
     def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
         """-> (updated cache, f32[B, vocab] logits of each sequence's last token)."""
-        inv_freq = jnp.asarray(rope_inv_freq(self.rope, self.head_dim))
         x = self.embed_tokens(inputs.token_ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs, inv_freq)
+            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
             k_out.append(k_pages)
             v_out.append(v_pages)
         x = self.norm(x[inputs.logits_indices])

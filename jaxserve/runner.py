@@ -29,7 +29,7 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
-from jaxserve.model import KVCache, ModelInputs, forward
+from jaxserve.model import KVCache, ModelInputs, forward, rope_table
 from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput
 from jaxserve.sharding import broadcast_plan, is_leader, place
@@ -260,7 +260,8 @@ class Runner:
             query_start[b + 1] = start
             logits_indices[b] = start - 1
         query_start[len(batch.rows) + 1:] = start
-        inputs = ModelInputs(token_ids=token_ids, positions=positions, kv_write_index=kv_write_index, kv_lens=kv_lens,
+        inputs = ModelInputs(token_ids=token_ids, positions=positions, rope=rope_table(self.model_config, positions),
+                             kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),

@@ -21,7 +21,7 @@ from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
 from kernels import cache_dtype
 from jaxserve.kv_cache import allocate_kv_cache
-from jaxserve.model import ModelInputs, forward
+from jaxserve.model import ModelInputs, forward, rope_table
 
 TIE_MARGIN = 1e-3
 
@@ -39,6 +39,7 @@ def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size
         pos = np.arange(start, start + n)
         inputs = ModelInputs(
             token_ids=np.asarray(token_ids[start:start + n], np.int32), positions=pos.astype(np.int32),
+            rope=rope_table(cfg, pos),
             kv_write_index=(pages[pos // page_size] * page_size + pos % page_size).astype(np.int32),
             kv_lens=np.array([start + n], np.int32), page_table=pages[None, :],
             query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),

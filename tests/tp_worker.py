@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model import ModelInputs, forward
+from jaxserve.model import ModelInputs, forward, rope_table
 
 
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:
@@ -18,6 +18,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     pages = np.arange(1, 1 + -(-n // page_size), dtype=np.int32)
     pos = np.arange(n)
     inputs = ModelInputs(token_ids=np.asarray(ids, np.int32), positions=pos.astype(np.int32),
+                         rope=rope_table(engine.model_config, pos),
                          kv_write_index=(pages[pos // page_size] * page_size + pos % page_size).astype(np.int32),
                          kv_lens=np.array([n], np.int32), page_table=pages[None, :],
                          query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),

@@ -1,0 +1,105 @@
+"""Where an engine step's time goes: jaxserve's step on bench-125m under JAX's profiler, per operation.
+
+    python bench/step_profile.py --dtype float32 --rows 32      # a decode step of 32 sequences
+    python bench/step_profile.py --dtype float32 --prefill 512  # a 512-token prefill chunk
+
+Each sequence has a 128-token prompt. For decode, the prompts are prefilled first; then the
+profiler records `--steps` steps and the table lists, per operation (the CPU kernels by their
+custom-call target, XLA's fusions by kind), its time per step summed over threads: an operation
+that runs on both threads for 1 ms counts 2 ms. The wall time per step, unprofiled, comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from make_model import DEFAULT_DIR, make  # noqa: E402
+
+from jaxserve import LLM, SamplingParams  # noqa: E402
+
+PROMPT_TOKENS = 128
+
+
+def custom_call_targets(llm: LLM) -> dict[str, str]:
+    """Each custom call's instruction name in the compiled steps -> its target (the kernel's name)."""
+    targets = {}
+    for executable in llm.engine.runner.executables.values():
+        for m in re.finditer(r"%?((?:ffi_call|custom-call)[.\d]*) = .*?custom_call_target=\"([^\"]+)\"",
+                             executable.as_text()):
+            targets[m.group(1).lstrip("%")] = m.group(2)
+    return targets
+
+
+def per_op(trace_dir: str, targets: dict[str, str], steps: int) -> collections.Counter:
+    """Microseconds per step, per operation, from the trace JAX's profiler wrote."""
+    path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+    times = collections.Counter()
+    for event in json.load(gzip.open(path))["traceEvents"]:
+        name = event.get("name", "")
+        if event.get("ph") != "X" or "dur" not in event or name.startswith("$") or "::" in name or "(" in name:
+            continue  # (Python frames and runtime internals)
+        times[targets.get(name, re.sub(r"[._]\d+$", "", name))] += event["dur"] / steps
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    group = ap.add_mutually_exclusive_group()
+    group.add_argument("--rows", type=int, default=32, help="decode: sequences per step")
+    group.add_argument("--prefill", type=int, help="prefill: prompt tokens per step (a multiple of 128)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--top", type=int, default=12)
+    args = ap.parse_args()
+
+    model_dir = make(DEFAULT_DIR)
+    if args.dtype == "bfloat16":
+        model_dir = model_dir.with_name(model_dir.name + "-bf16")
+    tokens = args.prefill or 512
+    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=tokens)
+    engine = llm.engine
+    rng = np.random.default_rng(0)
+    # prefill: enough prompts that every profiled step is a full chunk; decode: `rows` sequences
+    prompts = (args.steps * 2 + 4) * tokens // PROMPT_TOKENS if args.prefill else args.rows
+    params = SamplingParams(max_tokens=1 if args.prefill else 64 + 2 * args.steps, temperature=0, ignore_eos=True)
+    for i in range(prompts):
+        engine.add_request(str(i), rng.integers(100, 30000, PROMPT_TOKENS).tolist(), params)
+    if not args.prefill:
+        for _ in range(-(-args.rows * PROMPT_TOKENS // tokens) + 2):
+            engine.step()
+    walls = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - start)
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(args.steps):
+            engine.step()
+        jax.profiler.stop_trace()
+        times = per_op(trace_dir, custom_call_targets(llm), args.steps)
+
+    kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
+    print(f"# bench-125m {args.dtype}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled)\n")
+    print("| operation | ms per step (all threads) |\n| --- | --- |")
+    for name, us in times.most_common(args.top):
+        print(f"| {name} | {us / 1e3:.2f} |")
+    print(f"| (all) | {sum(times.values()) / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
