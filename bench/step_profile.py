@@ -70,7 +70,8 @@ def main() -> None:
     if args.dtype == "bfloat16":
         model_dir = model_dir.with_name(model_dir.name + "-bf16")
     tokens = args.prefill or 512
-    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=512, max_num_seqs=64, max_num_batched_tokens=tokens)
+    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
+              max_num_batched_tokens=tokens)
     engine = llm.engine
     rng = np.random.default_rng(0)
     # prefill: enough prompts that every profiled step is a full chunk; decode: `rows` sequences
