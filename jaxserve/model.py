@@ -16,6 +16,8 @@ nothing about scheduling, sampling or HTTP.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -49,8 +51,10 @@ class ModelInputs:
     logits_indices: jax.Array  # i32[B] row of each sequence's last token
 
 
+@functools.cache
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies f32[head_dim // 2], with HF's `linear` and `llama3` scaling."""
+    """Inverse frequencies f32[head_dim // 2], with HF's `linear` and `llama3` scaling (computed
+    once per model: every step's `rope_table` reads them; read-only)."""
     inv = 1.0 / (np.float32(rope.theta) ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     if rope.type == "linear":
         inv = inv / rope.factor
@@ -64,7 +68,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv = np.where(medium, smoothed, scaled)
-    return inv.astype(np.float32)
+    inv = inv.astype(np.float32)
+    inv.flags.writeable = False
+    return inv
 
 
 def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
@@ -79,7 +85,8 @@ def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
 
 def apply_rope(x, rope):
     """Rotate-half RoPE. x: [T, heads, head_dim]; rope: f32[T, head_dim] (`rope_table`)."""
-    cos, sin = (jnp.concatenate([half, half], axis=-1)[:, None, :].astype(x.dtype) for half in jnp.split(rope, 2, axis=-1))
+    cos, sin = (jnp.concatenate([half, half], axis=-1)[:, None, :].astype(x.dtype)
+                for half in jnp.split(rope, 2, axis=-1))
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
