@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import KERNEL_MAX_ROWS, implementation, matmul_t
+from kernels.matmul import KERNEL_MAX_ROWS, TARGET, WIDEN_TARGET, implementation, matmul_t
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -31,15 +31,21 @@ def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
 
 
+def _ffi_targets(eqns) -> list[str]:
+    return [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"]
+
+
 @pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
 def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(w_dtype):
     """Past KERNEL_MAX_ROWS rows, XLA's dot runs, on float32 operands (a bfloat16 weight widened
-    first): XLA:CPU's float32 products beat the kernel there, its bfloat16 ones do not."""
+    first, by the kernel's widening call): XLA:CPU's float32 products beat the kernel there, its
+    bfloat16 ones do not."""
     w = jnp.ones((8, 16), w_dtype)
     limit = KERNEL_MAX_ROWS[w.dtype]
     for rows, kernel in ((limit, True), (limit + 1, False)):
         eqns = jax.make_jaxpr(lambda x: matmul_t(x, w))(jnp.ones((rows, 16), w_dtype)).eqns
-        assert [e.primitive.name == "ffi_call" for e in eqns].count(True) == kernel, rows
+        widened = not kernel and w_dtype == "bfloat16"
+        assert _ffi_targets(eqns) == [TARGET] * kernel + [WIDEN_TARGET] * widened, rows
         dots = [e for e in eqns if e.primitive.name == "dot_general"]
         assert len(dots) == (not kernel) and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
     rng = np.random.default_rng(2)
@@ -48,6 +54,30 @@ def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(w_dt
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
     tol = 2e-5 if w_dtype == "float32" else 2**-8
     np.testing.assert_allclose(np.asarray(jax.jit(matmul_t)(x, w), np.float64), want, rtol=tol, atol=tol * np.sqrt(40))
+
+
+def test_bfloat16_weights_are_widened_layer_by_layer():
+    """Past the row limit each bfloat16 weight is widened only once its layer's input exists, so the
+    float32 copies of a chain of layers are not all live at once (a plain convert was run for every
+    layer at the start of the step: 306 MB of temporaries in a 512-token bench-125m step)."""
+    rows, d, layers = KERNEL_MAX_ROWS[jnp.dtype(jnp.bfloat16)] + 1, 256, 12
+    rng = np.random.default_rng(3)
+    ws = [jnp.asarray(rng.standard_normal((d, d)) / 16, jnp.bfloat16) for _ in range(layers)]
+
+    def chain(x, ws):
+        outs = []
+        for w in ws:
+            x = matmul_t(x, w)
+            outs.append(x)
+        return outs
+
+    x = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
+    compiled = jax.jit(chain).lower(x, ws).compile()
+    widened_bytes = layers * d * d * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < widened_bytes / 3  # (about 3 float32 [rows, d] buffers)
+    for x, w, got in zip([x, *compiled(x, ws)], ws, compiled(x, ws)):  # each layer against its input
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=2**-8 * np.sqrt(d))
 
 
 def test_matmul_t_keeps_leading_dimensions():

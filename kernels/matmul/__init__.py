@@ -7,7 +7,10 @@ Products accumulate in float32 and return the requested dtype. Implementations:
   up to KERNEL_MAX_ROWS rows of x: in float32 the row counts of decode steps, where XLA:CPU's
   products are slower, and in bfloat16 up to mid-sized prefill chunks: XLA runs single-row
   bfloat16 products about 10x slower than float32 ones, while the kernel streams bfloat16 weights
-  at half float32's bytes (bench/matmul_layout.py, bench/RESULTS.md).
+  at half float32's bytes (bench/matmul_layout.py, bench/RESULTS.md). Past KERNEL_MAX_ROWS rows
+  XLA's float32 dot runs; a bfloat16 weight is widened for it by a second call in `cpu.cc`, which
+  takes x as an operand so that each layer's widening waits for that layer (XLA hoisted a plain
+  convert of every layer's weight to the start of the step).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 """
@@ -26,6 +29,7 @@ from kernels.cpu import build
 ENV = "JAXSERVE_MATMUL"
 IMPLEMENTATIONS = ("xla", "cpu")
 TARGET = "jaxserve_matmul_t"
+WIDEN_TARGET = "jaxserve_widen_after"  # a bfloat16 weight widened once the layer's input exists (cpu.cc)
 SOURCE = Path(__file__).with_name("cpu.cc")
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
@@ -48,7 +52,8 @@ def implementation(impl: str | None = None) -> str:
                          f"choose from {list(IMPLEMENTATIONS)}")
     if name == "cpu" and jax.default_backend() != "cpu":
         raise ValueError(f"the 'cpu' matmul kernel runs on the CPU backend only, not {jax.default_backend()!r}")
-    if name == "cpu" and not build.register(SOURCE, "JaxserveMatmulT", TARGET):
+    if name == "cpu" and not (build.register(SOURCE, "JaxserveMatmulT", TARGET)
+                              and build.register(SOURCE, "JaxserveWidenAfter", WIDEN_TARGET)):
         if chosen:
             raise ValueError("the 'cpu' matmul kernel could not be built (see the log); choose 'xla'")
         return "xla"
@@ -73,6 +78,8 @@ def matmul_t(x: jax.Array, weight: jax.Array, dtype=None, *, impl: str | None = 
             or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES)):
         return matmul_t_reference(x, weight, dtype)
     if impl is None and rows > KERNEL_MAX_ROWS[weight.dtype]:
-        return matmul_t_reference(x.astype(jnp.float32), weight.astype(jnp.float32), dtype)
+        if weight.dtype != jnp.float32:  # widened by the kernel, ordered after x (see WidenAfter in cpu.cc)
+            weight = jax.ffi.ffi_call(WIDEN_TARGET, jax.ShapeDtypeStruct(weight.shape, jnp.float32))(x, weight)
+        return matmul_t_reference(x.astype(jnp.float32), weight, dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
     return call(x.reshape(rows, k), weight).reshape(*lead, weight.shape[0])

@@ -202,10 +202,39 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
   return ffi::Error::Success();
 }
 
+// out = w (bfloat16) widened to float32, for XLA's float32 dot on prefill chunks (see
+// matmul/__init__.py). `after` is never read: as an operand it makes the widening wait until the
+// layer's input exists. A plain convert depends on the weight alone, and XLA:CPU ran every layer's
+// at the start of the step: 306 MB of float32 weights live at once for bench-125m, in a buffer
+// freshly mapped (75k page faults) every step.
+ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
+  (void)after;
+  if (!IsBf16(w.element_type()) || out->element_type() != ffi::DataType::F32 ||
+      out->element_count() != w.element_count()) {
+    return ffi::Error::InvalidArgument("widen (cpu): w must be bfloat16 and out float32 of its size");
+  }
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t n = static_cast<int64_t>(w.element_count());
+  const uint16_t* bits = static_cast<const uint16_t*>(w.untyped_data());
+  float* wide = static_cast<float*>(out->untyped_data());
+  ParallelFor(pool, (n + kChunk - 1) / kChunk, [&](int64_t item, std::vector<float>&) {
+    const int64_t end = std::min(n, (item + 1) * kChunk);
+    for (int64_t i = item * kChunk; i < end; ++i) wide[i] = Bf16ToFloat(bits[i]);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxserve
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()
