@@ -227,16 +227,15 @@ ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer
 }  // namespace
 }  // namespace jaxserve
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+// Both handlers: XLA's thread pool, two operands, one result.
+static auto TwoOperandsOneResult() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Ret<xla::ffi::AnyBuffer>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT, TwoOperandsOneResult());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter, TwoOperandsOneResult());
