@@ -36,10 +36,12 @@ from jaxserve import LLM, SamplingParams  # noqa: E402
 PROMPT_TOKENS = 128
 
 
-def custom_call_targets(llm: LLM) -> dict[str, str]:
-    """Each custom call's instruction name in the compiled steps -> its target (the kernel's name)."""
+def custom_call_targets(llm: LLM, shapes: set) -> dict[str, str]:
+    """Each custom call's instruction name in the steps compiled for `shapes` -> its target (the
+    kernel's name). Only the profiled steps' own: another bucket's step may give the same name to
+    another kernel."""
     targets = {}
-    for executable in llm.engine.runner.executables.values():
+    for executable in (llm.engine.runner.executables[shape] for shape in shapes):
         for m in re.finditer(r"%?((?:ffi_call|custom-call)[.\d]*) = .*?custom_call_target=\"([^\"]+)\"",
                              executable.as_text()):
             targets[m.group(1).lstrip("%")] = m.group(2)
@@ -91,12 +93,14 @@ def main() -> None:
         engine.step()
         walls.append(time.perf_counter() - start)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    shapes, executable = set(), engine.runner._executable  # (the buckets the profiled steps run)
+    engine.runner._executable = lambda shape, *rest: shapes.add(shape) or executable(shape, *rest)
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         for _ in range(args.steps):
             engine.step()
         jax.profiler.stop_trace()
-        times = per_op(trace_dir, custom_call_targets(llm), args.steps)
+        times = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
 
     kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
     print(f"# bench-125m {args.dtype}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
