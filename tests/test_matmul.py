@@ -17,11 +17,13 @@ from kernels.matmul import KERNEL_MAX_ROWS, TARGET, WIDEN_TARGET, implementation
                                                        ("float32", "bfloat16", None)])
 def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
     rng = np.random.default_rng(0)
-    # rows: one, tiles with a remainder of one and of two rows (tiles take 3 rows of x against a
-    # float32 w, 2 against a bfloat16 one), several blocks; in: with and without a tail past the 8
-    # lanes (16 values for bfloat16 weights); out: a tile's remainders, and more than one block of
-    # 64 weight rows
-    for rows, d_in, d_out in [(1, 96, 7), (2, 13, 64), (7, 40, 129), (5, 24, 9), (33, 768, 70), (200, 24, 5)]:
+    # rows: the dot form (under 16 rows): one, tiles with a remainder of one and of two rows (tiles
+    # take 3 rows of x against a float32 w, 2 against a bfloat16 one); the panel form (16 rows and
+    # more): one whole panel, a remainder of one row, several panels and work items; in: with and
+    # without a tail past the 8 lanes (16 values for bfloat16 weights); out: a tile's remainders,
+    # and more than one work item's block of weight rows (64 in the dot form, 96 in the panel form)
+    for rows, d_in, d_out in [(1, 96, 7), (2, 13, 64), (7, 40, 129), (5, 24, 9), (16, 40, 200), (33, 768, 70),
+                              (200, 24, 5)]:
         x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
         w = jnp.asarray(rng.standard_normal((d_out, d_in)), w_dtype)
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)

@@ -20,6 +20,18 @@
 // prefetcher keeps ahead of it. Adjacent rows would start NR new short streams per tile (a
 // bfloat16 row of 768 values is 1.5 KB). One-row products run 1.2-1.4x faster this way in
 // bfloat16, 1.1x in float32 (bench/RESULTS.md, "Products").
+//
+// That form suits few rows of x, where each weight is read once and the product is bounded by
+// memory. From kPanelMinRows rows on the product is bounded by the multiply-adds, and the dot
+// form's loads and horizontal sums hold it to about half of this CPU's peak. There x is packed into
+// panels of 16 rows, transposed ([k][16]: two vectors per k), and a panel tile multiplies the two
+// vectors of one k by 6 values of w, each broadcast to a vector: 12 accumulators, 2 + 6 loads per
+// 12 multiply-adds, no horizontal sums (PanelTile). Its accumulators hold columns of y, scattered
+// to y once per tile. A bfloat16 w is widened first, the tile's 6 rows at a time, into a buffer
+// that stays in L1 while every panel passes over it. The 6 rows are a sixth of the block apart, as
+// above. bench-125m's decode products (bench/matmul_layout.py) ran 1.1-1.5x faster this way at 16
+// to 64 rows of float32, 1.0-1.2x in bfloat16 (bench/RESULTS.md, "Products of 16 rows and more").
+// Under 16 rows a panel would be mostly zeros, and the dot form runs as fast or faster.
 
 #include <algorithm>
 #include <cstdint>
@@ -37,6 +49,10 @@ constexpr int64_t kBytesOfX = 256 * 1024;    // x rows per work item: about this
 constexpr int kTileCols = 4;  // w rows of one register tile
 template <typename W>
 constexpr int kTileRows = std::is_same_v<W, float> ? 3 : 2;  // x rows of one register tile (see the top)
+constexpr int64_t kPanelMinRows = 16;  // from this many rows of x on, the panel form (see the top)
+constexpr int64_t kPanelRows = 2 * kLanes;  // x rows of one panel
+constexpr int kPanelTileCols = 6;           // w rows of one panel tile
+constexpr int64_t kPanelRowsOfW = 96;       // w rows per work item of the panel form
 
 typedef uint32_t Words __attribute__((vector_size(32)));
 
@@ -146,6 +162,117 @@ void Block(const float* x, const W* w, float* y, int64_t n_len, int64_t k_len, i
   }
 }
 
+// The 8 x 8 block in r transposed in place: r[j][i] becomes r[i][j].
+inline void Transpose8(Lanes r[8]) {
+  Lanes t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved: within each half, i0 i1 i0 i1 ...
+    t[i] = __builtin_shufflevector(r[i], r[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[i + 1] = __builtin_shufflevector(r[i], r[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {  // then pairs of pairs: columns c and c + 4 of four rows
+    for (int j = 0; j < 2; ++j) {
+      u[i + 2 * j] = __builtin_shufflevector(t[i + j], t[i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[i + 2 * j + 1] = __builtin_shufflevector(t[i + j], t[i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {  // then the halves of rows 0-3 and 4-7 joined
+    r[j] = __builtin_shufflevector(u[j], u[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[j + 4] = __builtin_shufflevector(u[j], u[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// Panels of x [rows, k_len], widened to float32: panel p holds rows 16p to 16p + 15 as
+// out[p][k][0:16] (rows past the last one are zeros), 8 rows x 8 values of k at a time.
+template <typename X>
+void PackPanels(const X* x, int64_t rows, int64_t k_len, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+    float* half = out + r0 / kPanelRows * kPanelRows * k_len + r0 % kPanelRows;
+    const int64_t n = std::min(kLanes, rows - r0);
+    int64_t k = 0;
+    for (; k + kLanes <= k_len; k += kLanes) {
+      Lanes r[kLanes] = {};
+      for (int64_t i = 0; i < n; ++i) r[i] = Load(x + (r0 + i) * k_len + k);
+      Transpose8(r);
+      for (int64_t j = 0; j < kLanes; ++j) Store(half + (k + j) * kPanelRows, r[j]);
+    }
+    for (; k < k_len; ++k) {
+      for (int64_t i = 0; i < kLanes; ++i) half[k * kPanelRows + i] = i < n ? Widen(x[(r0 + i) * k_len + k]) : 0.f;
+    }
+  }
+  if (rows % kPanelRows > 0 && rows % kPanelRows <= kLanes) {  // the last panel's second half: zeros
+    float* half = out + rows / kPanelRows * kPanelRows * k_len + kLanes;
+    for (int64_t k = 0; k < k_len; ++k) std::memset(half + k * kPanelRows, 0, kLanes * sizeof(float));
+  }
+}
+
+// c[j][0:16] = sum_k panel[k][0:16] w[j * ldw + k] for j < NR: one panel of x against NR rows of w.
+template <int NR>
+inline void PanelTile(const float* panel, const float* w, int64_t ldw, int64_t k_len, float* c) {
+  Lanes acc[2][NR] = {};
+  for (int64_t k = 0; k < k_len; ++k) {
+    Lanes low = Load(panel + k * kPanelRows), high = Load(panel + k * kPanelRows + kLanes);
+    InRegister(low);
+    InRegister(high);
+    for (int j = 0; j < NR; ++j) {
+      const float s = w[j * ldw + k];
+      const Lanes b = {s, s, s, s, s, s, s, s};  // (a broadcast load; `s + Lanes{}` costs an add first)
+      acc[0][j] += low * b;
+      acc[1][j] += high * b;
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    Store(c + j * kPanelRows, acc[0][j]);
+    Store(c + j * kPanelRows + kLanes, acc[1][j]);
+  }
+}
+
+inline void PanelTileCols(const float* panel, const float* w, int64_t ldw, int64_t k_len, float* c, int64_t cols) {
+  switch (cols) {
+    case 6: return PanelTile<6>(panel, w, ldw, k_len, c);
+    case 5: return PanelTile<5>(panel, w, ldw, k_len, c);
+    case 4: return PanelTile<4>(panel, w, ldw, k_len, c);
+    case 3: return PanelTile<3>(panel, w, ldw, k_len, c);
+    case 2: return PanelTile<2>(panel, w, ldw, k_len, c);
+    default: return PanelTile<1>(panel, w, ldw, k_len, c);
+  }
+}
+
+// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as panels (m0 a multiple of 16). Tile t takes rows
+// n0 + t + c * stride of w, c < kPanelTileCols; `wide` holds them widened when w is bfloat16.
+template <typename W>
+void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_t k_len, int64_t m0, int64_t m1,
+                int64_t n0, int64_t n1, std::vector<float>& wide) {
+  constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
+  const int64_t stride = (n1 - n0 + kPanelTileCols - 1) / kPanelTileCols;
+  if (kBf16) wide.resize(kPanelTileCols * k_len);
+  float c[kPanelTileCols * kPanelRows];
+  for (int64_t t = 0; t < stride; ++t) {
+    const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
+    const float* wt;
+    int64_t ldw;
+    if constexpr (kBf16) {
+      for (int64_t j = 0; j < cols; ++j) {
+        const W* src = w + (n + j * stride) * k_len;
+        float* dst = wide.data() + j * k_len;
+        int64_t k = 0;
+        for (; k + kLanes <= k_len; k += kLanes) Store(dst + k, Load(src + k));
+        for (; k < k_len; ++k) dst[k] = Widen(src[k]);
+      }
+      wt = wide.data();
+      ldw = k_len;
+    } else {
+      wt = w + n * k_len;
+      ldw = stride * k_len;
+    }
+    for (int64_t m = m0; m < m1; m += kPanelRows) {
+      PanelTileCols(panels + m * k_len, wt, ldw, k_len, c, cols);
+      for (int64_t j = 0; j < cols; ++j) {
+        for (int64_t i = 0; i < std::min(kPanelRows, m1 - m); ++i) y[(m + i) * n_len + n + j * stride] = c[j * kPanelRows + i];
+      }
+    }
+  }
+}
+
 ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   for (ffi::DataType t : {x.element_type(), w.element_type(), y->element_type()}) {
     if (t != ffi::DataType::F32 && !IsBf16(t)) {
@@ -158,43 +285,64 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
     return ffi::Error::InvalidArgument("matmul (cpu): x must be [M, K] and w [N, K]");
   }
   const int64_t m_len = xd[0], n_len = wd[0], k_len = xd[1];
-  // float32 views of x and y: the buffers themselves, or copies widened (x; reordered for a
-  // bfloat16 w, see Tile) or to be rounded (y)
-  const bool w_bf16 = IsBf16(w.element_type());
-  std::vector<float> x_wide, y_wide;
-  const float* xs = static_cast<const float*>(x.untyped_data());
-  const bool x_bf16 = IsBf16(x.element_type());
-  const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
-  if (w_bf16 || x_bf16) {
-    x_wide.resize(m_len * k_len);
-    if (w_bf16 && x_bf16) {
-      Deinterleave(x_bits, m_len, k_len, x_wide.data());
-    } else if (w_bf16) {
-      Deinterleave(xs, m_len, k_len, x_wide.data());
-    } else {
-      for (int64_t i = 0; i < m_len * k_len; ++i) x_wide[i] = Bf16ToFloat(x_bits[i]);
-    }
-    xs = x_wide.data();
-  }
+  const bool w_bf16 = IsBf16(w.element_type()), x_bf16 = IsBf16(x.element_type());
   const bool y_bf16 = IsBf16(y->element_type());
-  if (y_bf16) y_wide.resize(m_len * n_len);
+  const float* x_f32 = static_cast<const float*>(x.untyped_data());
+  const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
+  const void* ws = w.untyped_data();
+  // y in float32: the result buffer itself, or a copy to be rounded
+  std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
   float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
 
-  const int64_t tile_rows = w_bf16 ? kTileRows<uint16_t> : kTileRows<float>;
-  const int64_t rows_of_x =
-      std::max<int64_t>(tile_rows, kBytesOfX / (4 * std::max<int64_t>(k_len, 1)) / tile_rows * tile_rows);
-  const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
-  const int64_t n_blocks = (n_len + kRowsOfW - 1) / kRowsOfW;
-  const void* ws = w.untyped_data();
-  ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>&) {
-    const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * kRowsOfW;
-    const int64_t m1 = std::min(m_len, m0 + rows_of_x), n1 = std::min(n_len, n0 + kRowsOfW);
-    if (w_bf16) {
-      Block(xs, static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+  if (m_len >= kPanelMinRows) {
+    x_wide.resize((m_len + kPanelRows - 1) / kPanelRows * kPanelRows * k_len);
+    if (x_bf16) {
+      PackPanels(x_bits, m_len, k_len, x_wide.data());
     } else {
-      Block(xs, static_cast<const float*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+      PackPanels(x_f32, m_len, k_len, x_wide.data());
     }
-  });
+    const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
+        std::max<int64_t>(1, kBytesOfX / (4 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
+    const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
+    const int64_t n_blocks = (n_len + kPanelRowsOfW - 1) / kPanelRowsOfW;
+    ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>& wide) {
+      const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * kPanelRowsOfW;
+      const int64_t m1 = std::min(m_len, m0 + rows_of_x), n1 = std::min(n_len, n0 + kPanelRowsOfW);
+      if (w_bf16) {
+        PanelBlock(x_wide.data(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1, wide);
+      } else {
+        PanelBlock(x_wide.data(), static_cast<const float*>(ws), ys, n_len, k_len, m0, m1, n0, n1, wide);
+      }
+    });
+  } else {
+    // x in float32: the buffer itself, or a copy widened (and reordered for a bfloat16 w, see Tile)
+    const float* xs = x_f32;
+    if (w_bf16 || x_bf16) {
+      x_wide.resize(m_len * k_len);
+      if (w_bf16 && x_bf16) {
+        Deinterleave(x_bits, m_len, k_len, x_wide.data());
+      } else if (w_bf16) {
+        Deinterleave(x_f32, m_len, k_len, x_wide.data());
+      } else {
+        for (int64_t i = 0; i < m_len * k_len; ++i) x_wide[i] = Bf16ToFloat(x_bits[i]);
+      }
+      xs = x_wide.data();
+    }
+    const int64_t tile_rows = w_bf16 ? kTileRows<uint16_t> : kTileRows<float>;
+    const int64_t rows_of_x =
+        std::max<int64_t>(tile_rows, kBytesOfX / (4 * std::max<int64_t>(k_len, 1)) / tile_rows * tile_rows);
+    const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
+    const int64_t n_blocks = (n_len + kRowsOfW - 1) / kRowsOfW;
+    ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>&) {
+      const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * kRowsOfW;
+      const int64_t m1 = std::min(m_len, m0 + rows_of_x), n1 = std::min(n_len, n0 + kRowsOfW);
+      if (w_bf16) {
+        Block(xs, static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+      } else {
+        Block(xs, static_cast<const float*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+      }
+    });
+  }
   if (y_bf16) {
     uint16_t* bits = static_cast<uint16_t*>(y->untyped_data());
     for (int64_t i = 0; i < m_len * n_len; ++i) bits[i] = FloatToBf16(y_wide[i]);
