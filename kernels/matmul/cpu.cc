@@ -251,12 +251,12 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
     const float* wt;
     int64_t ldw;
     if constexpr (kBf16) {
-      for (int64_t j = 0; j < cols; ++j) {
-        const W* src = w + (n + j * stride) * k_len;
-        float* dst = wide.data() + j * k_len;
-        int64_t k = 0;
-        for (; k + kLanes <= k_len; k += kLanes) Store(dst + k, Load(src + k));
-        for (; k < k_len; ++k) dst[k] = Widen(src[k]);
+      int64_t k = 0;  // (the rows side by side, as PanelTile reads a float32 w: row by row ran 1.5x slower)
+      for (; k + kLanes <= k_len; k += kLanes) {
+        for (int64_t j = 0; j < cols; ++j) Store(wide.data() + j * k_len + k, Load(w + (n + j * stride) * k_len + k));
+      }
+      for (; k < k_len; ++k) {
+        for (int64_t j = 0; j < cols; ++j) wide[j * k_len + k] = Widen(w[(n + j * stride) * k_len + k]);
       }
       wt = wide.data();
       ldw = k_len;
