@@ -28,10 +28,10 @@
 // vectors of one k by 6 values of w, each broadcast to a vector: 12 accumulators, 2 + 6 loads per
 // 12 multiply-adds, no horizontal sums (PanelTile). Its accumulators hold columns of y, scattered
 // to y once per tile. A bfloat16 w is widened first, the tile's 6 rows at a time, into a buffer
-// that stays in L1 while every panel passes over it. The 6 rows are a sixth of the block apart, as
-// above. bench-125m's decode products (bench/matmul_layout.py) ran 1.1-1.5x faster this way at 16
-// to 64 rows of float32, 1.0-1.2x in bfloat16 (bench/RESULTS.md, "Products of 16 rows and more").
-// Under 16 rows a panel would be mostly zeros, and the dot form runs as fast or faster.
+// that every panel then reads. The 6 rows are a sixth of the block apart, as above. bench-125m's
+// decode products (bench/matmul_layout.py) ran 1.1-1.5x faster this way at 16 to 64 rows of
+// float32, 1.0-1.2x in bfloat16 (bench/RESULTS.md, "Products of 16 rows and more"). Under 16 rows
+// a panel would be mostly zeros, and the dot form runs as fast or faster.
 
 #include <algorithm>
 #include <cstdint>
@@ -244,14 +244,14 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
                 int64_t n0, int64_t n1, std::vector<float>& wide) {
   constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
   const int64_t stride = (n1 - n0 + kPanelTileCols - 1) / kPanelTileCols;
-  if (kBf16) wide.resize(kPanelTileCols * k_len);
+  if constexpr (kBf16) wide.resize(kPanelTileCols * k_len);
   float c[kPanelTileCols * kPanelRows];
   for (int64_t t = 0; t < stride; ++t) {
     const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
     const float* wt;
     int64_t ldw;
     if constexpr (kBf16) {
-      int64_t k = 0;  // (the rows side by side, as PanelTile reads a float32 w: row by row ran 1.5x slower)
+      int64_t k = 0;  // (the rows side by side, as PanelTile streams a float32 w; row by row ran 1.1-1.2x slower)
       for (; k + kLanes <= k_len; k += kLanes) {
         for (int64_t j = 0; j < cols; ++j) Store(wide.data() + j * k_len + k, Load(w + (n + j * stride) * k_len + k));
       }
@@ -267,7 +267,9 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
     for (int64_t m = m0; m < m1; m += kPanelRows) {
       PanelTileCols(panels + m * k_len, wt, ldw, k_len, c, cols);
       for (int64_t j = 0; j < cols; ++j) {
-        for (int64_t i = 0; i < std::min(kPanelRows, m1 - m); ++i) y[(m + i) * n_len + n + j * stride] = c[j * kPanelRows + i];
+        for (int64_t i = 0; i < std::min(kPanelRows, m1 - m); ++i) {
+          y[(m + i) * n_len + n + j * stride] = c[j * kPanelRows + i];
+        }
       }
     }
   }
