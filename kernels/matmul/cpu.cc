@@ -275,6 +275,19 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
   }
 }
 
+// fn(m0, m1, n0, n1, scratch) for every block of y [m_len, n_len] of rows_of_x x rows_of_w, as
+// work items shared with XLA's threads (ParallelFor).
+template <typename Fn>
+void ForEachBlock(ffi::ThreadPool& pool, int64_t m_len, int64_t n_len, int64_t rows_of_x, int64_t rows_of_w,
+                  const Fn& fn) {
+  const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
+  const int64_t n_blocks = (n_len + rows_of_w - 1) / rows_of_w;
+  ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>& scratch) {
+    const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * rows_of_w;
+    fn(m0, std::min(m_len, m0 + rows_of_x), n0, std::min(n_len, n0 + rows_of_w), scratch);
+  });
+}
+
 ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   for (ffi::DataType t : {x.element_type(), w.element_type(), y->element_type()}) {
     if (t != ffi::DataType::F32 && !IsBf16(t)) {
@@ -305,11 +318,8 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
     }
     const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
         std::max<int64_t>(1, kBytesOfX / (4 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
-    const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
-    const int64_t n_blocks = (n_len + kPanelRowsOfW - 1) / kPanelRowsOfW;
-    ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>& wide) {
-      const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * kPanelRowsOfW;
-      const int64_t m1 = std::min(m_len, m0 + rows_of_x), n1 = std::min(n_len, n0 + kPanelRowsOfW);
+    ForEachBlock(pool, m_len, n_len, rows_of_x, kPanelRowsOfW, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                                                                  std::vector<float>& wide) {
       if (w_bf16) {
         PanelBlock(x_wide.data(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1, wide);
       } else {
@@ -333,11 +343,8 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
     const int64_t tile_rows = w_bf16 ? kTileRows<uint16_t> : kTileRows<float>;
     const int64_t rows_of_x =
         std::max<int64_t>(tile_rows, kBytesOfX / (4 * std::max<int64_t>(k_len, 1)) / tile_rows * tile_rows);
-    const int64_t m_blocks = (m_len + rows_of_x - 1) / rows_of_x;
-    const int64_t n_blocks = (n_len + kRowsOfW - 1) / kRowsOfW;
-    ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>&) {
-      const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * kRowsOfW;
-      const int64_t m1 = std::min(m_len, m0 + rows_of_x), n1 = std::min(n_len, n0 + kRowsOfW);
+    ForEachBlock(pool, m_len, n_len, rows_of_x, kRowsOfW, [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                                                             std::vector<float>&) {
       if (w_bf16) {
         Block(xs, static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
       } else {
