@@ -13,6 +13,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxserve {
@@ -50,11 +54,15 @@ inline Lanes Load(const float* p) {
 }
 
 inline Lanes Load(const uint16_t* p) {  // 8 bfloat16 widened to float32
+#if defined(__AVX2__)
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#else
   typedef uint16_t Halves __attribute__((vector_size(16)));
   typedef uint32_t Words __attribute__((vector_size(32)));
   Halves h;
   std::memcpy(&h, p, sizeof(h));
   Words w = __builtin_convertvector(h, Words) << 16;
+#endif
   Lanes v;
   std::memcpy(&v, &w, sizeof(v));
   return v;
