@@ -54,8 +54,9 @@ inline Lanes Load(const float* p) {
 }
 
 inline Lanes Load(const uint16_t* p) {  // 8 bfloat16 widened to float32
-#if defined(__AVX2__)
-  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+#if defined(__AVX2__)  // one zero-extension: GCC 12 split the portable form below into five shuffles
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
 #else
   typedef uint16_t Halves __attribute__((vector_size(16)));
   typedef uint32_t Words __attribute__((vector_size(32)));

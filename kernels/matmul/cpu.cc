@@ -8,11 +8,12 @@
 // 12 multiply-adds. A bfloat16 weight is widened in registers, so it streams from memory at half
 // the bytes (two float32 vectors from each load, see Tile); each row of x then takes two vectors,
 // so its tiles are 2 x 4. Work items are blocks of rows of x (as many as fit in about 256 KB, so
-// they stay in the L2 cache) times blocks of 64 rows of w. Within an item, each tile's rows of x
-// (a few KB) stay in the L1 cache while the block of w passes over them. In the other loop order
-// (each tile of w against every row of x) the rows of x push w out of L1 and every operand comes
-// from L2: float32 products of 32 to 256 rows run 1.2-1.3x slower that way with 2 x 4 tiles, and
-// 3 x 4 tiles gain nothing without the L1 reuse (a stand-alone timing of bench-125m's products).
+// they stay in the L2 cache) times blocks of about 64 rows of w (ForEachBlock). Within an item,
+// each tile's rows of x (a few KB) stay in the L1 cache while the block of w passes over them. In
+// the other loop order (each tile of w against every row of x) the rows of x push w out of L1 and
+// every operand comes from L2: float32 products of 32 to 256 rows run 1.2-1.3x slower that way
+// with 2 x 4 tiles, and 3 x 4 tiles gain nothing without the L1 reuse (a stand-alone timing of
+// bench-125m's products).
 //
 // The NR rows of w in a tile are a quarter of the block apart (rows t, t + 16, t + 32, t + 48 of
 // 64), not adjacent: the next tile then reads, in each of its NR streams, the row right after the
@@ -44,7 +45,7 @@
 namespace jaxserve {
 namespace {
 
-constexpr int64_t kRowsOfW = 64;             // w rows per work item
+constexpr int64_t kRowsOfW = 64;             // w rows per work item, about (ForEachBlock)
 constexpr int64_t kBytesOfX = 256 * 1024;    // x rows per work item: about this much
 constexpr int kTileCols = 4;  // w rows of one register tile
 template <typename W>
@@ -52,7 +53,7 @@ constexpr int kTileRows = std::is_same_v<W, float> ? 3 : 2;  // x rows of one re
 constexpr int64_t kPanelMinRows = 16;  // from this many rows of x on, the panel form (see the top)
 constexpr int64_t kPanelRows = 2 * kLanes;  // x rows of one panel
 constexpr int kPanelTileCols = 6;           // w rows of one panel tile
-constexpr int64_t kPanelRowsOfW = 96;       // w rows per work item of the panel form
+constexpr int64_t kPanelRowsOfW = 96;       // the same in the panel form
 
 typedef uint32_t Words __attribute__((vector_size(32)));
 
