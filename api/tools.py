@@ -114,7 +114,10 @@ class ChoiceTools:
 
     @property
     def finish_reason(self) -> str:
-        """What a choice that stopped after making calls reports."""
+        """What a choice that stopped after making calls reports: "stop" where the request named the
+        function (as OpenAI and vLLM report a forced call)."""
+        if self.named:
+            return "stop"
         return "function_call" if self.request.legacy else "tool_calls"
 
     def message(self, text: str) -> dict:
