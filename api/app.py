@@ -287,7 +287,9 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         body = await json_body()
         check_model(body, limits)
         if "messages" in body:
-            ids = parse_chat({"messages": body["messages"], "max_tokens": 1}, limits, tokenizer).prompts[0]
+            rendering = {k: body[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
+                                              "chat_template_kwargs") if k in body}
+            ids = parse_chat({**rendering, "max_tokens": 1}, limits, tokenizer).prompts[0]
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)
         else:

@@ -306,6 +306,22 @@ def _template_message(m: dict, i: int) -> dict:
     return out
 
 
+def _template_options(body: dict) -> dict:
+    """vLLM's extras for rendering the messages: `add_generation_prompt` (default true),
+    `continue_final_message` (default false) and `chat_template_kwargs` (more template variables)."""
+    out = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        out[name] = body.get(name, default)
+        if not isinstance(out[name], bool):
+            raise APIError(f"'{name}' must be a boolean", param=name)
+    if out["add_generation_prompt"] and out["continue_final_message"]:
+        raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
+    out["template_kwargs"] = body.get("chat_template_kwargs")
+    if out["template_kwargs"] is not None and not isinstance(out["template_kwargs"], dict):
+        raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    return out
+
+
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
@@ -330,13 +346,14 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
                                  params, stream, include_usage)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
+    options = _template_options(body)
     rendered = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise APIError(f"messages[{i}] needs a 'role' among {', '.join(CHAT_ROLES)}", param="messages")
         rendered.append(_template_message(m, i))
     try:
-        text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None)
+        text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None, **options)
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -260,13 +260,21 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"}) or a list of them,
-        rendered with the model's chat template."""
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`: the
+        assistant's turn opened, or the last message continued (`continue_final_message`); `tools`
+        (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The reply is
+        text: tool calls in it are not parsed here."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation)
+            text = self.tokenizer.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                template_kwargs=chat_template_kwargs)
             # The template already holds the special tokens it wants.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

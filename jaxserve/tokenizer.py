@@ -32,11 +32,25 @@ class Tokenizer:
         """Text of ids, special tokens (EOS, ...) left out unless told otherwise."""
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The conversation (and the tools offered, if any) as prompt text, ending with the assistant's turn opened."""
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = True, continue_final_message: bool = False,
+                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+        """The conversation (and the tools offered, if any) as prompt text, ending with the assistant's
+        turn opened (`add_generation_prompt`) or with the last message left open for the model to go
+        on (`continue_final_message`). `chat_template` replaces the model's for this call;
+        `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
-        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
+        reserved = {"tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+                    "messages", "conversation"} & set(template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat template arguments {sorted(reserved)} are set by their own options")
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template,
+                                           add_generation_prompt=add_generation_prompt,
+                                           continue_final_message=continue_final_message, **(template_kwargs or {}))
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (a SentencePiece "▁" is a space; byte-fallback and byte-level

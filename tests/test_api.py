@@ -183,6 +183,10 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": 3}, 400,
+     "chat_template_kwargs"),
 ]
 
 

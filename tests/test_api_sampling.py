@@ -164,6 +164,11 @@ def test_tokenize_and_detokenize(served):
     chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len(served[1].tokenizer.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
+    opened = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"},
+                                                     {"role": "assistant", "content": "Once"}],
+                                        "add_generation_prompt": False, "continue_final_message": True}).json()
+    assert opened["tokens"] == served[1].tokenizer.encode(
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce", add_special_tokens=False)
     assert post(served, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "héllo"}
     assert post(served, "/detokenize", {"tokens": [1, -1]}).status_code == 400
     assert post(served, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404

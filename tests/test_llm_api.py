@@ -66,6 +66,20 @@ def test_chat_renders_the_template(default_llm):
     assert len(default_llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2))) == 2
 
 
+def test_chat_options_as_vllms(default_llm):
+    params = SamplingParams(max_tokens=2)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    out = default_llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert out.prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce upon"  # left open
+    template = "{{ messages[0]['content'] }}|{{ tools[0]['function']['name'] }}|{{ mood }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = default_llm.chat(messages[:1], params, chat_template=template, tools=tools,
+                           chat_template_kwargs={"mood": "sunny"})[0]
+    assert out.prompt == "hi|get_weather|sunny"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        default_llm.chat(messages, params, continue_final_message=True)  # with add_generation_prompt
+
+
 @pytest.mark.parametrize("prompt_len", [9, 17])  # last prompt token mid-page (copy-on-write) and page-aligned
 def test_n_greedy_choices_equal_the_single_choice(default_llm, prompt_len):
     prompt = list(range(40, 40 + prompt_len))
