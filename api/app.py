@@ -136,6 +136,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to)."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
+    app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     tokenizer = engine.tokenizer
     tool_parser = tool_parser or parser_for_template(tokenizer.hf.chat_template)
     metrics = Metrics(engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -42,24 +43,29 @@ def _finite(logprob: float) -> float:
 
 
 def chat_logprobs(tokenizer: Tokenizer, update: Update) -> list[dict]:
-    """`choices[].logprobs.content` entries for the update's tokens."""
-    out = []
-    for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs):
-        text = tokenizer.decode_token(token)
-        top = []
-        for t, lp in zip(top_ids, top_lps):
-            s = tokenizer.decode_token(t)
-            top.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode())})
-        out.append({"token": text, "logprob": _finite(logprob), "bytes": list(text.encode()), "top_logprobs": top})
-    return out
+    """`choices[].logprobs.content` entries for the update's tokens. `bytes` are the token's own
+    bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode_token(token), "logprob": _finite(logprob),
+                "bytes": list(tokenizer.token_bytes(token))}
+
+    return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids, top_lps)]}
+            for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs)]
 
 
 class CompletionLogprobs:
-    """The legacy completions shape, built up token by token: tokens, token_logprobs, top_logprobs, text_offset."""
+    """The legacy completions shape, built up token by token: tokens, token_logprobs, top_logprobs, text_offset.
+
+    `top_logprobs` holds the k likeliest tokens in rank order and, as OpenAI's does, the sampled
+    token too (up to k + 1 entries; `logprobs=0` gives the sampled token alone). `text_offset` is
+    where each token's text starts in the choice's text, counting whole characters: a token that
+    holds the first bytes of a character starts where that character does."""
 
     def __init__(self, tokenizer: Tokenizer, offset: int = 0):
         self.tokenizer = tokenizer
-        self.offset = offset  # where the next token's text starts in the choice's text
+        self.offset = offset  # characters of the choice's text before the next token
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def format(self, update: Update) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -68,11 +74,11 @@ class CompletionLogprobs:
             out["tokens"].append(text)
             out["token_logprobs"].append(_finite(logprob))
             top: dict[str, float] = {}
-            for t, lp in zip(top_ids, top_lps):  # tokens that decode alike keep the likelier one
+            for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
                 top.setdefault(self.tokenizer.decode_token(t), _finite(lp))
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))
         return out
 
 

@@ -91,11 +91,35 @@ def test_chat_logprobs_shape(client):
         tops = [t.logprob for t in entry.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert entry.top_logprobs[0].token == entry.token and entry.logprob == tops[0] <= 0  # greedy = top-1
-        assert entry.bytes == list(entry.token.encode())
+        assert bytes(entry.bytes).decode(errors="replace") == entry.token
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                  max_tokens=6, logprobs=True, top_logprobs=3, stream=True, **GREEDY))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
+
+
+def test_logprobs_of_characters_split_over_byte_tokens(client):
+    """é and 😀 come as byte tokens: chat's `bytes` spell the text back, and completions' text_offset
+    counts whole characters."""
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20,
+                                       logprobs=True, top_logprobs=2, extra_body={"guided_regex": "é😀x"})
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == "é😀x" and len(content) > 3  # some tokens hold part of a character
+    assert b"".join(bytes(e.bytes) for e in content).decode() == "é😀x"
+    assert all(bytes(t.bytes).decode(errors="replace") == t.token for e in content for t in e.top_logprobs)
+    r = completion(client, prompt="hi", max_tokens=20, logprobs=1, extra_body={"guided_regex": "é😀x"})
+    offsets = r.choices[0].logprobs.text_offset
+    assert r.choices[0].text == "é😀x" and offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] == 2
+
+
+def test_completion_top_logprobs_in_rank_order_with_the_sampled_token(served):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 1.5, "seed": 3, "logprobs": 3}
+    lp = post(served, "/v1/completions", body).json()["choices"][0]["logprobs"]  # the dicts' order as sent
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top[token] >= logprob and len(top) <= 4  # (a likelier token may decode alike, e.g. U+FFFD)
+        assert list(top.values()) == sorted(top.values(), reverse=True)  # the sampled one last, if outside
+    lp = post(served, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
 
 
 def test_completion_logprobs_shape_and_echo(client):
