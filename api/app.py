@@ -215,6 +215,11 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             req.params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
                 "model": limits.served_model_name}
+        try:  # a 400 before a stream's 200 is sent, where the engine would refuse the request
+            for ids in req.prompts:
+                engine.check(ids, req.params)
+        except ValueError as e:
+            raise APIError(str(e)) from e
         if req.stream:
             return Response(stream(req, request_id, chat, head), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})

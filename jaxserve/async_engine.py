@@ -73,6 +73,11 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """ValueError now, in the caller's thread, for a request the engine would refuse (see
+        `Engine.check_request`)."""
+        self.engine.check_request(prompt_token_ids, params)
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[Update]:
         """Updates of the request's n sequences until all finish; leaving early aborts them."""

@@ -98,7 +98,21 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
-        (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt."""
+        (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt (`check_request`)
+        or a constraint that does not compile."""
+        max_tokens = self.check_request(prompt_token_ids, params)
+        if params.constraint is not None:
+            self.output.check_constraint(params.constraint)
+        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
+        seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       params=params, seed=seed, max_tokens=max_tokens)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens, or ValueError for what this engine cannot run (all but the
+        constraint). Reads only the configuration: any thread may call it, e.g. to refuse a streamed
+        request before its response starts."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -119,13 +133,7 @@ class Engine:
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
-        if params.constraint is not None:
-            self.output.check_constraint(params.constraint)
-        seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
-        seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                       params=params, seed=seed, max_tokens=max_tokens)
-        self.scheduler.add(seq)
-        return seq
+        return max_tokens
 
     def abort(self, request_id: str) -> None:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:

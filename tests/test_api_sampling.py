@@ -122,6 +122,13 @@ def test_completion_top_logprobs_in_rank_order_with_the_sampled_token(served):
     assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
 
 
+def test_a_request_the_engine_refuses_gets_a_400_before_its_stream(served):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "min_tokens": 2, "stream": True,
+            "stop_token_ids": list(range(40))}
+    r = post(served, "/v1/completions", body)
+    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
 def test_completion_logprobs_shape_and_echo(client):
     r = completion(client, prompt="echo me", max_tokens=5, logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
