@@ -39,8 +39,7 @@ class Tokenizer:
         turn opened (`add_generation_prompt`) or with the last message left open for the model to go
         on (`continue_final_message`). `chat_template` replaces the model's for this call;
         `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
-        template = chat_template or self.hf.chat_template
-        if not template:
+        if not (chat_template or self.hf.chat_template):  # (the model's may be several, chosen by HF: tools or not)
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
@@ -48,7 +47,7 @@ class Tokenizer:
                     "messages", "conversation"} & set(template_kwargs or {})
         if reserved:
             raise ValueError(f"chat template arguments {sorted(reserved)} are set by their own options")
-        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=template,
+        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
 
