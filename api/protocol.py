@@ -16,7 +16,7 @@ import math
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import TEMPLATE_ARGUMENTS, Tokenizer
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
@@ -319,6 +319,9 @@ def _template_options(body: dict) -> dict:
     out["template_kwargs"] = body.get("chat_template_kwargs")
     if out["template_kwargs"] is not None and not isinstance(out["template_kwargs"], dict):
         raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = TEMPLATE_ARGUMENTS & set(out["template_kwargs"] or {})
+    if reserved:
+        raise APIError(f"'chat_template_kwargs' cannot set {sorted(reserved)}", param="chat_template_kwargs")
     return out
 
 

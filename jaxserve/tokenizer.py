@@ -14,6 +14,11 @@ from pathlib import Path
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
+# apply_chat_template's own arguments: not template variables a caller may pass
+TEMPLATE_ARGUMENTS = frozenset({"tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+                                "messages", "conversation", "conversations"})
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from transformers import AutoTokenizer
@@ -43,8 +48,7 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
         if add_generation_prompt and continue_final_message:
             raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-        reserved = {"tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
-                    "messages", "conversation"} & set(template_kwargs or {})
+        reserved = TEMPLATE_ARGUMENTS & set(template_kwargs or {})
         if reserved:
             raise ValueError(f"chat template arguments {sorted(reserved)} are set by their own options")
         return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,

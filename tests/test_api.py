@@ -187,6 +187,8 @@ BAD_REQUESTS = [
      "continue_final_message"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": 3}, 400,
      "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "chat_template_kwargs": {"conversations": []}}, 400, "chat_template_kwargs"),
 ]
 
 
