@@ -118,8 +118,11 @@ class Llama3JsonParser(ToolParser):
 PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, MistralParser)}
 
 
-def parser_for_template(chat_template: str | None) -> ToolParser:
-    """The family parser that a chat template's tool-call syntax points to (hermes by default)."""
+def parser_for_template(chat_template: str | dict[str, str] | None) -> ToolParser:
+    """The family parser that a chat template's tool-call syntax points to (hermes by default). A
+    tokenizer with several named templates is read by its tool-use one, else by all of them."""
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("tool_use") or "\n".join(chat_template.values())
     template = chat_template or ""
     if "<tool_call>" in template:
         return HermesParser()

@@ -64,3 +64,6 @@ def test_parser_is_chosen_from_the_chat_template():
     assert parser_for_template("[TOOL_CALLS] {{ tools }}").name == "mistral"
     assert parser_for_template("<|python_tag|>{{ x }}").name == "llama3_json"
     assert parser_for_template(None).name == "hermes"
+    named = {"default": "{{ messages }}", "tool_use": "[TOOL_CALLS] {{ tools }}"}  # several named templates
+    assert parser_for_template(named).name == "mistral"
+    assert parser_for_template({"default": "<|python_tag|>{{ x }}"}).name == "llama3_json"
