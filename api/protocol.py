@@ -16,7 +16,7 @@ import math
 from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
-from jaxserve.tokenizer import TEMPLATE_ARGUMENTS, Tokenizer
+from jaxserve.tokenizer import Tokenizer, template_options_error
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
@@ -314,14 +314,12 @@ def _template_options(body: dict) -> dict:
         out[name] = body.get(name, default)
         if not isinstance(out[name], bool):
             raise APIError(f"'{name}' must be a boolean", param=name)
-    if out["add_generation_prompt"] and out["continue_final_message"]:
-        raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message")
     out["template_kwargs"] = body.get("chat_template_kwargs")
     if out["template_kwargs"] is not None and not isinstance(out["template_kwargs"], dict):
         raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    reserved = TEMPLATE_ARGUMENTS & set(out["template_kwargs"] or {})
-    if reserved:
-        raise APIError(f"'chat_template_kwargs' cannot set {sorted(reserved)}", param="chat_template_kwargs")
+    error = template_options_error(**out)
+    if error:
+        raise APIError(error[1], param=error[0])
     return out
 
 

@@ -19,6 +19,17 @@ TEMPLATE_ARGUMENTS = frozenset({"tools", "tokenize", "add_generation_prompt", "c
                                 "messages", "conversation", "conversations"})
 
 
+def template_options_error(add_generation_prompt: bool, continue_final_message: bool,
+                           template_kwargs: dict | None) -> tuple[str, str] | None:
+    """(the option at fault, why) where apply_chat_template's options do not go together; None if they do."""
+    if add_generation_prompt and continue_final_message:
+        return "continue_final_message", "continue_final_message needs add_generation_prompt to be false"
+    reserved = TEMPLATE_ARGUMENTS & set(template_kwargs or {})
+    if reserved:
+        return "chat_template_kwargs", f"chat template arguments {sorted(reserved)} are set by their own options"
+    return None
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from transformers import AutoTokenizer
@@ -46,11 +57,9 @@ class Tokenizer:
         `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
         if not (chat_template or self.hf.chat_template):  # (the model's may be several, chosen by HF: tools or not)
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
-        if add_generation_prompt and continue_final_message:
-            raise ValueError("add_generation_prompt and continue_final_message cannot both be true")
-        reserved = TEMPLATE_ARGUMENTS & set(template_kwargs or {})
-        if reserved:
-            raise ValueError(f"chat template arguments {sorted(reserved)} are set by their own options")
+        error = template_options_error(add_generation_prompt, continue_final_message, template_kwargs)
+        if error:
+            raise ValueError(error[1])
         return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
                                            add_generation_prompt=add_generation_prompt,
                                            continue_final_message=continue_final_message, **(template_kwargs or {}))
