@@ -23,8 +23,8 @@ from werkzeug.exceptions import HTTPException
 
 from api.metrics import Metrics
 from api.protocol import APIError, GenerationRequest, Limits, check_model, parse_chat, parse_completion
-from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_logprobs, new_id, now, sse,
-                           usage)
+from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_logprobs, new_id, now,
+                           prompt_logprobs, sse, usage)
 from api.tool_parsers import ToolParser, parser_for_template
 from api.tools import ChoiceTools
 from jaxserve.async_engine import AsyncEngine, Update
@@ -75,11 +75,12 @@ class _Choices:
         self.req, self.chat, self.n = req, chat, n
         self.tokenizer = engine.tokenizer
         count = len(req.prompts) * n
-        self.texts = [[req.prompt_texts[c // n]] if req.echo else [] for c in range(count)]
+        self.texts: list[list[str]] = [[] for _ in range(count)]
         self.finish: list[str | None] = [None] * count
         self.stop_reason: list[int | str | None] = [None] * count
         self.tokens = [0] * count
         self.cached = [0] * len(req.prompts)  # prompt tokens served from the prefix cache, per prompt
+        self.prompt_logprobs: list[list | None] = [None] * len(req.prompts)  # per prompt, when asked for
         self.logprobs: list[list] = [[] for _ in range(count)]
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c]) for c in range(count)]
@@ -94,18 +95,37 @@ class _Choices:
     def choice_index(self, prompt: int, update: Update) -> int:
         return prompt * self.n + update.index
 
-    def add(self, c: int, update: Update) -> dict | list | None:
-        """Record an update of choice c; -> its logprobs in the response's shape (None if not asked)."""
-        self.texts[c].append(update.text)
-        self.tokens[c] = update.num_output_tokens
+    def add(self, c: int, update: Update) -> tuple[str, dict | list | None]:
+        """Record an update of choice c; -> the text it adds and its logprobs in the response's shape
+        (None if not asked). A completion's first update brings the echoed prompt (and its logprobs);
+        with `prompt_only`, nothing else."""
+        p = c // self.n
+        first = not self.texts[c]
         if update.index == 0:
-            self.cached[c // self.n] = update.num_cached_tokens
+            self.cached[p] = update.num_cached_tokens
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs[p] = update.prompt_logprobs
         self.finish[c], self.stop_reason[c] = update.finish_reason, update.stop_reason
+        text, token_ids, logprobs = update.text, update.token_ids, update.logprobs
+        if self.req.prompt_only:
+            text, token_ids, logprobs = "", [], []
+        else:
+            self.tokens[c] = update.num_output_tokens
+        parts = []
+        if first and self.req.echo:
+            text = self.req.prompt_texts[p] + text
+            if self.req.params.logprobs is not None:
+                ids = self.req.prompts[p]
+                parts.append(CompletionLogprobs(self.tokenizer).format(ids, [None, *update.prompt_logprobs]))
+        self.texts[c].append(text)
         if self.req.params.logprobs is None:
-            return None
-        part = chat_logprobs(self.tokenizer, update) if self.chat else self.completion_logprobs[c].format(update)
+            return text, None
+        if self.chat:
+            part = chat_logprobs(self.tokenizer, token_ids, logprobs)
+        else:
+            part = merge_completion_logprobs([*parts, self.completion_logprobs[c].format(token_ids, logprobs)])
         self.logprobs[c].append(part)
-        return part
+        return text, part
 
     def usage(self) -> dict:
         return usage(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
@@ -128,7 +148,15 @@ class _Choices:
                 body = {"message": {"role": "assistant", "content": text}}
             choices.append({"index": c, **body, "logprobs": logprobs, "finish_reason": self.finish_reason(c),
                             "stop_reason": self.stop_reason[c]})
-        return {**head, "choices": choices, "usage": self.usage()}
+            if not self.chat and self.req.params.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.vllm_prompt_logprobs(c // self.n)
+        extra = {}
+        if self.chat and self.req.params.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
+        return {**head, "choices": choices, "usage": self.usage(), **extra}
+
+    def vllm_prompt_logprobs(self, p: int) -> list[dict | None]:
+        return prompt_logprobs(self.tokenizer, self.req.prompts[p], self.prompt_logprobs[p] or [])
 
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
@@ -253,21 +281,18 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             out = choices.tools[c].feed(update.text)
             return out + choices.tools[c].finish() if update.finish_reason is not None else out
 
-        for c in range(len(choices.texts)):
-            if chat:
-                yield chunk(c, {"role": "assistant", "content": ""})
-            elif req.echo:
-                yield chunk(c, text=req.prompt_texts[c // req.params.n])
+        for c in range(len(choices.texts)) if chat else ():
+            yield chunk(c, {"role": "assistant", "content": ""})
         try:
             async for i, update in merged(streams(req, request_id)):
                 c = choices.choice_index(i, update)
-                logprobs = choices.add(c, update)
+                text, logprobs = choices.add(c, update)
                 if chat:
                     ds = deltas(c, update) or ([{}] if logprobs else [])
                     for k, delta in enumerate(ds):
                         yield chunk(c, delta, logprobs=logprobs if k == 0 else None)
-                elif update.text or logprobs:
-                    yield chunk(c, text=update.text, logprobs=logprobs)
+                elif text or (logprobs and logprobs["tokens"]):
+                    yield chunk(c, text=text, logprobs=logprobs)
                 if update.finish_reason is not None:
                     yield chunk(c, finish_reason=choices.finish_reason(c), stop_reason=update.stop_reason)
         except Exception as e:  # after the 200 is sent, an error can only be an event in the stream

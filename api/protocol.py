@@ -47,6 +47,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage
     echo: bool = False  # completions: the prompt text leads each choice
+    prompt_only: bool = False  # completions: echo with max_tokens 0, the prompt alone (one token is sampled, dropped)
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
 
 
@@ -76,7 +77,6 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "prompt_logprobs": lambda v: v is not None,
 }
 
 
@@ -182,6 +182,9 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     max_tokens = _number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", default_max_tokens, 1, 2**31, integer=True)
+    prompt_logprobs = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    if prompt_logprobs is not None and _bool(body, "stream"):
+        raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
     min_tokens = _number(body, "min_tokens", 0, 0, 2**31, integer=True)
     if max_tokens is not None and min_tokens > max_tokens:
         raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
@@ -203,6 +206,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
         logprobs=_logprobs(body, chat),
+        prompt_logprobs=prompt_logprobs,
         constraint=_constraint(body),
     )
     try:
@@ -248,13 +252,17 @@ def _is_ids(value) -> bool:
 
 
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+    """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
+    gives the prompt alone: OpenAI's way to score a text."""
     check_model(body, limits)
+    echo = _bool(body, "echo")
+    prompt_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
+    if prompt_only:
+        body = {**body, "max_tokens": 1}
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     stream, include_usage = _stream_flags(body)
-    echo = _bool(body, "echo")
-    if echo and params.logprobs is not None:
-        raise APIError("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute yet",
-                       param="echo")
+    if echo and params.logprobs is not None and params.prompt_logprobs is None:
+        params.prompt_logprobs = params.logprobs
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         prompt = [prompt]
@@ -264,7 +272,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
            for p in prompt]
     texts = [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(prompt, ids)]
-    return GenerationRequest(ids, texts, params, stream, include_usage, echo)
+    return GenerationRequest(ids, texts, params, stream, include_usage, echo, prompt_only)
 
 
 def _message_text(message: dict, i: int) -> str:

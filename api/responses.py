@@ -8,7 +8,8 @@ import math
 import time
 import uuid
 
-from jaxserve.async_engine import Update
+from jaxserve.engine import logprob_entries
+from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
 
 LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
@@ -42,8 +43,8 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
-def chat_logprobs(tokenizer: Tokenizer, update: Update) -> list[dict]:
-    """`choices[].logprobs.content` entries for the update's tokens. `bytes` are the token's own
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict]:
+    """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
     bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
 
     def entry(token: int, logprob: float) -> dict:
@@ -51,7 +52,15 @@ def chat_logprobs(tokenizer: Tokenizer, update: Update) -> list[dict]:
                 "bytes": list(tokenizer.token_bytes(token))}
 
     return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids, top_lps)]}
-            for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs)]
+            for token, (logprob, _, top_ids, top_lps) in zip(token_ids, logprobs)]
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
+    decoded_token}} for it and the top k."""
+    return [None, *({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+                     for t, lp in entry.items()}
+                    for entry in logprob_entries(tokenizer, prompt_ids[1:], logprobs))]
 
 
 class CompletionLogprobs:
@@ -67,16 +76,22 @@ class CompletionLogprobs:
         self.offset = offset  # characters of the choice's text before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def format(self, update: Update) -> dict:
+    def format(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
+        """The entries of `token_ids`; a token without logprobs (None: a prompt's first) has None ones."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, (logprob, top_ids, top_lps) in zip(update.token_ids, update.logprobs):
+        for token, logprobs_of_token in zip(token_ids, logprobs):
             text = self.tokenizer.decode_token(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(_finite(logprob))
-            top: dict[str, float] = {}
-            for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
-                top.setdefault(self.tokenizer.decode_token(t), _finite(lp))
-            out["top_logprobs"].append(top)
+            if logprobs_of_token is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                logprob, _, top_ids, top_lps = logprobs_of_token
+                out["token_logprobs"].append(_finite(logprob))
+                top: dict[str, float] = {}
+                for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
+                    top.setdefault(self.tokenizer.decode_token(t), _finite(lp))
+                out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))
         return out

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from jaxserve.engine import Engine
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling import SamplingParams
+from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -31,12 +32,15 @@ class Update:
     index: int  # the choice (0..n-1)
     text: str  # newly released text (may be "" while undecided)
     token_ids: list[int]  # new token ids
-    logprobs: list[tuple[float, list[int], list[float]]]  # per new token, when requested
+    logprobs: list[TokenLogprobs]  # per new token, when requested
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int  # so far
     finish_reason: str | None  # set on the sequence's last update
     stop_reason: int | str | None = None
+    # when prompt logprobs are asked for: per prompt token after the first (complete from the first
+    # update that carries a token on)
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass
@@ -165,7 +169,8 @@ class AsyncEngine:
         update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason)
+                        stop_reason=out.stop_reason,
+                        prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs)
         try:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)
         except RuntimeError:  # its event loop has closed (the server is stopping): nobody to tell

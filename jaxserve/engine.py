@@ -32,14 +32,14 @@ from jaxserve.runner import Runner
 from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import Sequence, TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass
 class Logprob:
     logprob: float
-    rank: int | None  # 1 = most likely under the distribution sampled from; None if beyond the top k
+    rank: int  # 1 = most likely (under the distribution sampled from, for a generated token)
     decoded_token: str
 
 
@@ -63,6 +63,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # when SamplingParams.prompt_logprobs is set: None for the first prompt token, then per prompt token
+    # {token id: Logprob} for it and the top k, under the model's distribution
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 def compilation_cache() -> ExecutableCache:
@@ -305,23 +308,29 @@ class LLM:
     def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
         outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                     cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
-                                    stop_reason=s.stop_reason, logprobs=self._logprobs(s))
+                                    stop_reason=s.stop_reason,
+                                    logprobs=None if s.params.logprobs is None else
+                                    logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs))
                    for s in _choices(seq)]
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *logprob_entries(self.tokenizer, seq.prompt_token_ids[1:], seq.prompt_logprobs)]
         return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=outputs, finished=all(o.finish_reason is not None for o in outputs),
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
-    def _logprobs(self, seq: Sequence) -> list[dict[int, Logprob]] | None:
-        if seq.params.logprobs is None:
-            return None
-        decode = self.tokenizer.decode_token
-        out = []
-        for token, (logprob, top_ids, top_lps) in zip(seq.output_token_ids, seq.logprobs):
-            entry = {t: Logprob(lp, rank, decode(t)) for rank, (t, lp) in enumerate(zip(top_ids, top_lps), 1)}
-            if token not in entry:
-                entry[token] = Logprob(logprob, None, decode(token))
-            out.append(entry)
-        return out
+
+def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]
+                    ) -> list[dict[int, Logprob]]:
+    """vLLM's form: per token, {id: Logprob} for the token and then the top k."""
+    decode = tokenizer.decode_token
+    out = []
+    for token, (logprob, rank, top_ids, top_lps) in zip(token_ids, logprobs):
+        entry = {token: Logprob(logprob, rank, decode(token))}
+        for r, (t, lp) in enumerate(zip(top_ids, top_lps), 1):
+            entry.setdefault(t, Logprob(lp, r, decode(t)))
+        out.append(entry)
+    return out
 
 
 def _choices(seq: Sequence) -> list[Sequence]:

@@ -106,7 +106,13 @@ class PageAllocator:
         page_ids.clear()
 
     def register(self, page: int, prefix_hash: bytes) -> None:
-        """Remember that `page` (full) holds the tokens whose prefix hash is `prefix_hash`."""
+        """Remember that `page` (full) holds the tokens whose prefix hash is `prefix_hash`. A page
+        that held them before and that nobody holds now is freed: the copy in use is the one kept
+        (a sequence that computes its prompt whole, for prompt logprobs, makes such copies)."""
+        idle = self._page_of.get(prefix_hash)
+        if idle is not None and idle in self._cached and page not in self._hash_of:
+            del self._cached[idle], self._page_of[prefix_hash], self._hash_of[idle]
+            self._free.append(idle)
         if prefix_hash not in self._page_of and page not in self._hash_of:
             self._page_of[prefix_hash] = page
             self._hash_of[page] = prefix_hash

@@ -7,7 +7,8 @@ weights are stored [out, in], as in the checkpoint.
 The decoder works on one ragged step: T tokens from up to B sequences, each a
 prefill chunk or one decode token (`ModelInputs`). Each layer writes the new
 keys/values into the paged cache, then attends through `kernels.paged_attention`.
-Only the last token of each sequence goes through the LM head.
+Only the last token of each sequence goes through the LM head (and the tokens whose
+next prompt token's logprob is asked for, see `Decoder.logits`).
 
 The engine splits the module once (`nnx.split`) and merges it inside its jitted
 step (`forward`), so no NNX object walk happens per call. This module knows
@@ -183,17 +184,20 @@ class Decoder(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
     def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
-        """-> (updated cache, f32[B, vocab] logits of each sequence's last token)."""
+        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
         x = self.embed_tokens(inputs.token_ids)
         k_out, v_out = [], []
         for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
             x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
             k_out.append(k_pages)
             v_out.append(v_pages)
-        x = self.norm(x[inputs.logits_indices])
+        return KVCache(k=k_out, v=v_out), x
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
         # tied: the embedding matrix [vocab, hidden] is the head's weight
         head = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.weight[...]
-        return KVCache(k=k_out, v=v_out), matmul_t(x, head, jnp.float32)
+        return matmul_t(self.norm(x), head, jnp.float32)
 
 
 def abstract_decoder(cfg: ModelConfig, dtype) -> Decoder:
@@ -202,5 +206,13 @@ def abstract_decoder(cfg: ModelConfig, dtype) -> Decoder:
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs):
-    """Pure form of `Decoder.__call__` for use under jit: (state, cache, inputs) -> (cache, logits)."""
-    return nnx.merge(graphdef, state)(kv, inputs)
+    """Pure form of the decoder for use under jit: (state, cache, inputs) -> (cache, f32[B, vocab]
+    logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`)."""
+    decoder = nnx.merge(graphdef, state)
+    kv, hidden = decoder(kv, inputs)
+    return kv, decoder.logits(hidden[inputs.logits_indices]), hidden
+
+
+def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
+    """Pure form of `Decoder.logits`: rows of `forward`'s output -> f32[N, vocab] logits."""
+    return nnx.merge(graphdef, state).logits(hidden)

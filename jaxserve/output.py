@@ -20,7 +20,7 @@ import dataclasses
 import numpy as np
 
 from jaxserve.scheduler import ScheduledBatch, Scheduler
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import Sequence, TokenLogprobs
 from jaxserve.structured import Constraint, GrammarMatchers, mask_width
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -32,7 +32,7 @@ class SequenceOutput:
     seq: Sequence
     text: str  # newly released text (may be "")
     token_ids: list[int]  # new token ids
-    logprobs: list[tuple[float, list[int], list[float]]]  # for the new tokens, when requested
+    logprobs: list[TokenLogprobs]  # for the new tokens, when requested
     # the sequence as of this release (it may have moved on by the time the output is published)
     num_output_tokens: int
     finish_reason: str | None

@@ -29,8 +29,9 @@ from tqdm import tqdm
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
-from jaxserve.model import KVCache, ModelInputs, forward, rope_table
-from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, sample
+from jaxserve.model import KVCache, ModelInputs, forward, head_logits, rope_table
+from jaxserve.sampling import (MAX_LOGPROBS, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors,
+                               prompt_logprobs, sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput
 from jaxserve.sharding import broadcast_plan, is_leader, place
 
@@ -99,18 +100,19 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_sharding: NamedSharding,
                  replicated: NamedSharding):
     """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
-    tokens and logprobs of every row, the tokens again padded to max_num_seqs rows: the next step's
-    `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
+    tokens and logprobs of every row, prompt logprobs of every token (computed only when the plan
+    names targets: `prompt_targets` >= 0), the tokens again padded to max_num_seqs rows: the next
+    step's `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
     from `previous` on the device, so the next step is launched before this one's tokens reach the
     host. `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`)
     is closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
-    copies, model inputs, sampling tensors; see `Runner.prepare`). The cache is
+    copies, pending rows, model inputs, sampling tensors, prompt targets; see `Runner.prepare`). The cache is
     donated and keeps `kv_sharding`, so the next step sees the same input shardings; the samples
     come out `replicated`, so any process can read them."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
-             ) -> tuple[KVCache, SampleOutput, jax.Array]:
-        page_copies, pending, inputs, sampling = jax.tree.unflatten(plan_treedef, plan.unpack())
+             ) -> tuple[KVCache, SampleOutput, PromptLogprobs, jax.Array]:
+        page_copies, pending, inputs, sampling, prompt_targets = jax.tree.unflatten(plan_treedef, plan.unpack())
         inputs = inputs.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], inputs.token_ids))
         # the penalties' history (from the host) lacks a pending token: each row's last input token
         # goes in at its position (for other rows it is there already, or the row uses no penalty)
@@ -118,12 +120,20 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
         sampling = sampling.replace(history=sampling.history.at[jnp.arange(last.shape[0]), inputs.positions[last]].set(
             inputs.token_ids[last], mode="drop"))
         kv = copy_pages(kv, page_copies)
+        state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits = forward(graphdef, jax.tree.unflatten(state_treedef, weights), kv, inputs)
+            kv, logits, hidden = forward(graphdef, state, kv, inputs)
+            num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, logits.shape[1])
+            prompt = jax.lax.cond(
+                jnp.any(prompt_targets >= 0),
+                lambda: prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, prompt_targets),
+                lambda: PromptLogprobs(logprobs=jnp.zeros(num_tokens), ranks=jnp.zeros(num_tokens, jnp.int32),
+                                       top_ids=jnp.zeros((num_tokens, k), jnp.int32),
+                                       top_logprobs=jnp.zeros((num_tokens, k))))
         out = sample(logits, sampling)
-        return kv, out, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
+        return kv, out, prompt, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
 
-    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
+    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated, replicated))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -152,18 +162,18 @@ class Runner:
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
 
-    def launch(self, batch: ScheduledBatch) -> SampleOutput:
+    def launch(self, batch: ScheduledBatch) -> tuple[SampleOutput, PromptLogprobs]:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
         shape = self.shape(batch)
         return self._run(shape, self.prepare(batch, shape))
 
-    def _run(self, shape: tuple[int, int, int], plan) -> SampleOutput:
+    def _run(self, shape: tuple[int, int, int], plan) -> tuple[SampleOutput, PromptLogprobs]:
         if self._leads:  # the other processes run the same step on the same plan
             self._command(RUN, shape)
             broadcast_plan(plan)
         args = self._args(plan, shape)
-        self.kv, out, self._previous = self._executable(shape, args)(*args)
-        return out
+        self.kv, out, prompt, self._previous = self._executable(shape, args)(*args)
+        return out, prompt
 
     def _args(self, plan, shape: tuple[int, int, int]) -> tuple:
         """The step's arguments: the host inputs packed (`PackedPlan`) and placed replicated on the
@@ -216,12 +226,14 @@ class Runner:
             if command == RUN:
                 self._run(tuple(shape), broadcast_plan(self.prepare(empty, tuple(shape))))
 
-    def collect(self, batch: ScheduledBatch, out: SampleOutput) -> StepOutput:
-        """Wait for a launched step and bring its outputs to the host."""
-        out = jax.device_get(out)
+    def collect(self, batch: ScheduledBatch, launched: tuple[SampleOutput, PromptLogprobs]) -> StepOutput:
+        """Wait for a launched step and bring its outputs to the host (the prompt logprobs only when
+        some row asked for them)."""
+        out, prompt = launched
+        out, prompt = jax.device_get((out, prompt if any(r.prompt_logprobs for r in batch.rows) else None))
         rows = len(batch.rows)
-        return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], top_ids=out.top_ids[:rows],
-                          top_logprobs=out.top_logprobs[:rows])
+        return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
+                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt)
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width)."""
@@ -231,10 +243,11 @@ class Runner:
                 _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors]:
+                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors, np.ndarray]:
         """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`): page copies,
         pending (i32[T]: for each token still being sampled, the row of the step before that samples
-        it; else -1), model inputs and sampling tensors."""
+        it; else -1), model inputs, sampling tensors and prompt targets (i32[T]: the prompt token
+        that follows each token of a row asking for prompt logprobs; else -1)."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -245,6 +258,7 @@ class Runner:
         query_start = np.zeros(num_rows + 1, np.int32)
         logits_indices = np.zeros(num_rows, np.int32)
         pending = np.full(num_tokens, -1, np.int32)
+        prompt_targets = np.full(num_tokens, -1, np.int32)
         start = 0
         for b, row in enumerate(batch.rows):
             n = len(row.token_ids)
@@ -253,6 +267,9 @@ class Runner:
             token_ids[start:start + n] = row.token_ids
             positions[start:start + n] = pos
             kv_write_index[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
+            if row.prompt_logprobs:
+                targets = row.all_token_ids[row.start_position + 1:min(row.start_position + n + 1, row.num_prompt_tokens)]
+                prompt_targets[start:start + len(targets)] = targets
             kv_lens[b] = row.start_position + n
             page_table[b, :len(pages)] = pages
             start += n
@@ -271,7 +288,7 @@ class Runner:
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        return copies, pending, inputs, sampling
+        return copies, pending, inputs, sampling, prompt_targets
 
     def _constant(self, array: np.ndarray) -> jax.Array:
         key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step

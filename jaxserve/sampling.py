@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -55,6 +56,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # keep going past EOS (until max_tokens)
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
+    # None: none; k: each prompt token's logprob (after the first) and the top k, under the model's own
+    # distribution (no sampling settings applied), as vLLM's; the prompt is then computed whole
+    prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     skip_special_tokens: bool = True  # leave special tokens out of the text
 
@@ -98,8 +102,10 @@ class SamplingParams:
               f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
 
     @property
     def uses_penalties(self) -> bool:
@@ -148,6 +154,7 @@ class SamplingTensors:
     token_mask: jax.Array  # i32[B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32
     has_mask: jax.Array  # bool[B] whether the row's token_mask applies
     wants_top: jax.Array  # bool[B] the row asked for top logprobs
+    wants_rank: jax.Array  # bool[B] the row asked for logprobs (the sampled token's rank)
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
@@ -201,6 +208,7 @@ class SamplingTensors:
             num_prompt=column((r.num_prompt_tokens for r in rows), 0, np.int32),
             token_mask=token_mask, has_mask=has_mask,
             wants_top=column((bool(p.logprobs) for p in params), False, bool),
+            wants_rank=column((p.logprobs is not None for p in params), False, bool),
         )
 
 
@@ -208,8 +216,44 @@ class SamplingTensors:
 class SampleOutput:
     tokens: jax.Array  # i32[B]
     logprobs: jax.Array  # f32[B] of each token
+    ranks: jax.Array  # i32[B] 1 + how many tokens are likelier than it (0 where no row asked for logprobs)
     top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[B, K]
+
+
+@flax.struct.dataclass
+class PromptLogprobs:
+    """Of each token of a step whose next token is a prompt token that was asked about (T = tokens)."""
+
+    logprobs: jax.Array  # f32[T] of the next prompt token
+    ranks: jax.Array  # i32[T] its rank (1 = most likely)
+    top_ids: jax.Array  # i32[T, K]
+    top_logprobs: jax.Array  # f32[T, K]
+
+
+def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                    chunk: int = 64) -> PromptLogprobs:
+    """hidden f32[T, D] (the last layer's output at each token), targets i32[T] (the prompt token
+    that follows each token, -1 where none is asked about) -> the log-softmax of `head(hidden)` (the
+    logits) at the targets, their ranks and the top K. The logits are made `chunk` tokens at a time,
+    so a long step never holds [T, V] of them."""
+    num_tokens = hidden.shape[0]
+    chunk = min(chunk, num_tokens)
+    pad = -num_tokens % chunk
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
+    targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+
+    def one_chunk(args):
+        rows, wanted = args
+        logits = head(rows)
+        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = jnp.take_along_axis(logprobs, jnp.maximum(wanted, 0)[:, None], axis=-1)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
+        return PromptLogprobs(logprobs=chosen[:, 0], ranks=1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32),
+                              top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+
+    out = jax.lax.map(one_chunk, (hidden, targets))
+    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], out)
 
 
 def _row_key(seed_lo, seed_hi, position):
@@ -284,9 +328,12 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logprobs = jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0] - log_norm[:, 0]
+    chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
+    logprobs = chosen[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
-    return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
+    ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: 1 + jnp.sum(kept > chosen, axis=-1, dtype=jnp.int32),
+                         lambda: jnp.zeros(num_rows, jnp.int32))
+    return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:

@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling import PromptLogprobs, SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus
 
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
@@ -75,6 +75,7 @@ class ScheduledSeq:
     seed: int
     all_token_ids: list[int]  # prompt + generated so far, for penalties (read only)
     num_prompt_tokens: int
+    prompt_logprobs: bool = False  # the logprob of each prompt token after token_ids' is asked for
 
 
 @dataclasses.dataclass
@@ -94,8 +95,10 @@ class StepOutput:
 
     token_ids: np.ndarray  # i32[rows]
     logprobs: np.ndarray  # f32[rows]
+    ranks: np.ndarray  # i32[rows]
     top_ids: np.ndarray  # i32[rows, K] most likely first
     top_logprobs: np.ndarray  # f32[rows, K]
+    prompt: PromptLogprobs | None = None  # per token of the step, when some row asked for them
 
 
 class Scheduler:
@@ -180,7 +183,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence that holds no pages on the cached pages of its longest known prefix
         (full pages only, leaving at least one token to compute). -> whether any matched."""
-        if not self.config.enable_prefix_caching or seq.page_ids:
+        if not self.config.enable_prefix_caching or seq.page_ids or seq.owes_prompt_logprobs:
             return False
         size = self.allocator.page_size
         prefix_hash = None
@@ -253,7 +256,8 @@ class Scheduler:
             seq.pending_row = index
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids, start_position=start, pending_row=pending_row,
                             page_ids=list(seq.page_ids), sample=sample, params=seq.params, seed=seq.seed,
-                            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens)
+                            all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
+                            prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1)
 
     def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before `batch`'s tokens are known: not when one of
@@ -265,10 +269,13 @@ class Scheduler:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
         a token."""
         changed = []
+        first_token = np.cumsum([0] + [len(row.token_ids) for row in batch.rows])  # of each row in the step
         for b, row in enumerate(batch.rows):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or preempted since the plan was made
+            if row.prompt_logprobs:
+                self._record_prompt_logprobs(seq, row, out.prompt, first_token[b])
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
             if row.sample:  # first: a step in flight may already have computed this token's K/V
@@ -283,12 +290,25 @@ class Scheduler:
             seq.cumulative_logprob += float(out.logprobs[b])
             if seq.params.logprobs is not None:
                 k = seq.params.logprobs
-                seq.logprobs.append((float(out.logprobs[b]), out.top_ids[b, :k].tolist(),
+                seq.logprobs.append((float(out.logprobs[b]), int(out.ranks[b]), out.top_ids[b, :k].tolist(),
                                      out.top_logprobs[b, :k].tolist()))
             self.num_generated_tokens += 1
             self._check_stop(seq, token)
             changed.append(seq)
         return changed
+
+    @staticmethod
+    def _record_prompt_logprobs(seq: Sequence, row: ScheduledSeq, prompt: PromptLogprobs, first: int) -> None:
+        """Append the row's prompt logprobs that seq lacks (a recomputed chunk repeats some; a chunk
+        after a dropped one, none: the sequence was preempted and computes its prompt again)."""
+        if len(seq.prompt_logprobs) < row.start_position:
+            return
+        k = seq.params.prompt_logprobs
+        end = min(row.start_position + len(row.token_ids), seq.num_prompt_tokens - 1)
+        for position in range(len(seq.prompt_logprobs), end):
+            i = first + position - row.start_position
+            seq.prompt_logprobs.append((float(prompt.logprobs[i]), int(prompt.ranks[i]),
+                                        prompt.top_ids[i, :k].tolist(), prompt.top_logprobs[i, :k].tolist()))
 
     def _fork_if_ready(self, seq: Sequence) -> None:
         """Fork the pending siblings once all of the prompt but its last token is cached."""
@@ -300,7 +320,8 @@ class Scheduler:
                                seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
                                page_ids=list(seq.page_ids), page_hashes=list(seq.page_hashes),
                                num_computed_tokens=seq.num_computed_tokens, status=seq.status, index=seq.index + k,
-                               num_cached_tokens=seq.num_cached_tokens)
+                               num_cached_tokens=seq.num_cached_tokens,
+                               prompt_logprobs=seq.prompt_logprobs)  # the same list: choice 0 fills it
             self.seqs[sibling.seq_id] = sibling
             seq.forks.append(sibling)
             if seq.status is SequenceStatus.RUNNING and len(self.running) < self.config.max_num_seqs:

@@ -8,6 +8,10 @@ import enum
 from jaxserve.sampling import SamplingParams
 
 
+# A token's logprobs: (its logprob, its rank (1 = most likely), the top ids, their logprobs)
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not in the batch: new, or preempted (pages freed, to be recomputed)
     RUNNING = "running"  # holds pages; scheduled every step until it finishes
@@ -38,8 +42,11 @@ class Sequence:
     index: int = 0  # which of the request's n choices
     pending_forks: int = 0  # siblings to fork once all of the prompt but its last token is cached
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
-    # per generated token, when params.logprobs is set: (logprob, top ids, top logprobs)
-    logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(default_factory=list)
+    # per generated token, when params.logprobs is set
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # per prompt token after the first, when params.prompt_logprobs is set: filled in order by choice 0
+    # as it computes the prompt (its siblings share the list)
+    prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -52,6 +59,13 @@ class Sequence:
         of the last page), and not a pending token that is its last (max_tokens)."""
         wanted = self.num_tokens + self.num_pending - (1 if self.pending_forks else 0)
         return wanted - (1 if self.num_pending and self.num_output_tokens + self.num_pending >= self.max_tokens else 0)
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Whether its prompt logprobs are asked for and not all computed yet (a request's first
+        choice computes them; it then reads nothing from the prefix cache)."""
+        return (self.params.prompt_logprobs is not None and self.index == 0
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,42 @@ def test_completion_logprobs_shape_and_echo(client):
     assert streamed_text(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY)[0] == echoed
 
 
+def test_echo_with_logprobs_scores_the_prompt(served, client):
+    """OpenAI's way to score a text: echo, logprobs and max_tokens 0 give the prompt alone, each of
+    its tokens with its logprob (the first has none), as vLLM serves them; vLLM's `prompt_logprobs`
+    gives the same numbers in its own shape, on completions and on chat."""
+    prompt = "score this text"
+    ids = served[1].tokenizer.encode(prompt)
+    scored = completion(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1, **GREEDY)
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
+    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:]) and all(len(top) in (1, 2) for top in lp.top_logprobs[1:])
+    vllm_shape = choice.model_extra["prompt_logprobs"]
+    assert vllm_shape[0] is None and len(vllm_shape) == len(ids)
+    for token, logprob, entry in zip(ids[1:], lp.token_logprobs[1:], vllm_shape[1:]):
+        assert entry[str(token)]["logprob"] == logprob and entry[str(token)]["rank"] >= 1
+    # with generated tokens after the prompt, streamed or not, and prompt_logprobs alone
+    plain = completion(client, prompt=prompt, max_tokens=4, logprobs=1, **GREEDY).choices[0]
+    both = completion(client, prompt=prompt, max_tokens=4, echo=True, logprobs=1, **GREEDY).choices[0]
+    assert both.text == prompt + plain.text and both.logprobs.tokens == lp.tokens + plain.logprobs.tokens
+    assert both.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+    assert both.logprobs.text_offset[len(ids):] == [len(prompt) + o for o in plain.logprobs.text_offset]
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True,
+                                                             logprobs=1, stream=True, **GREEDY) if c.choices]
+    assert "".join(c.text for c in chunks) == both.text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == both.logprobs.token_logprobs
+    alone = completion(client, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert alone.choices[0].model_extra["prompt_logprobs"] == [
+        None, *({str(t): e[str(t)]} for t, e in zip(ids[1:], vllm_shape[1:]))]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 2})
+    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    assert all(len(entry) in (2, 3) for entry in chat.model_extra["prompt_logprobs"][1:])
+
+
 def test_n_choices_share_one_prefill(served, client):
     scheduler = served[1].engine.scheduler
     prompt = "n choices from one prefill"

@@ -44,7 +44,7 @@ def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size
             kv_lens=np.array([start + n], np.int32), page_table=pages[None, :],
             query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),
             logits_indices=np.arange(n, dtype=np.int32))
-        kv, logits = forward(graphdef, state, kv, inputs)
+        kv, logits, _ = forward(graphdef, state, kv, inputs)
         out.append(np.asarray(logits))
         start += n
     return np.concatenate(out)
@@ -143,6 +143,50 @@ def test_engine_penalties_match_transformers_generate(hf_checkpoint):
         want = ref.sequences[0, len(prompt):].tolist()
         assert_same_greedy(out.outputs[0].token_ids, want, torch.stack(ref.scores)[:, 0].numpy())
         assert favourite in want and [favourite] * 2 not in [want[i:i + 2] for i in range(len(want))]
+
+
+def _ranks_agree(rank: int, ref: np.ndarray, token: int, tol: float = 1e-4) -> bool:
+    """rank = 1 + how many tokens the reference finds likelier, up to near-ties."""
+    return np.sum(ref > ref[token] + tol) < rank <= 1 + np.sum(ref > ref[token] - tol)
+
+
+def test_prompt_logprobs_and_ranks_match_transformers(hf_checkpoint):
+    """Prompt logprobs (vLLM's `prompt_logprobs`): every prompt token's logprob, rank and the top
+    k equal transformers' log-softmax, for prompts prefilled in chunks, in a batch that preempts
+    (a recomputed chunk is not reported twice), past a prefix cache that holds the prompt (a
+    request that asks reads nothing from it), and with n > 1 (reported once, by choice 0). A
+    sampled token's rank too."""
+    model, model_dir = hf_checkpoint("llama")
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 40, 17, 1, 33, 8, 26, 12)]
+    llm = LLM(str(model_dir), num_pages=13, **SMALL_ENGINE)
+    llm.generate(prompts[1], SamplingParams(max_tokens=1), use_tqdm=False)  # its pages enter the prefix cache
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions >= 1
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].double(), -1).numpy()
+        assert out.num_cached_tokens == 0 and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] is None and out.outputs[0].logprobs is None
+        for i, entry in enumerate(out.prompt_logprobs[1:]):
+            token = prompt[i + 1]
+            assert list(entry)[0] == token and len(entry) in (3, 4)
+            assert abs(entry[token].logprob - ref[i, token]) < 1e-4
+            assert _ranks_agree(entry[token].rank, ref[i], token)
+            top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= 3)
+            assert [r for r, _ in top] == [1, 2, 3] and [t for _, t in top] == np.argsort(-ref[i])[:3].tolist()
+    (both,) = llm.generate(prompts[1], SamplingParams(n=2, max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+    for i, entry in enumerate(both.prompt_logprobs[1:]):
+        token = prompts[1][i + 1]
+        assert list(entry) == [token] and abs(entry[token].logprob - outputs[1].prompt_logprobs[i + 1][token].logprob) < 1e-5
+    (drawn,) = llm.generate(prompts[2], SamplingParams(max_tokens=1, temperature=1.0, seed=7, logprobs=0),
+                            use_tqdm=False)
+    token = drawn.outputs[0].token_ids[0]
+    ((got, entry),) = drawn.outputs[0].logprobs[0].items()
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompts[2]])).logits[0, -1].double(), -1).numpy()
+    assert got == token and abs(entry.logprob - ref[token]) < 1e-4 and _ranks_agree(entry.rank, ref, token)
 
 
 def test_long_prompts_in_the_few_sequences_bucket_match_transformers(hf_checkpoint):

@@ -9,7 +9,8 @@ from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
-from jaxserve.scheduler import Scheduler, StepOutput
+from jaxserve.sampling import PromptLogprobs
+from jaxserve.scheduler import ScheduledBatch, Scheduler, StepOutput
 from jaxserve.sequence import Sequence
 from jaxserve.structured import Constraint
 
@@ -26,15 +27,23 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Seq
                     params=SamplingParams(max_tokens=max_tokens, **params), seed=0, max_tokens=max_tokens)
 
 
-def outputs(tokens: list[int]) -> StepOutput:
+def outputs(tokens: list[int], batch: ScheduledBatch | None = None) -> StepOutput:
+    """Fake device outputs; with `batch`, prompt logprobs too: each token's is minus its position."""
     n = len(tokens)
+    prompt = None
+    if batch is not None:
+        positions = np.asarray([row.start_position + i for row in batch.rows for i in range(len(row.token_ids))])
+        prompt = PromptLogprobs(logprobs=-positions.astype(np.float32), ranks=np.ones(len(positions), np.int32),
+                                top_ids=np.zeros((len(positions), 1), np.int32),
+                                top_logprobs=np.zeros((len(positions), 1), np.float32))
     return StepOutput(token_ids=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
-                      top_ids=np.asarray(tokens, np.int32)[:, None], top_logprobs=np.zeros((n, 1), np.float32))
+                      ranks=np.ones(n, np.int32), top_ids=np.asarray(tokens, np.int32)[:, None],
+                      top_logprobs=np.zeros((n, 1), np.float32), prompt=prompt)
 
 
 def run_step(sched: Scheduler, token: int = 7):
     batch = sched.schedule()
-    sched.update(batch, outputs([token] * len(batch.rows)))
+    sched.update(batch, outputs([token] * len(batch.rows), batch))
     return batch
 
 
@@ -97,6 +106,30 @@ def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
     assert [(r.seq_id, len(r.token_ids), r.start_position) for r in batch.rows] == [(0, 1, 4), (1, 15, 15)]
     batch = run_step(sched)
     assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 1, True), (1, 10, True)]
+
+
+def test_prompt_logprobs_come_once_each_in_order_through_chunks_and_preemption():
+    """A sequence that asks for prompt logprobs reads nothing from the prefix cache and gets one per
+    prompt token after the first, in order, though a preemption makes it compute its first chunk twice."""
+    sched = make_scheduler(num_pages=7)  # 6 usable pages of 4 tokens
+    sched.add(make_seq(0, 4, max_tokens=20))
+    owing = make_seq(1, 20, max_tokens=4, prompt_logprobs=1)
+    sched.add(owing)
+    first = run_step(sched)  # seq 0's prompt, and 12 of seq 1's
+    assert [(r.seq_id, r.prompt_logprobs) for r in first.rows] == [(0, False), (1, True)]
+    assert len(owing.prompt_logprobs) == 12
+    second = run_step(sched)  # seq 0's first decode takes a 5th page: seq 1 (8 more tokens, 2 pages) gives way
+    assert second.preempted == [1] and owing.num_computed_tokens == 0
+    while owing.num_computed_tokens == 0:
+        run_step(sched)
+    while owing.owes_prompt_logprobs:
+        run_step(sched)
+    assert owing.num_preemptions >= 1 and owing.num_cached_tokens == 0
+    assert [lp for lp, *_ in owing.prompt_logprobs] == [-p for p in range(19)]
+    sched.add(make_seq(2, 20, max_tokens=4))  # the same prompt, not asking: its pages are cached
+    while not (rows := [r for r in run_step(sched).rows if r.seq_id == 2]):
+        pass
+    assert [(r.start_position, r.prompt_logprobs) for r in rows] == [(16, False)]
 
 
 def test_max_num_seqs_bounds_the_batch():

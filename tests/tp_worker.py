@@ -23,7 +23,7 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
                          kv_lens=np.array([n], np.int32), page_table=pages[None, :],
                          query_start=np.array([0, n], np.int32), num_seqs=np.asarray(1, np.int32),
                          logits_indices=np.arange(n, dtype=np.int32))
-    _, logits = jax.jit(forward, static_argnames="graphdef")(engine.runner.graphdef, engine.runner.state,
+    _, logits, _ = jax.jit(forward, static_argnames="graphdef")(engine.runner.graphdef, engine.runner.state,
                                                              engine.runner.kv, inputs)
     return np.asarray(logits)
 
