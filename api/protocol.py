@@ -266,8 +266,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     prompt = body.get("prompt")
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         prompt = [prompt]
-    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of such lists",
+    if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
+                                                          or all(_is_ids(p) for p in prompt)):
+        raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
     ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
            for p in prompt]

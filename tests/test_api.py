@@ -179,6 +179,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # strings and token ids mixed
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
