@@ -83,7 +83,8 @@ class _Choices:
         self.prompt_logprobs: list[list | None] = [None] * len(req.prompts)  # per prompt, when asked for
         self.logprobs: list[list] = [[] for _ in range(count)]
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
-        self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c]) for c in range(count)]
+        self.completion_logprobs = [CompletionLogprobs(self.tokenizer, offset[c], req.tokens_as_ids)
+                                    for c in range(count)]
         self.tools = [ChoiceTools(req.tools, tool_parser) for _ in range(count)] if req.tools else None
 
     def finish_reason(self, c: int) -> str | None:
@@ -116,12 +117,13 @@ class _Choices:
             text = self.req.prompt_texts[p] + text
             if self.req.params.logprobs is not None:
                 ids = self.req.prompts[p]
-                parts.append(CompletionLogprobs(self.tokenizer).format(ids, [None, *update.prompt_logprobs]))
+                parts.append(CompletionLogprobs(self.tokenizer, as_ids=self.req.tokens_as_ids).format(
+                    ids, [None, *update.prompt_logprobs]))
         self.texts[c].append(text)
         if self.req.params.logprobs is None:
             return text, None
         if self.chat:
-            part = chat_logprobs(self.tokenizer, token_ids, logprobs)
+            part = chat_logprobs(self.tokenizer, token_ids, logprobs, self.req.tokens_as_ids)
         else:
             part = merge_completion_logprobs([*parts, self.completion_logprobs[c].format(token_ids, logprobs)])
         self.logprobs[c].append(part)

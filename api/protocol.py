@@ -49,6 +49,7 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt text leads each choice
     prompt_only: bool = False  # completions: echo with max_tokens 0, the prompt alone (one token is sampled, dropped)
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -73,10 +74,17 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
     return value
 
 
-# Fields whose non-default values this server does not implement yet: refused, never ignored.
+# Fields (OpenAI's and vLLM's) whose non-default values this server does not implement yet:
+# refused, never ignored.
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
+    "use_beam_search": lambda v: bool(v),
+    "length_penalty": lambda v: v not in (None, 1),  # beam search's
+    "bad_words": lambda v: bool(v),
+    "logits_processors": lambda v: bool(v),
+    "priority": lambda v: v not in (None, 0),
+    "spaces_between_special_tokens": lambda v: v is False,
 }
 
 
@@ -98,6 +106,23 @@ def _token_ids(body: dict, name: str, limits: Limits) -> list[int]:
                                               and 0 <= t < limits.vocab_size for t in value):
         raise APIError(f"'{name}' must be a list of token ids in [0, {limits.vocab_size})", param=name)
     return value
+
+
+def _allowed_token_ids(body: dict, limits: Limits) -> list[int] | None:
+    if body.get("allowed_token_ids") is None:
+        return None
+    allowed = _token_ids(body, "allowed_token_ids", limits)
+    if not allowed:
+        raise APIError("'allowed_token_ids' must not be empty", param="allowed_token_ids")
+    return allowed
+
+
+def _truncate_prompt_tokens(body: dict) -> int | None:
+    keep = _number(body, "truncate_prompt_tokens", None, -1, 2**31, integer=True)
+    if keep == 0:
+        raise APIError("'truncate_prompt_tokens' must be -1 (the model's context) or at least 1",
+                       param="truncate_prompt_tokens")
+    return keep
 
 
 def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
@@ -131,9 +156,27 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
 
 
+# vLLM's `structured_outputs` keys -> the guided_* field each stands for
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                       "grammar": "guided_grammar"}
+
+
 def _constraint(body: dict) -> Constraint | None:
-    """response_format, or one of vLLM's guided_* fields, as a grammar constraint (validated)."""
+    """response_format, or one of vLLM's guided_* fields or `structured_outputs` (its newer form of
+    them), as a grammar constraint (validated)."""
     found = []
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise APIError("'structured_outputs' must be an object", param="structured_outputs")
+        given = {k: v for k, v in structured.items() if v is not None and v is not False}
+        unknown = sorted(set(given) - {*_STRUCTURED_OUTPUTS, "json_object"})
+        if unknown:
+            raise APIError(f"'structured_outputs.{unknown[0]}' is not supported by this server; give one of "
+                           f"{', '.join([*_STRUCTURED_OUTPUTS, 'json_object'])}", param="structured_outputs")
+        if given.get("json_object"):
+            found.append(("structured_outputs", Constraint("json_object")))
+        body = {**body, **{_STRUCTURED_OUTPUTS[k]: v for k, v in given.items() if k in _STRUCTURED_OUTPUTS}}
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
@@ -203,8 +246,11 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         seed=_number(body, "seed", None, -(2**63), 2**64 - 1, integer=True),
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids", limits),
+        allowed_token_ids=_allowed_token_ids(body, limits),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
+        skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
         logprobs=_logprobs(body, chat),
         prompt_logprobs=prompt_logprobs,
         constraint=_constraint(body),
@@ -234,6 +280,8 @@ def check_model(body: dict, limits: Limits) -> None:
 
 
 def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str) -> list[int]:
+    """The prompt's ids as they will run (truncated, see SamplingParams.truncate); 400 if they cannot."""
+    ids = params.truncate(ids, limits.max_model_len)
     if not ids:
         raise APIError("the prompt is empty", param=param)
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
@@ -270,10 +318,13 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                                                           or all(_is_ids(p) for p in prompt)):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
-    ids = [_check_ids(tokenizer.encode(p) if isinstance(p, str) else list(p), limits, params, "prompt")
-           for p in prompt]
-    texts = [p if isinstance(p, str) else tokenizer.decode(i) for p, i in zip(prompt, ids)]
-    return GenerationRequest(ids, texts, params, stream, include_usage, echo, prompt_only)
+    special = _bool(body, "add_special_tokens", True)
+    ids = [_check_ids(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
+                      params, "prompt") for p in prompt]
+    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
+             for p, i in zip(prompt, ids)]
+    return GenerationRequest(ids, texts, params, stream, include_usage, echo, prompt_only,
+                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -334,6 +385,8 @@ def _template_options(body: dict) -> dict:
 
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
+    if _bool(body, "echo"):
+        raise APIError("'echo' on chat is not supported by this server yet", param="echo")
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
     stream, include_usage = _stream_flags(body)
     try:
@@ -353,7 +406,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         return GenerationRequest([_check_ids(tokenizer.encode(text), limits, params, "prompt")], [text],
-                                 params, stream, include_usage)
+                                 params, stream, include_usage,
+                                 tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
     options = _template_options(body)
@@ -366,6 +420,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
         text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None, **options)
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    # (vLLM's default: the template holds the special tokens it wants)
+    ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
     return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage,
-                             tools=tools if tools is not None and tools.mode != "none" else None)
+                             tools=tools if tools is not None and tools.mode != "none" else None,
+                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))

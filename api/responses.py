@@ -43,12 +43,19 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
-def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict]:
+def token_name(tokenizer: Tokenizer, as_ids: bool):
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (`return_tokens_as_token_ids`)."""
+    return (lambda token: f"token_id:{token}") if as_ids else tokenizer.decode_token
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+                  as_ids: bool = False) -> list[dict]:
     """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
     bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
+    name = token_name(tokenizer, as_ids)
 
     def entry(token: int, logprob: float) -> dict:
-        return {"token": tokenizer.decode_token(token), "logprob": _finite(logprob),
+        return {"token": name(token), "logprob": _finite(logprob),
                 "bytes": list(tokenizer.token_bytes(token))}
 
     return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids, top_lps)]}
@@ -71,8 +78,9 @@ class CompletionLogprobs:
     where each token's text starts in the choice's text, counting whole characters: a token that
     holds the first bytes of a character starts where that character does."""
 
-    def __init__(self, tokenizer: Tokenizer, offset: int = 0):
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0, as_ids: bool = False):
         self.tokenizer = tokenizer
+        self.name = token_name(tokenizer, as_ids)
         self.offset = offset  # characters of the choice's text before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
@@ -80,8 +88,7 @@ class CompletionLogprobs:
         """The entries of `token_ids`; a token without logprobs (None: a prompt's first) has None ones."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, logprobs_of_token in zip(token_ids, logprobs):
-            text = self.tokenizer.decode_token(token)
-            out["tokens"].append(text)
+            out["tokens"].append(self.name(token))
             if logprobs_of_token is None:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
@@ -90,7 +97,7 @@ class CompletionLogprobs:
                 out["token_logprobs"].append(_finite(logprob))
                 top: dict[str, float] = {}
                 for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
-                    top.setdefault(self.tokenizer.decode_token(t), _finite(lp))
+                    top.setdefault(self.name(t), _finite(lp))
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))

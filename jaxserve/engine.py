@@ -102,7 +102,9 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
         (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt (`check_request`)
-        or a constraint that does not compile."""
+        or a constraint that does not compile. The prompt is cut to its last
+        `params.truncate_prompt_tokens` tokens first, when set."""
+        prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
@@ -116,6 +118,7 @@ class Engine:
         """The request's max_tokens, or ValueError for what this engine cannot run (all but the
         constraint). Reads only the configuration: any thread may call it, e.g. to refuse a streamed
         request before its response starts."""
+        prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -128,10 +131,11 @@ class Engine:
             if max_tokens < 1:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len ({self.config.max_model_len})")
-        bad = [t for t in [*params.stop_token_ids, *params.logit_bias] if t >= vocab]
+        bad = [t for t in [*params.stop_token_ids, *params.logit_bias, *(params.allowed_token_ids or [])]
+               if t >= vocab]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} in stop_token_ids or logit_bias are outside the vocabulary "
-                             f"[0, {vocab})")
+            raise ValueError(f"token ids {bad[:5]} in stop_token_ids, logit_bias or allowed_token_ids are outside "
+                             f"the vocabulary [0, {vocab})")
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "

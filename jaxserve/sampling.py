@@ -6,8 +6,9 @@ biases and logprobs. A row's random key is a function of (seed, position of the
 token being sampled) only, so a seeded request gives the same tokens alone or
 in any batch, and after a preemption.
 
-The order, as in vLLM: the grammar's allowed-token mask; logit bias; min_tokens (EOS and stop ids masked);
-repetition, frequency and presence penalties; then greedy rows take the argmax,
+The order, as in vLLM: the allowed-token mask (a grammar's, `allowed_token_ids`); logit bias;
+min_tokens (EOS and stop ids masked); repetition, frequency and presence penalties; then greedy
+rows take the argmax,
 and the others apply temperature, top-k, min-p and top-p and draw. Logprobs are
 those of the distribution the token was drawn from: the processed logits at
 temperature 1 for greedy rows, the tempered and filtered distribution otherwise.
@@ -50,6 +51,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this times the count of generated occurrences, in [-2, 2]
     repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of prompt+output tokens
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
     seed: int | None = None  # None: drawn from the engine's seed
     stop: list[str] = dataclasses.field(default_factory=list)  # finish at the first occurrence of one
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
@@ -61,6 +63,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -77,6 +80,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -102,10 +107,21 @@ class SamplingParams:
               f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+              f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
+              f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as it is run: its last `truncate_prompt_tokens` tokens, when set."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return list(prompt_token_ids[-keep:]) if keep else list(prompt_token_ids)
 
     @property
     def uses_penalties(self) -> bool:
@@ -121,6 +137,17 @@ class SamplingRow:
     position: int  # position of the token being sampled
     token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
+
+
+@functools.lru_cache(maxsize=256)
+def allowed_mask(token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """The packed mask (`SamplingTensors.token_mask`'s row) allowing exactly `token_ids`."""
+    ids = np.asarray([t for t in token_ids if t < vocab_size], np.int64)
+    mask = np.zeros(mask_width(vocab_size), np.uint32)
+    np.bitwise_or.at(mask, ids // 32, (1 << (ids % 32)).astype(np.uint32))
+    mask = mask.view(np.int32)
+    mask.flags.writeable = False  # shared by every step of the request (lru_cache)
+    return mask
 
 
 @functools.lru_cache(maxsize=64)
@@ -162,7 +189,8 @@ class SamplingTensors:
                   ) -> SamplingTensors:
         """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
         only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
-        row -> its packed allowed-token mask."""
+        row -> its packed allowed-token mask (a grammar's), which a row's `allowed_token_ids`
+        narrow further."""
         pad = num_rows - len(rows)
         params = [r.params for r in rows]
 
@@ -175,11 +203,17 @@ class SamplingTensors:
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
         uses_penalties = any(r.params.uses_penalties for r in rows)
         history = (np.full if uses_penalties else padding)((num_rows, history_len), vocab_size, np.int32)
-        token_mask = (np.zeros if token_masks else lambda shape, dtype: padding(shape, 0, dtype))(
+        masked = token_masks or any(p.allowed_token_ids is not None for p in params)
+        token_mask = (np.zeros if masked else lambda shape, dtype: padding(shape, 0, dtype))(
             (num_rows, mask_width(vocab_size)), np.int32)
         has_mask = np.zeros(num_rows, bool)
         for b, mask in (token_masks or {}).items():
             token_mask[b], has_mask[b] = mask, True
+        for b, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed = allowed_mask(tuple(p.allowed_token_ids), vocab_size)
+                token_mask[b] = token_mask[b] & allowed if has_mask[b] else allowed
+                has_mask[b] = True
         for b, row in enumerate(rows):
             p = row.params
             if p.logit_bias:

@@ -175,6 +175,34 @@ def test_echo_with_logprobs_scores_the_prompt(served, client):
     assert all(len(entry) in (2, 3) for entry in chat.model_extra["prompt_logprobs"][1:])
 
 
+def test_vllm_token_controls(served, client):
+    """vLLM's allowed_token_ids, skip_special_tokens, truncate_prompt_tokens, structured_outputs and
+    return_tokens_as_token_ids."""
+    r = completion(client, prompt="only these", max_tokens=12, temperature=1.0, seed=3,
+                   extra_body={"allowed_token_ids": [65, 66], "ignore_eos": True})
+    assert set(r.choices[0].text) == {"A", "B"}
+    eos = dict(max_tokens=3, temperature=0.0, logit_bias={str(IM_END_ID): 100})
+    kept = completion(client, prompt="eos", **eos, extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == "<|im_end|>" * 3
+    assert completion(client, prompt="eos", **eos, extra_body={"ignore_eos": True}).choices[0].text == ""
+    cut = completion(client, prompt="a prompt cut to its end", max_tokens=1, echo=True,
+                     extra_body={"truncate_prompt_tokens": 3})
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.startswith("end")
+    choice = completion(client, prompt="pick", max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+    named = completion(client, prompt="ids", max_tokens=3, logprobs=2, temperature=0.0,
+                       extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True}).choices[0]
+    assert len(named.logprobs.tokens) == 3 and all(t.startswith("token_id:") for t in named.logprobs.tokens)
+    assert all(k.startswith("token_id:") for top in named.logprobs.top_logprobs for k in top)
+    ids = [int(t.removeprefix("token_id:")) for t in named.logprobs.tokens]
+    assert post(served, "/detokenize", {"tokens": ids}).json()["prompt"] == named.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    assert all(e.token.startswith("token_id:") and e.top_logprobs[0].token.startswith("token_id:")
+               for e in chat.choices[0].logprobs.content)
+
+
 def test_n_choices_share_one_prefill(served, client):
     scheduler = served[1].engine.scheduler
     prompt = "n choices from one prefill"

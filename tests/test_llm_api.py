@@ -138,3 +138,12 @@ def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_
     uncached = LLM(**SMALL_ENGINE, enable_prefix_caching=False)
     assert uncached.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0].outputs[0].token_ids == \
         other.outputs[0].token_ids
+
+
+def test_truncate_prompt_tokens_and_allowed_token_ids_offline(default_llm):
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True, truncate_prompt_tokens=5,
+                            allowed_token_ids=[70, 71])
+    (out,) = default_llm.generate([list(range(40, 60))], params, use_tqdm=False)
+    assert out.prompt_token_ids == list(range(55, 60)) and set(out.outputs[0].token_ids) <= {70, 71}
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        default_llm.generate("x", SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)

@@ -228,3 +228,20 @@ def test_top_logprobs_are_sorted_and_the_greedy_token_is_first():
     tempered = LOGITS / 0.8
     np.testing.assert_allclose(float(out.logprobs[1]), (tempered - np.log(np.exp(tempered.astype(np.float64)).sum()))[
         int(out.tokens[1])], rtol=1e-5)
+
+
+def test_allowed_token_ids_restrict_the_draw_and_the_argmax():
+    """vLLM's `allowed_token_ids`: rows sample only from their set, each row its own, and the
+    logprobs are those of the distribution renormalised over it; rows without one are untouched."""
+    allowed = [1, 4, 9]
+    assert set(draw(SamplingParams(temperature=1.0, allowed_token_ids=allowed))) == set(allowed)
+    best = allowed[int(np.argmax(LOGITS[allowed]))]
+    assert set(draw(SamplingParams(temperature=0.0, allowed_token_ids=allowed), rows=16)) == {best}
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[2]), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, allowed_token_ids=[3, 11], logprobs=0)]
+    tokens, logprobs = _sample(np.tile(LOGITS, (3, 1)), tensors(params, [0, 0, 0], [0, 0, 0], 3))
+    assert np.asarray(tokens).tolist() == [2, int(np.argmax(LOGITS)), [3, 11][int(np.argmax(LOGITS[[3, 11]]))]]
+    pair = LOGITS[[3, 11]].astype(np.float64)
+    assert abs(float(logprobs[2]) - (pair.max() - np.log(np.exp(pair).sum()))) < 1e-5
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])
