@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 
-from jaxserve.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
+from jaxserve.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer, template_options_error
@@ -81,7 +81,6 @@ _NOT_YET = {
     "suffix": lambda v: bool(v),
     "use_beam_search": lambda v: bool(v),
     "length_penalty": lambda v: v not in (None, 1),  # beam search's
-    "bad_words": lambda v: bool(v),
     "logits_processors": lambda v: bool(v),
     "priority": lambda v: v not in (None, 0),
     "spaces_between_special_tokens": lambda v: v is False,
@@ -115,6 +114,14 @@ def _allowed_token_ids(body: dict, limits: Limits) -> list[int] | None:
     if not allowed:
         raise APIError("'allowed_token_ids' must not be empty", param="allowed_token_ids")
     return allowed
+
+
+def _bad_words(body: dict) -> list[str]:
+    words = body.get("bad_words") or []
+    if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
+            isinstance(w, str) and w.strip() for w in words):
+        raise APIError(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings", param="bad_words")
+    return words
 
 
 def _truncate_prompt_tokens(body: dict) -> int | None:
@@ -247,6 +254,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids", limits),
         allowed_token_ids=_allowed_token_ids(body, limits),
+        bad_words=_bad_words(body),
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),

@@ -106,6 +106,8 @@ class Engine:
         `params.truncate_prompt_tokens` tokens first, when set."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
+        if params.bad_words:
+            params.tokenize_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))

@@ -1,8 +1,8 @@
 """Host-side work around a step: grammar masks before it; after it, grammar
 progress, detokenization and stop strings.
 
-Before a step, each constrained row that samples gets its allowed-token mask
-(`constrain`). After it, every sequence that got a token advances its grammar
+Before a step, each row that samples under a grammar or bad words gets its
+allowed-token mask (`constrain`). After it, every sequence that got a token advances its grammar
 (`advance_grammars`: a complete grammar finishes the sequence with reason "stop"),
 and is detokenized incrementally (`process`, which the engine runs while the
 next step computes).
@@ -83,12 +83,21 @@ class OutputProcessor:
         _ = self.grammars
 
     def constrain(self, batch: ScheduledBatch) -> None:
-        """Fill `batch.token_masks` for the constrained rows that sample this step."""
+        """Fill `batch.token_masks` for the rows that sample this step under a grammar or bad words."""
         for b, row in enumerate(batch.rows):
-            if row.sample and row.params.constraint is not None:
+            p = row.params
+            if not row.sample or (p.constraint is None and not p.bad_words_token_ids):
+                continue
+            if p.constraint is not None:
                 mask = np.zeros(mask_width(self.vocab_size), np.int32)
-                self.grammars.fill(row.seq_id, row.params.constraint, mask)
-                batch.token_masks[b] = mask
+                self.grammars.fill(row.seq_id, p.constraint, mask)
+            else:
+                mask = np.full(mask_width(self.vocab_size), -1, np.int32)
+            bits = mask.view(np.uint32)
+            for token in p.banned_tokens(row.all_token_ids, row.num_prompt_tokens):
+                if token < self.vocab_size:
+                    bits[token // 32] &= np.uint32(~(1 << token % 32) & 0xFFFF_FFFF)
+            batch.token_masks[b] = mask
 
     def advance_grammars(self, seqs: list[Sequence]) -> None:
         """Feed each constrained sequence's new token to its grammar: a complete grammar finishes it

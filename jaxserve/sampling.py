@@ -33,6 +33,7 @@ MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
 MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
 MAX_N = 16  # sequences per request
 MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
+MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
 CANDIDATES = 64  # largest logits a row's top-k / top-p threshold is read from without sorting the vocab
 
 
@@ -52,6 +53,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of prompt+output tokens
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
+    # vLLM's: the output never ends in one of these words, as tokenized with and without a leading
+    # space: a word's last token is masked wherever the tokens before it were just generated
+    bad_words: list[str] = dataclasses.field(default_factory=list)
     seed: int | None = None  # None: drawn from the engine's seed
     stop: list[str] = dataclasses.field(default_factory=list)  # finish at the first occurrence of one
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
@@ -64,6 +68,9 @@ class SamplingParams:
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
+    # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
+    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
+                                                             compare=False)
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -80,6 +87,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
@@ -107,6 +115,8 @@ class SamplingParams:
               f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(all(isinstance(w, str) and w.strip() for w in self.bad_words) and len(self.bad_words) <= MAX_BAD_WORDS,
+              f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings, got {self.bad_words!r}")
         check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
             is_int(t) and t >= 0 for t in self.allowed_token_ids)),
               f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
@@ -117,6 +127,33 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
+        """`bad_words_token_ids` from `encode` (text -> ids, no special tokens), as vLLM forms them:
+        each word without its leading spaces, and with one space before it where that gives other
+        tokens of the same count (a word-initial token)."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words:
+            bare = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            self.bad_words_token_ids.append(bare)
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                self.bad_words_token_ids.append(spaced)
+
+    def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
+        """The bad words' last tokens that the next token must not be: those whose words' other
+        tokens end the output so far (`token_ids` = prompt + output)."""
+        out = []
+        for ids in self.bad_words_token_ids:
+            before = len(ids) - 1
+            if before <= len(token_ids) - num_prompt_tokens and token_ids[len(token_ids) - before:] == ids[:-1]:
+                out.append(ids[-1])
+        return out
+
+    @property
+    def needs_last_tokens(self) -> bool:
+        """Whether the tokens it may sample depend on the last ones (a bad word of several tokens)."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
 
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as it is run: its last `truncate_prompt_tokens` tokens, when set."""

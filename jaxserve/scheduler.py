@@ -261,9 +261,11 @@ class Scheduler:
 
     def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before `batch`'s tokens are known: not when one of
-        its sampled tokens feeds the host side of the next step (a grammar's mask). The penalties'
-        history gets a pending token on the device (`runner.make_step_fn`)."""
-        return not any(row.sample and row.params.constraint is not None for row in batch.rows)
+        its sampled tokens feeds the host side of the next step (a grammar's mask, or bad words of
+        several tokens). The penalties' history gets a pending token on the device
+        (`runner.make_step_fn`)."""
+        return not any(row.sample and (row.params.constraint is not None or row.params.needs_last_tokens)
+                       for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got

@@ -151,7 +151,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "a", "use_beam_search": True}, 400, "use_beam_search"),
-    ("/v1/completions", {"prompt": "a", "bad_words": ["x"]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "a", "bad_words": ["  "]}, 400, "bad_words"),
     ("/v1/completions", {"prompt": "a", "priority": 1}, 400, "priority"),
     ("/v1/completions", {"prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "a", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),

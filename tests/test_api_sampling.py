@@ -176,8 +176,8 @@ def test_echo_with_logprobs_scores_the_prompt(served, client):
 
 
 def test_vllm_token_controls(served, client):
-    """vLLM's allowed_token_ids, skip_special_tokens, truncate_prompt_tokens, structured_outputs and
-    return_tokens_as_token_ids."""
+    """vLLM's allowed_token_ids, skip_special_tokens, truncate_prompt_tokens, bad_words,
+    structured_outputs and return_tokens_as_token_ids."""
     r = completion(client, prompt="only these", max_tokens=12, temperature=1.0, seed=3,
                    extra_body={"allowed_token_ids": [65, 66], "ignore_eos": True})
     assert set(r.choices[0].text) == {"A", "B"}
@@ -188,6 +188,10 @@ def test_vllm_token_controls(served, client):
     cut = completion(client, prompt="a prompt cut to its end", max_tokens=1, echo=True,
                      extra_body={"truncate_prompt_tokens": 3})
     assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.startswith("end")
+    forced = dict(prompt="bias", max_tokens=6, logprobs=0, temperature=0.0, logit_bias={"65": 100})
+    banned = completion(client, **forced, extra_body={"bad_words": ["A"], "return_tokens_as_token_ids": True})
+    assert completion(client, **forced).choices[0].text == "A" * 6
+    assert "token_id:65" not in banned.choices[0].logprobs.tokens and len(banned.choices[0].logprobs.tokens) == 6
     choice = completion(client, prompt="pick", max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no")
     named = completion(client, prompt="ids", max_tokens=3, logprobs=2, temperature=0.0,

@@ -147,3 +147,29 @@ def test_truncate_prompt_tokens_and_allowed_token_ids_offline(default_llm):
     assert out.prompt_token_ids == list(range(55, 60)) and set(out.outputs[0].token_ids) <= {70, 71}
     with pytest.raises(ValueError, match="allowed_token_ids"):
         default_llm.generate("x", SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+
+
+def _holds(tokens: list[int], word: list[int]) -> bool:
+    return any(tokens[i:i + len(word)] == word for i in range(len(tokens) - len(word) + 1))
+
+
+def test_bad_words_never_appear_in_the_output(default_llm):
+    """vLLM's bad_words: a word of two tokens and one of a single token that greedy decoding
+    produces are never produced with them banned (in any of their tokenized forms)."""
+    tok = default_llm.tokenizer
+    greedy = dict(max_tokens=32, temperature=0.0, ignore_eos=True)
+    free = default_llm.generate("bad words", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+
+    def word(ids: list[int]) -> bool:  # text that tokenizes back to these ids, without leading spaces
+        text = tok.decode(ids)
+        return text == text.lstrip() and text.strip() and tok.encode(text, add_special_tokens=False) == ids
+
+    pair = next(free[i:i + 2] for i in range(len(free) - 1) if word(free[i:i + 2]))
+    single = next([t] for t in free if [t] != pair[:1] and word([t]))
+    for banned in (pair, single):  # one at a time: the output is the free one up to the word
+        params = SamplingParams(**greedy, bad_words=[tok.decode(banned)])
+        out = default_llm.generate("bad words", params, use_tqdm=False)[0].outputs[0].token_ids
+        assert banned in params.bad_words_token_ids and params.needs_last_tokens == (len(banned) == 2)
+        assert not any(_holds(out, ids) for ids in params.bad_words_token_ids)
+        first = next(i for i in range(len(free)) if free[i:i + len(banned)] == banned)
+        assert out[:first + len(banned) - 1] == free[:first + len(banned) - 1] and len(out) == 32
