@@ -13,6 +13,7 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.engine",
     "CompletionOutput": "jaxserve.engine",
     "SamplingParams": "jaxserve.sampling",
+    "BeamSearchParams": "jaxserve.beam_search",
 }
 __all__ = list(_EXPORTS)
 

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
@@ -254,9 +255,7 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
         Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
@@ -295,6 +294,12 @@ class LLM:
             # The template already holds the special tokens it wants.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt, best
+        first (see `jaxserve.beam_search`). Prompts as for `generate`."""
+        return beam_search(self, _prompt_list(prompts), params, use_tqdm)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model."""
@@ -337,6 +342,12 @@ def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[T
             entry.setdefault(t, Logprob(lp, r, decode(t)))
         out.append(entry)
     return out
+
+
+def _prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
+    """One prompt (a string, a dict, a list of token ids) as a list of one; a list of them as is."""
+    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+    return [prompts] if single else prompts
 
 
 def _choices(seq: Sequence) -> list[Sequence]:

@@ -173,3 +173,35 @@ def test_bad_words_never_appear_in_the_output(default_llm):
         assert not any(_holds(out, ids) for ids in params.bad_words_token_ids)
         first = next(i for i in range(len(free)) if free[i:i + len(banned)] == banned)
         assert out[:first + len(banned) - 1] == free[:first + len(banned) - 1] and len(out) == 32
+
+
+def test_beam_search_as_vllms(default_llm, monkeypatch):
+    """LLM.beam_search: width 1 is greedy decoding; wider, the beams come best first, each with the
+    cumulative logprob of its tokens under the model (recomputed here as prompt logprobs), and a
+    beam that reaches EOS is complete (its text without the EOS)."""
+    import dataclasses
+
+    from jaxserve import BeamSearchParams
+
+    prompt = [11, 12, 13]
+    greedy = default_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)[0].outputs[0]
+    (one,) = default_llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=6))[0].sequences
+    assert one.tokens == prompt + greedy.token_ids and abs(one.cum_logprob - greedy.cumulative_logprob) < 1e-4
+    assert one.text == greedy.text and one.finish_reason == "length"
+    (out,) = default_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6))
+    scores = [s.cum_logprob / len(s.tokens) for s in out.sequences]
+    assert len(out.sequences) == 3 and scores == sorted(scores, reverse=True) and len({tuple(s.tokens) for s in out.sequences}) == 3
+    for seq in out.sequences:
+        (again,) = default_llm.generate([seq.tokens], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        recomputed = sum(entry[t].logprob for t, entry in zip(seq.tokens[3:], again.prompt_logprobs[3:]))
+        assert abs(recomputed - seq.cum_logprob) < 1e-3 and len(seq.logprobs) == 6
+    eos = greedy.token_ids[2]
+    config = default_llm.engine.model_config
+    monkeypatch.setattr(default_llm.engine, "model_config", dataclasses.replace(config, eos_token_ids=(eos,)))
+    (ended,) = default_llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=6))
+    stopped = [s for s in ended.sequences if s.finish_reason == "stop"]
+    assert stopped and all(s.tokens[-1] == eos and s.stop_reason == eos and len(s.tokens) <= 9 for s in stopped)
+    assert all(s.text == default_llm.tokenizer.decode(s.tokens[3:-1]) for s in stopped)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4)
