@@ -274,6 +274,8 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             else:
                 choice = {"index": c, "text": text or "", "logprobs": logprobs}
             choice.update(finish_reason=finish_reason, stop_reason=stop_reason)
+            if req.continuous_usage:
+                return sse({**head, "choices": [choice], "usage": choices.usage()})
             return sse({**head, "choices": [choice], **extra})
 
         def deltas(c: int, update: Update) -> list[dict]:

@@ -50,6 +50,7 @@ class GenerationRequest:
     prompt_only: bool = False  # completions: echo with max_tokens 0, the prompt alone (one token is sampled, dropped)
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -269,7 +270,8 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         raise APIError(str(e)) from e
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool]:
+def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats: vLLM's, with include_usage only)."""
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -277,7 +279,7 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     include_usage = bool(options and options.get("include_usage"))
     if options and not stream:
         raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return stream, include_usage
+    return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
 def check_model(body: dict, limits: Limits) -> None:
@@ -316,7 +318,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     if prompt_only:
         body = {**body, "max_tokens": 1}
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = params.logprobs
     prompt = body.get("prompt")
@@ -332,7 +334,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
     return GenerationRequest(ids, texts, params, stream, include_usage, echo, prompt_only,
-                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), continuous_usage=continuous)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -396,7 +398,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     if _bool(body, "echo"):
         raise APIError("'echo' on chat is not supported by this server yet", param="echo")
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
-    stream, include_usage = _stream_flags(body)
+    stream, include_usage, continuous = _stream_flags(body)
     try:
         tools = parse_tool_request(body)
     except ToolError as e:
@@ -414,7 +416,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         return GenerationRequest([_check_ids(tokenizer.encode(text), limits, params, "prompt")], [text],
-                                 params, stream, include_usage,
+                                 params, stream, include_usage, continuous_usage=continuous,
                                  tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
@@ -432,4 +434,4 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
     return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage,
                              tools=tools if tools is not None and tools.mode != "none" else None,
-                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), continuous_usage=continuous)

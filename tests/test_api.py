@@ -95,6 +95,11 @@ def test_stream_usage_option(client):
                                                  stream_options={"include_usage": True}, **GREEDY))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
     assert all(c.usage is None for c in chunks[:-1])
+    every = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **GREEDY))  # vLLM's: usage in every chunk
+    counts = [c.usage.completion_tokens for c in every]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12 and len(set(counts)) > 2
+    assert all(c.usage.prompt_tokens == every[-1].usage.prompt_tokens for c in every)
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
