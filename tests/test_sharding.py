@@ -28,6 +28,8 @@ def check(results: dict, heads: int, kv_heads: int, intermediate: int) -> None:
     for tp, r in results.items():
         np.testing.assert_allclose(np.array(r["logits"]), np.array(base["logits"]), atol=1e-4, rtol=0)
         assert r["tokens"] == base["tokens"], f"tp={tp}"
+        for got, want in zip(r["prompt_logprobs"], base["prompt_logprobs"]):  # [token, logprob, rank] per entry
+            np.testing.assert_allclose(np.array(got, float), np.array(want, float), atol=1e-4, rtol=0)
         arrays = r["arrays"]
         q, k, o, down, kv = (arrays[n] for n in ("q_proj", "k_proj", "o_proj", "down_proj", "kv_pages"))
         assert q["devices"] == kv["devices"] == tp

@@ -1,5 +1,6 @@
 """Run by tests/test_sharding.py in a subprocess with 8 virtual CPU devices: for each tensor-parallel
-size, the logits of a prompt, greedy generations, and where the weights and KV pages live (JSON)."""
+size, the logits of a prompt, greedy generations with their prompt logprobs, and where the weights
+and KV pages live (JSON)."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def run(model_dir: str, sizes: list[int]) -> dict:
     for tp in sizes:
         llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
         engine = llm.engine
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                               use_tqdm=False)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                       prompt_logprobs=2), use_tqdm=False)
         layer = engine.runner.state["layers"][0]
         arrays = {"q_proj": layer["self_attn"]["q_proj"]["weight"][...],
                   "k_proj": layer["self_attn"]["k_proj"]["weight"][...],
@@ -45,6 +46,8 @@ def run(model_dir: str, sizes: list[int]) -> dict:
                   "kv_pages": engine.runner.kv.k[0]}
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
+            "prompt_logprobs": [[[[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in o.prompt_logprobs[1:]]
+                                for o in outputs],
             "logits": prompt_logits(engine, prompts[1]).tolist(),
             "arrays": {name: {"shape": list(a.shape), "shard": list(a.sharding.shard_shape(a.shape)),
                               "devices": len(a.sharding.device_set)} for name, a in arrays.items()},
