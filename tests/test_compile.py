@@ -36,7 +36,8 @@ class CompileCounter:
 
 def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
     """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
-    penalties, biases, n, stop strings, logprobs and grammars."""
+    penalties, biases, n, stop strings, logprobs, prompt logprobs, allowed tokens, bad words and
+    grammars."""
     llm = LLM(None, **CROWDED_ENGINE)
     rng = np.random.default_rng(0)
     prompts, params = [], []
@@ -50,7 +51,9 @@ def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
             presence_penalty=0.5 if i % 5 == 0 else 0.0, frequency_penalty=0.3 if i % 13 == 0 else 0.0, repetition_penalty=1.3 if i % 6 == 0 else 1.0,
             logit_bias={65: 3.0} if i % 7 == 0 else {}, min_tokens=2 if i % 8 == 0 else 0,
             n=2 if i % 9 == 0 else 1, stop=["ab"] if i % 10 == 0 else [], logprobs=3 if i % 11 == 0 else None,
-            constraint=Constraint("regex", "[a-z]{3,9}") if i % 12 == 0 else None))
+            constraint=Constraint("regex", "[a-z]{3,9}") if i % 12 == 0 else None,
+            prompt_logprobs=2 if i % 14 == 0 else None, allowed_token_ids=list(range(60, 90)) if i % 15 == 0 else None,
+            bad_words=["ab", "x"] if i % 16 == 0 else []))
     with CompileCounter() as counter:
         outputs = llm.generate(prompts, params)
     assert counter.count == 0
