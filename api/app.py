@@ -117,8 +117,10 @@ class _Choices:
             text = self.req.prompt_texts[p] + text
             if self.req.params.logprobs is not None:
                 ids = self.req.prompts[p]
+                k = self.req.params.logprobs  # (prompt_logprobs may ask for more alternatives)
+                prompt = [(lp, rank, top_ids[:k], top_lps[:k]) for lp, rank, top_ids, top_lps in update.prompt_logprobs]
                 parts.append(CompletionLogprobs(self.tokenizer, as_ids=self.req.tokens_as_ids).format(
-                    ids, [None, *update.prompt_logprobs]))
+                    ids, [None, *prompt]))
         self.texts[c].append(text)
         if self.req.params.logprobs is None:
             return text, None
@@ -131,6 +133,11 @@ class _Choices:
 
     def usage(self) -> dict:
         return usage(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
+
+    def choice_usage(self, c: int) -> dict:
+        """Choice c's own usage so far (vLLM's continuous_usage_stats)."""
+        p = c // self.n
+        return usage(len(self.req.prompts[p]), self.tokens[c], self.cached[p])
 
     def body(self, head: dict) -> dict:
         choices = []
@@ -275,7 +282,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 choice = {"index": c, "text": text or "", "logprobs": logprobs}
             choice.update(finish_reason=finish_reason, stop_reason=stop_reason)
             if req.continuous_usage:
-                return sse({**head, "choices": [choice], "usage": choices.usage()})
+                return sse({**head, "choices": [choice], "usage": choices.choice_usage(c)})
             return sse({**head, "choices": [choice], **extra})
 
         def deltas(c: int, update: Update) -> list[dict]:

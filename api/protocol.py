@@ -112,16 +112,17 @@ def _allowed_token_ids(body: dict, limits: Limits) -> list[int] | None:
     if body.get("allowed_token_ids") is None:
         return None
     allowed = _token_ids(body, "allowed_token_ids", limits)
-    if not allowed:
-        raise APIError("'allowed_token_ids' must not be empty", param="allowed_token_ids")
+    if not 0 < len(allowed) <= limits.vocab_size:
+        raise APIError(f"'allowed_token_ids' must hold 1 to {limits.vocab_size} ids", param="allowed_token_ids")
     return allowed
 
 
 def _bad_words(body: dict) -> list[str]:
     words = body.get("bad_words") or []
     if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
-            isinstance(w, str) and w.strip() for w in words):
-        raise APIError(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings", param="bad_words")
+            isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in words):
+        raise APIError(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
+                       f"{MAX_STOP_CHARS} characters", param="bad_words")
     return words
 
 
@@ -184,6 +185,10 @@ def _constraint(body: dict) -> Constraint | None:
                            f"{', '.join([*_STRUCTURED_OUTPUTS, 'json_object'])}", param="structured_outputs")
         if given.get("json_object"):
             found.append(("structured_outputs", Constraint("json_object")))
+        for key, name in _STRUCTURED_OUTPUTS.items():
+            if key in given and body.get(name) is not None:
+                raise APIError(f"give one constraint, not structured_outputs.{key} and {name}",
+                               param="structured_outputs")
         body = {**body, **{_STRUCTURED_OUTPUTS[k]: v for k, v in given.items() if k in _STRUCTURED_OUTPUTS}}
     fmt = body.get("response_format")
     if fmt is not None:
@@ -314,9 +319,10 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     gives the prompt alone: OpenAI's way to score a text."""
     check_model(body, limits)
     echo = _bool(body, "echo")
-    prompt_only = echo and body.get("max_tokens") == 0 and body.get("max_completion_tokens") is None
-    if prompt_only:
-        body = {**body, "max_tokens": 1}
+    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and \
+        body.get("max_completion_tokens") is None
+    if prompt_only:  # the one token sampled is dropped: nothing may make it a stop
+        body = {**body, "max_tokens": 1, "min_tokens": 0, "stop": None, "stop_token_ids": None, "ignore_eos": True}
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     stream, include_usage, continuous = _stream_flags(body)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
@@ -415,7 +421,8 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
-        return GenerationRequest([_check_ids(tokenizer.encode(text), limits, params, "prompt")], [text],
+        ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", True))
+        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text],
                                  params, stream, include_usage, continuous_usage=continuous,
                                  tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
     if not isinstance(messages, list) or not messages:

@@ -46,7 +46,7 @@ class BeamSearchSequence:
     tokens: list[int]  # prompt + generated
     logprobs: list[dict[int, Logprob]]  # per generated token: the candidates it was chosen among
     cum_logprob: float = 0.0
-    text: str | None = None  # the generated text (a final EOS left out)
+    text: str | None = None  # the text of all its tokens, prompt included (as vLLM's LLM.beam_search)
     finish_reason: str | None = None  # "stop" (EOS) or "length"
     stop_reason: int | None = None  # the EOS id that ended it
 
@@ -101,7 +101,6 @@ def beam_search(llm: LLM, prompts: list[PromptInput], params: BeamSearchParams,
         best = sorted(done + per_prompt, key=key, reverse=True)[:params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"
-            generated = beam.tokens[len(ids):len(beam.tokens) - (beam.finish_reason == "stop")]
-            beam.text = llm.tokenizer.decode(generated)
+            beam.text = llm.tokenizer.decode(beam.tokens)
         results.append(BeamSearchOutput(sequences=best))
     return results

@@ -30,9 +30,8 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward, head_logits, rope_table
-from jaxserve.sampling import (MAX_LOGPROBS, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors,
-                               prompt_logprobs, sample)
-from jaxserve.scheduler import ScheduledBatch, StepOutput
+from jaxserve.sampling import PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs, sample
+from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.sharding import broadcast_plan, is_leader, place
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
@@ -100,9 +99,8 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_sharding: NamedSharding,
                  replicated: NamedSharding):
     """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
-    tokens and logprobs of every row, prompt logprobs of every token (computed only when the plan
-    names targets: `prompt_targets` >= 0), the tokens again padded to max_num_seqs rows: the next
-    step's `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
+    tokens and logprobs of every row, the prompt logprobs the plan asks for (`prompt_rows`,
+    `prompt_targets`), the tokens again padded to max_num_seqs rows: the next step's `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
     from `previous` on the device, so the next step is launched before this one's tokens reach the
     host. `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`)
     is closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
@@ -112,7 +110,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, SampleOutput, PromptLogprobs, jax.Array]:
-        page_copies, pending, inputs, sampling, prompt_targets = jax.tree.unflatten(plan_treedef, plan.unpack())
+        page_copies, pending, inputs, sampling, (prompt_rows, prompt_targets) = jax.tree.unflatten(
+            plan_treedef, plan.unpack())
         inputs = inputs.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], inputs.token_ids))
         # the penalties' history (from the host) lacks a pending token: each row's last input token
         # goes in at its position (for other rows it is there already, or the row uses no penalty)
@@ -123,13 +122,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
             kv, logits, hidden = forward(graphdef, state, kv, inputs)
-            num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, logits.shape[1])
-            prompt = jax.lax.cond(
-                jnp.any(prompt_targets >= 0),
-                lambda: prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, prompt_targets),
-                lambda: PromptLogprobs(logprobs=jnp.zeros(num_tokens), ranks=jnp.zeros(num_tokens, jnp.int32),
-                                       top_ids=jnp.zeros((num_tokens, k), jnp.int32),
-                                       top_logprobs=jnp.zeros((num_tokens, k))))
+            prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, prompt_rows, prompt_targets)
         out = sample(logits, sampling)
         return kv, out, prompt, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
 
@@ -243,11 +236,12 @@ class Runner:
                 _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors, np.ndarray]:
+                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors, tuple[np.ndarray, np.ndarray]]:
         """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`): page copies,
         pending (i32[T]: for each token still being sampled, the row of the step before that samples
-        it; else -1), model inputs, sampling tensors and prompt targets (i32[T]: the prompt token
-        that follows each token of a row asking for prompt logprobs; else -1)."""
+        it; else -1), model inputs, sampling tensors and the prompt logprobs asked for: (i32[T] the
+        tokens, by row, whose next prompt token's logprob a row asks for (`scheduler.prompt_targets`),
+        i32[T] those next tokens; -1 past them)."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -258,7 +252,9 @@ class Runner:
         query_start = np.zeros(num_rows + 1, np.int32)
         logits_indices = np.zeros(num_rows, np.int32)
         pending = np.full(num_tokens, -1, np.int32)
-        prompt_targets = np.full(num_tokens, -1, np.int32)
+        prompt_rows = np.zeros(num_tokens, np.int32)
+        targets = np.full(num_tokens, -1, np.int32)
+        asked = 0
         start = 0
         for b, row in enumerate(batch.rows):
             n = len(row.token_ids)
@@ -267,9 +263,10 @@ class Runner:
             token_ids[start:start + n] = row.token_ids
             positions[start:start + n] = pos
             kv_write_index[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
-            if row.prompt_logprobs:
-                targets = row.all_token_ids[row.start_position + 1:min(row.start_position + n + 1, row.num_prompt_tokens)]
-                prompt_targets[start:start + len(targets)] = targets
+            next_tokens = prompt_targets(row)
+            prompt_rows[asked:asked + len(next_tokens)] = np.arange(start, start + len(next_tokens))
+            targets[asked:asked + len(next_tokens)] = next_tokens
+            asked += len(next_tokens)
             kv_lens[b] = row.start_position + n
             page_table[b, :len(pages)] = pages
             start += n
@@ -288,7 +285,7 @@ class Runner:
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        return copies, pending, inputs, sampling, prompt_targets
+        return copies, pending, inputs, sampling, (prompt_rows, targets)
 
     def _constant(self, array: np.ndarray) -> jax.Array:
         key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step

@@ -71,6 +71,7 @@ class SamplingParams:
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
                                                              compare=False)
+    _allowed_mask: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         def check(ok: bool, message: str):
@@ -115,8 +116,10 @@ class SamplingParams:
               f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(all(isinstance(w, str) and w.strip() for w in self.bad_words) and len(self.bad_words) <= MAX_BAD_WORDS,
-              f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings, got {self.bad_words!r}")
+        check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
+              and len(self.bad_words) <= MAX_BAD_WORDS,
+              f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} characters, "
+              f"got {self.bad_words!r}")
         check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
             is_int(t) and t >= 0 for t in self.allowed_token_ids)),
               f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
@@ -132,13 +135,28 @@ class SamplingParams:
         """`bad_words_token_ids` from `encode` (text -> ids, no special tokens), as vLLM forms them:
         each word without its leading spaces, and with one space before it where that gives other
         tokens of the same count (a word-initial token)."""
-        self.bad_words_token_ids = []
+        forms = []
         for word in self.bad_words:
             bare = encode(word.lstrip())
+            if not bare:
+                raise ValueError(f"bad word {word!r} has no tokens")
             spaced = encode(" " + word.lstrip())
-            self.bad_words_token_ids.append(bare)
+            forms.append(bare)
             if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                self.bad_words_token_ids.append(spaced)
+                forms.append(spaced)
+        self.bad_words_token_ids = forms
+
+    def allowed_mask(self, vocab_size: int) -> np.ndarray | None:
+        """`allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row), made once per
+        request; None where any token is allowed."""
+        if self.allowed_token_ids is None:
+            return None
+        if self._allowed_mask is None or self._allowed_mask.shape[0] != mask_width(vocab_size):
+            ids = np.asarray([t for t in self.allowed_token_ids if t < vocab_size], np.int64)
+            mask = np.zeros(mask_width(vocab_size), np.uint32)
+            np.bitwise_or.at(mask, ids // 32, (1 << (ids % 32)).astype(np.uint32))
+            self._allowed_mask = mask.view(np.int32)
+        return self._allowed_mask
 
     def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
         """The bad words' last tokens that the next token must not be: those whose words' other
@@ -174,17 +192,6 @@ class SamplingRow:
     position: int  # position of the token being sampled
     token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
-
-
-@functools.lru_cache(maxsize=256)
-def allowed_mask(token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
-    """The packed mask (`SamplingTensors.token_mask`'s row) allowing exactly `token_ids`."""
-    ids = np.asarray([t for t in token_ids if t < vocab_size], np.int64)
-    mask = np.zeros(mask_width(vocab_size), np.uint32)
-    np.bitwise_or.at(mask, ids // 32, (1 << (ids % 32)).astype(np.uint32))
-    mask = mask.view(np.int32)
-    mask.flags.writeable = False  # shared by every step of the request (lru_cache)
-    return mask
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,7 +255,7 @@ class SamplingTensors:
             token_mask[b], has_mask[b] = mask, True
         for b, p in enumerate(params):
             if p.allowed_token_ids is not None:
-                allowed = allowed_mask(tuple(p.allowed_token_ids), vocab_size)
+                allowed = p.allowed_mask(vocab_size)
                 token_mask[b] = token_mask[b] & allowed if has_mask[b] else allowed
                 has_mask[b] = True
         for b, row in enumerate(rows):
@@ -294,7 +301,8 @@ class SampleOutput:
 
 @flax.struct.dataclass
 class PromptLogprobs:
-    """Of each token of a step whose next token is a prompt token that was asked about (T = tokens)."""
+    """Of the step's tokens whose next token is a prompt token asked about, in the plan's order
+    (`Runner.prepare`): entries past their count are padding (T = the step's tokens)."""
 
     logprobs: jax.Array  # f32[T] of the next prompt token
     ranks: jax.Array  # i32[T] its rank (1 = most likely)
@@ -302,29 +310,41 @@ class PromptLogprobs:
     top_logprobs: jax.Array  # f32[T, K]
 
 
-def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                    chunk: int = 64) -> PromptLogprobs:
-    """hidden f32[T, D] (the last layer's output at each token), targets i32[T] (the prompt token
-    that follows each token, -1 where none is asked about) -> the log-softmax of `head(hidden)` (the
-    logits) at the targets, their ranks and the top K. The logits are made `chunk` tokens at a time,
-    so a long step never holds [T, V] of them."""
-    num_tokens = hidden.shape[0]
-    chunk = min(chunk, num_tokens)
-    pad = -num_tokens % chunk
-    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(-1, chunk, hidden.shape[1])
-    targets = jnp.pad(targets, (0, pad), constant_values=-1).reshape(-1, chunk)
+def _rank(logprobs: jax.Array, chosen: jax.Array) -> jax.Array:
+    """1 + how many tokens of each row are likelier than its chosen one (logprobs [N, V], chosen [N, 1])."""
+    return 1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32)
 
-    def one_chunk(args):
-        rows, wanted = args
-        logits = head(rows)
+
+def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, rows: jax.Array,
+                    targets: jax.Array, chunk: int = 64) -> PromptLogprobs:
+    """hidden [T, D] (the last layer's output at each token), rows i32[T] (the tokens asked about,
+    first), targets i32[T] (the prompt token that follows each of them; -1 past them) -> the
+    log-softmax of `head(hidden[rows])` (the logits) at the targets, their ranks and the top K.
+    Only the tokens asked about go through the LM head, `chunk` at a time: a step never holds more
+    than [chunk, V] logits, and one with none asked about does no work here."""
+    num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, jax.eval_shape(head, hidden[:1]).shape[-1])
+    chunk = min(chunk, num_tokens)
+    padded = -(-num_tokens // chunk) * chunk
+    rows, targets = jnp.pad(rows, (0, padded - num_tokens)), jnp.pad(targets, (0, padded - num_tokens),
+                                                                      constant_values=-1)
+
+    def one_chunk(c, out: PromptLogprobs) -> PromptLogprobs:
+        start = c * chunk
+        wanted = jax.lax.dynamic_slice(targets, (start,), (chunk,))
+        logits = head(hidden[jax.lax.dynamic_slice(rows, (start,), (chunk,))])
         logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(wanted, 0)[:, None], axis=-1)
-        top_logprobs, top_ids = jax.lax.top_k(logprobs, min(MAX_LOGPROBS, logits.shape[-1]))
-        return PromptLogprobs(logprobs=chosen[:, 0], ranks=1 + jnp.sum(logprobs > chosen, axis=-1, dtype=jnp.int32),
-                              top_ids=top_ids.astype(jnp.int32), top_logprobs=top_logprobs)
+        top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
+        part = PromptLogprobs(logprobs=chosen[:, 0], ranks=_rank(logprobs, chosen), top_ids=top_ids.astype(jnp.int32),
+                              top_logprobs=top_logprobs)
+        return jax.tree.map(lambda o, p: jax.lax.dynamic_update_slice_in_dim(o, p, start, axis=0), out, part)
 
-    out = jax.lax.map(one_chunk, (hidden, targets))
-    return jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:num_tokens], out)
+    empty = PromptLogprobs(logprobs=jnp.zeros(padded), ranks=jnp.zeros(padded, jnp.int32),
+                           top_ids=jnp.zeros((padded, k), jnp.int32), top_logprobs=jnp.zeros((padded, k)))
+    count = jnp.sum(targets >= 0)
+    # (under a cond: XLA:CPU otherwise runs the chunk's top-k, a sort, even when the loop runs no chunk)
+    out = jax.lax.cond(count > 0, lambda: jax.lax.fori_loop(0, -(-count // chunk), one_chunk, empty), lambda: empty)
+    return jax.tree.map(lambda x: x[:num_tokens], out)
 
 
 def _row_key(seed_lo, seed_hi, position):
@@ -402,8 +422,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
     chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
     logprobs = chosen[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
-    ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: 1 + jnp.sum(kept > chosen, axis=-1, dtype=jnp.int32),
-                         lambda: jnp.zeros(num_rows, jnp.int32))
+    ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: _rank(kept, chosen), lambda: jnp.zeros(num_rows, jnp.int32))
     return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
 
 

@@ -49,7 +49,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
 from jaxserve.sampling import PromptLogprobs, SamplingParams
-from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
 
@@ -99,6 +99,19 @@ class StepOutput:
     top_ids: np.ndarray  # i32[rows, K] most likely first
     top_logprobs: np.ndarray  # f32[rows, K]
     prompt: PromptLogprobs | None = None  # per token of the step, when some row asked for them
+
+
+def prompt_targets(row: ScheduledSeq) -> list[int]:
+    """The prompt tokens whose logprobs the row asks for: the i-th follows its i-th token."""
+    if not row.prompt_logprobs:
+        return []
+    start = row.start_position
+    return row.all_token_ids[start + 1:min(start + len(row.token_ids) + 1, row.num_prompt_tokens)]
+
+
+def _entry(out: StepOutput | PromptLogprobs, i: int, k: int) -> TokenLogprobs:
+    """Entry i of a step's logprobs (sampled or prompt tokens': the same fields), with the top k."""
+    return float(out.logprobs[i]), int(out.ranks[i]), out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()
 
 
 class Scheduler:
@@ -271,13 +284,14 @@ class Scheduler:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
         a token."""
         changed = []
-        first_token = np.cumsum([0] + [len(row.token_ids) for row in batch.rows])  # of each row in the step
+        if out.prompt is not None:  # each asking row's first entry in it
+            first_entry = np.cumsum([0] + [len(prompt_targets(row)) for row in batch.rows])
         for b, row in enumerate(batch.rows):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or preempted since the plan was made
             if row.prompt_logprobs:
-                self._record_prompt_logprobs(seq, row, out.prompt, first_token[b])
+                self._record_prompt_logprobs(seq, row, out.prompt, first_entry[b])
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
             if row.sample:  # first: a step in flight may already have computed this token's K/V
@@ -291,9 +305,7 @@ class Scheduler:
             token = seq.token_ids[-1]
             seq.cumulative_logprob += float(out.logprobs[b])
             if seq.params.logprobs is not None:
-                k = seq.params.logprobs
-                seq.logprobs.append((float(out.logprobs[b]), int(out.ranks[b]), out.top_ids[b, :k].tolist(),
-                                     out.top_logprobs[b, :k].tolist()))
+                seq.logprobs.append(_entry(out, b, seq.params.logprobs))
             self.num_generated_tokens += 1
             self._check_stop(seq, token)
             changed.append(seq)
@@ -301,20 +313,19 @@ class Scheduler:
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, row: ScheduledSeq, prompt: PromptLogprobs, first: int) -> None:
-        """Append the row's prompt logprobs that seq lacks (a recomputed chunk repeats some; a chunk
-        after a dropped one, none: the sequence was preempted and computes its prompt again)."""
+        """Append the row's prompt logprobs (from entry `first` of the step's on) that seq lacks: a
+        recomputed chunk repeats some; a chunk after a dropped one, none (the sequence was preempted
+        and computes its prompt again)."""
         if len(seq.prompt_logprobs) < row.start_position:
             return
-        k = seq.params.prompt_logprobs
         end = min(row.start_position + len(row.token_ids), seq.num_prompt_tokens - 1)
         for position in range(len(seq.prompt_logprobs), end):
-            i = first + position - row.start_position
-            seq.prompt_logprobs.append((float(prompt.logprobs[i]), int(prompt.ranks[i]),
-                                        prompt.top_ids[i, :k].tolist(), prompt.top_logprobs[i, :k].tolist()))
+            seq.prompt_logprobs.append(_entry(prompt, first + position - row.start_position, seq.params.prompt_logprobs))
 
     def _fork_if_ready(self, seq: Sequence) -> None:
-        """Fork the pending siblings once all of the prompt but its last token is cached."""
-        if not seq.pending_forks or seq.num_computed_tokens < seq.num_prompt_tokens - 1:
+        """Fork the pending siblings once all of the prompt but its last token is cached (and its
+        prompt logprobs are in, where asked for: the siblings share them)."""
+        if not seq.pending_forks or seq.num_computed_tokens < seq.num_prompt_tokens - 1 or seq.owes_prompt_logprobs:
             return
         for k in range(1, seq.pending_forks + 1):
             sibling = Sequence(seq_id=self.new_seq_id(), request_id=seq.request_id,

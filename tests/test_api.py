@@ -100,6 +100,11 @@ def test_stream_usage_option(client):
     counts = [c.usage.completion_tokens for c in every]
     assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 12 and len(set(counts)) > 2
     assert all(c.usage.prompt_tokens == every[-1].usage.prompt_tokens for c in every)
+    two = list(client.completions.create(model=MODEL, prompt="two", n=2, stream=True, stream_options={
+        "include_usage": True, "continuous_usage_stats": True}, **GREEDY))
+    for index in (0, 1):  # each choice's chunks count its own tokens
+        assert [c.usage.completion_tokens for c in two if c.choices and c.choices[0].index == index][-1] == 12
+    assert two[-1].usage.completion_tokens == 24
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

@@ -10,7 +10,7 @@ from conftest import CROWDED_ENGINE
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.sampling import PromptLogprobs
-from jaxserve.scheduler import ScheduledBatch, Scheduler, StepOutput
+from jaxserve.scheduler import ScheduledBatch, Scheduler, StepOutput, prompt_targets
 from jaxserve.sequence import Sequence
 from jaxserve.structured import Constraint
 
@@ -28,11 +28,11 @@ def make_seq(seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Seq
 
 
 def outputs(tokens: list[int], batch: ScheduledBatch | None = None) -> StepOutput:
-    """Fake device outputs; with `batch`, prompt logprobs too: each token's is minus its position."""
+    """Fake device outputs; with `batch`, the prompt logprobs it asks for too: each minus its token's position."""
     n = len(tokens)
     prompt = None
     if batch is not None:
-        positions = np.asarray([row.start_position + i for row in batch.rows for i in range(len(row.token_ids))])
+        positions = np.asarray([row.start_position + i for row in batch.rows for i in range(len(prompt_targets(row)))])
         prompt = PromptLogprobs(logprobs=-positions.astype(np.float32), ranks=np.ones(len(positions), np.int32),
                                 top_ids=np.zeros((len(positions), 1), np.int32),
                                 top_logprobs=np.zeros((len(positions), 1), np.float32))
