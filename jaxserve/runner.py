@@ -100,13 +100,14 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
                  replicated: NamedSharding):
     """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
     tokens and logprobs of every row, the prompt logprobs the plan asks for (`prompt_rows`,
-    `prompt_targets`), the tokens again padded to max_num_seqs rows: the next step's `previous`). A token the plan marks pending (`pending` >= 0: a row of the step before) is read
-    from `previous` on the device, so the next step is launched before this one's tokens reach the
-    host. `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`)
-    is closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
-    copies, pending rows, model inputs, sampling tensors, prompt targets; see `Runner.prepare`). The cache is
-    donated and keeps `kv_sharding`, so the next step sees the same input shardings; the samples
-    come out `replicated`, so any process can read them."""
+    `prompt_targets`), the tokens again padded to max_num_seqs rows: the next step's `previous`).
+    A token the plan marks pending (`pending` >= 0: a row of the step before) is read from
+    `previous` on the device, so the next step is launched before this one's tokens reach the host.
+    `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
+    closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
+    copies, pending rows, model inputs, sampling tensors, prompt targets; see `Runner.prepare`).
+    The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
+    the samples come out `replicated`, so any process can read them."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, SampleOutput, PromptLogprobs, jax.Array]:

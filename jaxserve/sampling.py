@@ -8,10 +8,10 @@ in any batch, and after a preemption.
 
 The order, as in vLLM: the allowed-token mask (a grammar's, `allowed_token_ids`); logit bias;
 min_tokens (EOS and stop ids masked); repetition, frequency and presence penalties; then greedy
-rows take the argmax,
-and the others apply temperature, top-k, min-p and top-p and draw. Logprobs are
-those of the distribution the token was drawn from: the processed logits at
-temperature 1 for greedy rows, the tempered and filtered distribution otherwise.
+rows take the argmax, and the others apply temperature, top-k, min-p and top-p and draw.
+Logprobs are those of the distribution the token was drawn from: the processed logits at
+temperature 1 for greedy rows, the tempered and filtered distribution otherwise. Prompt
+logprobs (`prompt_logprobs`) are those of the model's own distribution.
 """
 
 from __future__ import annotations
