@@ -44,6 +44,7 @@ class GenerationRequest:
     prompts: list[list[int]]  # token ids of each prompt (one choice each)
     prompt_texts: list[str]  # what `echo` repeats
     params: SamplingParams
+    # how the response is sent (`_response_options`)
     stream: bool
     include_usage: bool  # stream_options.include_usage
     echo: bool = False  # completions: the prompt text leads each choice
@@ -275,8 +276,10 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         raise APIError(str(e)) from e
 
 
-def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
-    """(stream, include_usage, continuous_usage_stats: vLLM's, with include_usage only)."""
+def _response_options(body: dict) -> dict:
+    """GenerationRequest's fields on how the response is sent: stream, include_usage,
+    continuous_usage (vLLM's continuous_usage_stats, with include_usage only) and tokens_as_ids
+    (vLLM's return_tokens_as_token_ids)."""
     stream = _bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -284,7 +287,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool, bool]:
     include_usage = bool(options and options.get("include_usage"))
     if options and not stream:
         raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return stream, include_usage, include_usage and bool(options.get("continuous_usage_stats"))
+    return dict(stream=stream, include_usage=include_usage,
+                continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
+                tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
 def check_model(body: dict, limits: Limits) -> None:
@@ -324,7 +329,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     if prompt_only:  # the one token sampled is dropped: nothing may make it a stop
         body = {**body, "max_tokens": 1, "min_tokens": 0, "stop": None, "stop_token_ids": None, "ignore_eos": True}
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
-    stream, include_usage, continuous = _stream_flags(body)
+    options = _response_options(body)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = params.logprobs
     prompt = body.get("prompt")
@@ -339,8 +344,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                       params, "prompt") for p in prompt]
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
-    return GenerationRequest(ids, texts, params, stream, include_usage, echo, prompt_only,
-                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), continuous_usage=continuous)
+    return GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, **options)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -404,7 +408,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     if _bool(body, "echo"):
         raise APIError("'echo' on chat is not supported by this server yet", param="echo")
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
-    stream, include_usage, continuous = _stream_flags(body)
+    response = _response_options(body)
     try:
         tools = parse_tool_request(body)
     except ToolError as e:
@@ -422,9 +426,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", True))
-        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text],
-                                 params, stream, include_usage, continuous_usage=continuous,
-                                 tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
+        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text], params, **response)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
     options = _template_options(body)
@@ -439,6 +441,5 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     # (vLLM's default: the template holds the special tokens it wants)
     ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
-    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params, stream, include_usage,
-                             tools=tools if tools is not None and tools.mode != "none" else None,
-                             tokens_as_ids=_bool(body, "return_tokens_as_token_ids"), continuous_usage=continuous)
+    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params,
+                             tools=tools if tools is not None and tools.mode != "none" else None, **response)

@@ -79,7 +79,7 @@ class AsyncEngine:
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError now, in the caller's thread, for a request the engine would refuse (see
-        `Engine.check_request`)."""
+        `Engine.check_request`; the prompt as it runs, truncated)."""
         self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

@@ -119,9 +119,9 @@ class Engine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, or ValueError for what this engine cannot run (all but the
-        constraint). Reads only the configuration: any thread may call it, e.g. to refuse a streamed
-        request before its response starts."""
-        prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
+        constraint), for the prompt as it runs (truncated: `SamplingParams.truncate`). Reads only
+        the configuration: any thread may call it, e.g. to refuse a streamed request before its
+        response starts."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
