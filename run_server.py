@@ -27,6 +27,7 @@ from api.protocol import Limits
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
+from jaxserve.config import DTYPES
 from jaxserve.engine import build_engine
 from jaxserve.sharding import initialize_distributed, is_leader
 
@@ -38,13 +39,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="weights and activations (default: auto, the checkpoint's own; float16 runs as bfloat16)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *DTYPES],
+                   help="the KV cache's values (default: auto, the same as --dtype)")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per step")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--page-size", "--block-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: enough for max-num-seqs, <= 2 GiB)")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=None,
+    p.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=None,
                    help="size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -64,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how to read tool calls in the model's output (default: from the chat template)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
+                   help='serve tool_choice "auto" (default: on; off, such requests are a 400)')
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines: jaxserve runs no code from a checkpoint either way")
     return p.parse_args(argv)
 
 
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
         num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
@@ -118,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
-                     tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None)
+                     tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
+                     auto_tool_choice=args.enable_auto_tool_choice)
     async_engine.start()
     try:
         asyncio.run(serve(app, args.host, args.port, args.log_level, async_engine))

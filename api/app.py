@@ -169,8 +169,10 @@ class _Choices:
 
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
-               tool_parser: ToolParser | None = None) -> Quart:
-    """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to)."""
+               tool_parser: ToolParser | None = None, auto_tool_choice: bool = True) -> Quart:
+    """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
+    Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
+    --enable-auto-tool-choice ("required" and a named function are still served)."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
@@ -248,6 +250,9 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 for i, ids in enumerate(req.prompts)]
 
     async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
+        if req.tools is not None and req.tools.mode == "auto" and not auto_tool_choice:
+            raise APIError('"auto" tool choice requires --enable-auto-tool-choice (the server runs with '
+                           '--no-enable-auto-tool-choice)', param="tool_choice")
         if req.tools is not None and req.tools.mode == "auto" and tool_parser.name == "mistral":
             req.params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),

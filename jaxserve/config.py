@@ -147,6 +147,19 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 DEFAULT_MAX_MODEL_LEN = 8192  # unless asked for more: long contexts cost cache and compile time
+DTYPES = ("float32", "bfloat16")  # what weights, activations and the KV cache can be
+ITEMSIZE = {"float32": 4, "bfloat16": 2}
+
+
+def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
+    """`dtype` as given, or for "auto" the checkpoint's own (`torch_dtype` in its config.json;
+    `dtype` from transformers 5 on): float32 or bfloat16 as stored, float16 as bfloat16 (its
+    range: float16 is not among DTYPES, as in vLLM on CPU and TPU), float32 where none is named."""
+    if dtype != "auto":
+        return dtype
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    stored = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
+    return {"float16": "bfloat16", "half": "bfloat16"}.get(stored, stored if stored in DTYPES else "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +171,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens per step (the token budget)
     page_size: int = 16  # tokens per KV page
     num_pages: int = 0  # KV pages in the cache, including the null page 0
-    dtype: str = "float32"  # weights, activations and KV cache
+    dtype: str = "float32"  # weights and activations (DTYPES)
+    kv_cache_dtype: str = "auto"  # the KV cache's values: "auto" (= dtype) or one of DTYPES
     seed: int = 0  # draws the seeds of requests that set none
     min_token_bucket: int = 1  # smallest padded step size (see token_buckets)
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
@@ -166,8 +180,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", *DTYPES):
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
+                             + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
@@ -190,15 +207,20 @@ class EngineConfig:
             )
         cfg = cls(max_model_len=max_model_len, **kwargs)
         if not num_pages:
-            itemsize = 4 if cfg.dtype == "float32" else 2
-            page_bytes = 2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim * itemsize
+            page_bytes = (2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim
+                          * ITEMSIZE[cfg.kv_dtype])
             fit = cfg.kv_cache_bytes // page_bytes
             if fit < 1 + cfg.max_pages_per_seq:
                 raise ValueError(
                     f"one {max_model_len}-token sequence needs {cfg.max_pages_per_seq} KV pages of {page_bytes} bytes "
                     f"but kv_cache_bytes={cfg.kv_cache_bytes} holds {fit}; lower max_model_len or set num_pages")
             num_pages = min(1 + cfg.max_num_seqs * cfg.max_pages_per_seq, fit)
-        return dataclasses.replace(cfg, num_pages=num_pages)
+        return dataclasses.replace(cfg, num_pages=num_pages, kv_cache_dtype=cfg.kv_dtype)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's value type: `kv_cache_dtype`, or for "auto" the model's `dtype`."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     @property
     def max_pages_per_seq(self) -> int:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
@@ -212,17 +212,19 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
-                 num_pages: int | None = None, kv_cache_memory_fraction: float | None = None,
+                 num_pages: int | None = None, kv_cache_memory_fraction: float | None = None, dtype: str = "auto",
                  **engine_options) -> tuple[Engine, Tokenizer]:
     """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
-    The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB."""
+    The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB.
+    `dtype` "auto" is the checkpoint's own (`resolve_dtype`)."""
     model_dir = resolve_model(model)
     model_config = ModelConfig.from_hf(model_dir)
+    dtype = resolve_dtype(dtype, model_dir)
     if kv_cache_memory_fraction is not None and not num_pages:
         engine_options["kv_cache_bytes"] = kv_cache_budget(
-            model_config, engine_options.get("dtype", "float32"), kv_cache_memory_fraction,
-            engine_options.get("tensor_parallel_size", 1))
-    config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, **engine_options)
+            model_config, dtype, kv_cache_memory_fraction, engine_options.get("tensor_parallel_size", 1))
+    config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype,
+                                  **engine_options)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
         tokenizer = pool.submit(Tokenizer, model_dir, chat_template=chat_template)
         engine = Engine(model_dir, model_config, config, tokenizer)
@@ -238,15 +240,25 @@ class LLM:
     With `model=None` it loads the built-in `jaxserve-tiny` (RANDOM weights: gibberish by design).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 512, page_size: int = 16,
-                 num_pages: int | None = None, seed: int = 0, tensor_parallel_size: int = 1,
-                 enable_prefix_caching: bool = True):
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+                 page_size: int | None = None, block_size: int | None = None, num_pages: int | None = None,
+                 kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
+                 seed: int = 0, tensor_parallel_size: int = 1, enable_prefix_caching: bool = True,
+                 trust_remote_code: bool = False):
+        """vLLM's arguments under vLLM's names: `block_size` is `page_size` (tokens per KV page, 16 if
+        neither is given), `gpu_memory_utilization` is `kv_cache_memory_fraction` (the share of
+        device memory, host RAM on CPU, for weights and KV cache together). `dtype` "auto" is the
+        checkpoint's own; `kv_cache_dtype` "auto" is `dtype`. `trust_remote_code` is accepted for
+        vLLM's scripts: jaxserve runs no code from a checkpoint either way."""
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
         self.engine, self.tokenizer = build_engine(
-            model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, page_size=page_size, seed=seed,
+            model, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+            kv_cache_memory_fraction=_either("kv_cache_memory_fraction", kv_cache_memory_fraction,
+                                             "gpu_memory_utilization", gpu_memory_utilization),
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            page_size=_either("page_size", page_size, "block_size", block_size) or 16, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching)
         self._request_ids = itertools.count()
 
@@ -342,6 +354,13 @@ def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[T
             entry.setdefault(t, Logprob(lp, r, decode(t)))
         out.append(entry)
     return out
+
+
+def _either(name, value, alias, alias_value):
+    """The value of an option that vLLM names `alias`: whichever of the two is given (not both)."""
+    if value is not None and alias_value is not None and value != alias_value:
+        raise ValueError(f"{name}={value} and {alias}={alias_value} are one setting: give one of them")
+    return alias_value if value is None else value
 
 
 def _prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:

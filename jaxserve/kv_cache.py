@@ -25,7 +25,7 @@ def allocate_kv_cache(model: ModelConfig, engine: EngineConfig, sharding: Shardi
     """Zeroed K and V pages for every layer: [num_pages, page_size, num_kv_heads, head_dim] each,
     created in place on their devices when a sharding is given. Element type: `cache_dtype`."""
     shape = (engine.num_pages, engine.page_size, model.num_kv_heads, model.head_dim)
-    dtype = cache_dtype(engine.dtype)
+    dtype = cache_dtype(engine.kv_dtype)
     return KVCache(k=[jnp.zeros(shape, dtype, device=sharding) for _ in range(model.num_layers)],
                    v=[jnp.zeros(shape, dtype, device=sharding) for _ in range(model.num_layers)])
 

@@ -283,3 +283,22 @@ def test_api_key_guards_v1_routes(served):
         assert (await test.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
 
     asyncio.run(check())
+
+
+def test_auto_tool_choice_can_be_switched_off(served):
+    """`--no-enable-auto-tool-choice`: tools chosen "auto" (named or implied) are a 400, as in vLLM
+    without --enable-auto-tool-choice; tool_choice "none" is still served."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), auto_tool_choice=False)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"model": MODEL, "messages": MESSAGES, "tools": tools, "max_tokens": 2}
+
+    async def check():
+        test = app.test_client()
+        for choice in ({}, {"tool_choice": "auto"}):
+            refused = await test.post("/v1/chat/completions", json={**body, **choice})
+            assert refused.status_code == 400
+            assert "--enable-auto-tool-choice" in (await refused.get_json())["error"]["message"]
+        served = await test.post("/v1/chat/completions", json={**body, "tool_choice": "none"})
+        assert served.status_code == 200
+
+    asyncio.run(check())

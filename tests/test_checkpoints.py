@@ -11,7 +11,7 @@ import torch
 from hf_models import build_hf_model, save_hf_model
 
 from checkpoints import default_model_dir, load_hf_params, resolve_model
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, resolve_dtype
 
 
 def _leaves(state):
@@ -40,6 +40,18 @@ def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
         state = load_hf_params(d, cfg, dtype)[1]
         got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["weight"][...], np.float32)
         np.testing.assert_array_equal(got, want)
+    assert resolve_dtype("auto", d) == "bfloat16" and resolve_dtype("float32", d) == "float32"
+
+
+@pytest.mark.parametrize("stored,auto", [({"torch_dtype": "float32"}, "float32"), ({"dtype": "bfloat16"}, "bfloat16"),
+                                         ({"torch_dtype": "float16"}, "bfloat16"), ({}, "float32")])
+def test_dtype_auto_is_the_checkpoints_own(hf_checkpoint, tmp_path, stored, auto):
+    """vLLM's default dtype "auto": what config.json names (`torch_dtype`, or transformers 5's
+    `dtype`); float16 runs as bfloat16, and a config that names none as float32."""
+    _, src = hf_checkpoint("llama")
+    cfg = {k: v for k, v in json.loads((src / "config.json").read_text()).items() if k not in ("torch_dtype", "dtype")}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **stored}))
+    assert resolve_dtype("auto", tmp_path) == auto
 
 
 def _copy(src, dst, **config_changes):

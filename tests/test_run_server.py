@@ -65,3 +65,17 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_vllm_flag_names():
+    """vLLM's names for jaxserve's flags, and its flags for the KV cache's type and tool choice."""
+    sys.path.insert(0, str(ROOT))
+    from run_server import parse_args
+
+    args = parse_args(["--block-size", "32", "--gpu-memory-utilization", "0.5", "--kv-cache-dtype", "bfloat16",
+                       "--dtype", "auto", "--enable-auto-tool-choice", "--trust-remote-code"])
+    assert (args.page_size, args.kv_cache_memory_fraction, args.kv_cache_dtype) == (32, 0.5, "bfloat16")
+    assert args.dtype == "auto" and args.enable_auto_tool_choice
+    assert not parse_args(["--no-enable-auto-tool-choice"]).enable_auto_tool_choice
+    with pytest.raises(SystemExit):
+        parse_args(["--kv-cache-dtype", "fp8"])
