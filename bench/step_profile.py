@@ -66,6 +66,7 @@ def per_op(trace_dir: str, targets: dict[str, str], steps: int) -> collections.C
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--rows", type=int, default=32, help="decode: sequences per step")
     group.add_argument("--prefill", type=int, help="prefill: prompt tokens per step (a multiple of 128)")
@@ -77,7 +78,7 @@ def main() -> None:
     if args.dtype == "bfloat16":
         model_dir = model_dir.with_name(model_dir.name + "-bf16")
     tokens = args.prefill or 512
-    llm = LLM(str(model_dir), dtype=args.dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
+    llm = LLM(str(model_dir), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
               max_num_batched_tokens=tokens)
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -106,7 +107,8 @@ def main() -> None:
         times = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
 
     kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
-    print(f"# bench-125m {args.dtype}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
+    cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
+    print(f"# bench-125m {args.dtype}{cache}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
           f"{faults:.0f} page faults per step (fresh memory the step touched)\n")
     print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) |\n| --- | --- |")
     for name, us in times.most_common(args.top):
