@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="multi-host: seconds without a heartbeat after which a process counts as dead and all exit")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV pages of earlier prompts with the same prefix (default: on)")
+    p.add_argument("--generation-config", default="auto",
+                   help="where the sampling defaults of requests come from: auto (the model's "
+                        "generation_config.json), vllm (none: vLLM's neutral defaults), or a directory holding one")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
         num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, generation_config=args.generation_config,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-                    max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size)
+                    max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,
+                    sampling_defaults=engine.sampling_defaults)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice)

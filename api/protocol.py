@@ -37,6 +37,9 @@ class Limits:
     served_model_name: str
     max_model_len: int
     vocab_size: int
+    # the model's sampling defaults (`Engine.sampling_defaults`): for the fields a request leaves out;
+    # a default max_tokens also caps the request's own
+    sampling_defaults: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -236,9 +239,12 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
+    defaults = limits.sampling_defaults
     max_tokens = _number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
     if max_tokens is None:
         max_tokens = _number(body, "max_tokens", default_max_tokens, 1, 2**31, integer=True)
+    if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
+        max_tokens = min(defaults["max_tokens"], max_tokens)  # every request (without one: `_check_ids`)
     prompt_logprobs = _number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
     if prompt_logprobs is not None and _bool(body, "stream"):
         raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
@@ -249,13 +255,14 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         n=_number(body, "n", 1, 1, MAX_N, integer=True),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)),
-        top_k=_number(body, "top_k", -1, -1, 2**31, integer=True),
-        min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
+        temperature=float(_number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0)),
+        top_p=float(_number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True)),
+        top_k=_number(body, "top_k", defaults.get("top_k", -1), -1, 2**31, integer=True),
+        min_p=float(_number(body, "min_p", defaults.get("min_p", 0.0), 0.0, 1.0)),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True)),
+        repetition_penalty=float(_number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), 0.0,
+                                         100.0, lo_open=True)),
         logit_bias=_logit_bias(body, limits),
         seed=_number(body, "seed", None, -(2**63), 2**64 - 1, integer=True),
         stop=_stop(body),
@@ -307,6 +314,9 @@ def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: st
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
         raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param=param)
+    cap = limits.sampling_defaults.get("max_tokens")
+    if params.max_tokens is None and cap is not None:  # the rest of the context, at most the model's cap
+        params.max_tokens = max(1, min(cap, limits.max_model_len - len(ids)))
     wanted = len(ids) + (params.max_tokens or 1)
     if wanted > limits.max_model_len:
         what = f"{len(ids)} prompt tokens" + (f" + {params.max_tokens} max_tokens" if params.max_tokens else "")

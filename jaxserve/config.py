@@ -120,6 +120,29 @@ def _sliding_window_from_hf(hf: dict, arch: str, path: Path) -> int | None:
     return None
 
 
+# generation_config.json's sampling fields that vLLM takes as the model's defaults -> SamplingParams' names
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}  # not a choice
+
+
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict:
+    """The sampling settings a request gets for the fields it leaves out, as vLLM's
+    `--generation-config`: "auto" reads the model's generation_config.json, a directory reads the
+    one there, "vllm" none. Only temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens (as max_tokens: a cap on every request's) are taken, and only where they differ
+    from transformers' own defaults (as vLLM reads the file: `top_k` 50 is no choice of the model's;
+    `do_sample` is not read)."""
+    if generation_config == "vllm":
+        return {}
+    path = Path(model_dir if generation_config == "auto" else generation_config) / "generation_config.json"
+    if generation_config != "auto" and not path.is_file():
+        raise FileNotFoundError(f"generation_config={generation_config!r}: {path} not found")
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    return {ours: config[name] for name, ours in GENERATION_DEFAULTS.items()
+            if config.get(name) is not None and config[name] != HF_GENERATION_DEFAULTS.get(name)}
+
+
 def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
     """All EOS ids of generation_config.json, else of config.json."""
     eos = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +25,7 @@ from tqdm import tqdm
 
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype
+from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype, sampling_defaults
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
@@ -35,6 +36,8 @@ from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence, TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -82,12 +85,14 @@ class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True):
+                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True, sampling_defaults: dict | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
-        and every bucket is compiled."""
+        and every bucket is compiled. `sampling_defaults` (`config.sampling_defaults`): what the API
+        and `LLM` give a request for the sampling fields it leaves out."""
         executable_cache = compilation_cache()
         self.model_config = model_config
         self.config = config
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.mesh = make_mesh(config.tensor_parallel_size)
         graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
@@ -213,12 +218,17 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
                  num_pages: int | None = None, kv_cache_memory_fraction: float | None = None, dtype: str = "auto",
-                 **engine_options) -> tuple[Engine, Tokenizer]:
+                 generation_config: str = "auto", **engine_options) -> tuple[Engine, Tokenizer]:
     """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB.
-    `dtype` "auto" is the checkpoint's own (`resolve_dtype`)."""
+    `dtype` "auto" is the checkpoint's own (`resolve_dtype`); `generation_config` says where the
+    requests' sampling defaults come from (`sampling_defaults`)."""
     model_dir = resolve_model(model)
     model_config = ModelConfig.from_hf(model_dir)
+    defaults = sampling_defaults(model_dir, generation_config)
+    if defaults:
+        log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
+                    "--generation-config vllm for none)", defaults)
     dtype = resolve_dtype(dtype, model_dir)
     if kv_cache_memory_fraction is not None and not num_pages:
         engine_options["kv_cache_bytes"] = kv_cache_budget(
@@ -227,7 +237,7 @@ def build_engine(model: str | None, *, chat_template: str | None = None, max_mod
                                   **engine_options)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
         tokenizer = pool.submit(Tokenizer, model_dir, chat_template=chat_template)
-        engine = Engine(model_dir, model_config, config, tokenizer)
+        engine = Engine(model_dir, model_config, config, tokenizer, sampling_defaults=defaults)
     return engine, engine.tokenizer
 
 
@@ -245,12 +255,14 @@ class LLM:
                  page_size: int | None = None, block_size: int | None = None, num_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                  seed: int = 0, tensor_parallel_size: int = 1, enable_prefix_caching: bool = True,
-                 trust_remote_code: bool = False):
+                 generation_config: str = "auto", trust_remote_code: bool = False):
         """vLLM's arguments under vLLM's names: `block_size` is `page_size` (tokens per KV page, 16 if
         neither is given), `gpu_memory_utilization` is `kv_cache_memory_fraction` (the share of
         device memory, host RAM on CPU, for weights and KV cache together). `dtype` "auto" is the
-        checkpoint's own; `kv_cache_dtype` "auto" is `dtype`. `trust_remote_code` is accepted for
-        vLLM's scripts: jaxserve runs no code from a checkpoint either way."""
+        checkpoint's own; `kv_cache_dtype` "auto" is `dtype`. `generation_config` ("auto", "vllm" or
+        a directory) gives `get_default_sampling_params` (`config.sampling_defaults`).
+        `trust_remote_code` is accepted for vLLM's scripts: jaxserve runs no code from a checkpoint
+        either way."""
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
         self.engine, self.tokenizer = build_engine(
@@ -259,8 +271,14 @@ class LLM:
                                              "gpu_memory_utilization", gpu_memory_utilization),
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=_either("page_size", page_size, "block_size", block_size) or 16, seed=seed,
-            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching)
+            tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
+            generation_config=generation_config)
         self._request_ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
+        sampling settings of the model's generation config (`generation_config`) over them."""
+        return SamplingParams(**self.engine.sampling_defaults)
 
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -268,7 +286,8 @@ class LLM:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
         Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come."""
         prompts = _prompt_list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         seqs: list[tuple[str | None, Sequence]] = []

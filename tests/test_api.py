@@ -302,3 +302,30 @@ def test_auto_tool_choice_can_be_switched_off(served):
         assert served.status_code == 200
 
     asyncio.run(check())
+
+
+def test_sampling_defaults_of_the_generation_config(served):
+    """vLLM's --generation-config auto: the model's settings for the fields a request leaves out
+    (temperature 0 here: greedy), its max_new_tokens a cap on every request's max_tokens, and the
+    rest of the context where a chat request sets none."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, sampling_defaults={"temperature": 0.0,
+                                                                                       "max_tokens": 5}))
+    body = {"model": MODEL, "prompt": "Once upon", "ignore_eos": True}
+
+    async def check():
+        test = app.test_client()
+
+        async def post(path, **fields):
+            response = await test.post(path, json={**body, **fields})
+            assert response.status_code == 200
+            return await response.get_json()
+
+        capped = await post("/v1/completions", max_tokens=50)
+        greedy = await post("/v1/completions", max_tokens=5, temperature=0.0)
+        sampled = await post("/v1/completions", max_tokens=5, temperature=1.5, seed=3)
+        assert capped["usage"]["completion_tokens"] == 5
+        assert capped["choices"][0]["text"] == greedy["choices"][0]["text"] != sampled["choices"][0]["text"]
+        chat = await post("/v1/chat/completions", messages=MESSAGES)
+        assert chat["usage"]["completion_tokens"] == 5
+
+    asyncio.run(check())

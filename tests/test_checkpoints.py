@@ -11,7 +11,7 @@ import torch
 from hf_models import build_hf_model, save_hf_model
 
 from checkpoints import default_model_dir, load_hf_params, resolve_model
-from jaxserve.config import ModelConfig, resolve_dtype
+from jaxserve.config import ModelConfig, resolve_dtype, sampling_defaults
 
 
 def _leaves(state):
@@ -136,3 +136,19 @@ def test_an_orbax_conversion_of_an_older_format_is_refused_with_the_fix(tmp_path
     with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m checkpoints.convert --model "
                                          r"/models/llama"):
         restore(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
+
+
+def test_sampling_defaults_of_the_generation_config(tmp_path):
+    """vLLM's --generation-config: "auto" reads the model's file, a directory another one, "vllm"
+    none; only the sampling fields, max_new_tokens as max_tokens."""
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir(), other.mkdir()
+    (model / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 2, "temperature": 0.6, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.05,
+         "min_p": None, "max_new_tokens": 64, "do_sample": True}))
+    (other / "generation_config.json").write_text(json.dumps({"top_k": 20}))
+    assert sampling_defaults(model) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05, "max_tokens": 64}
+    assert sampling_defaults(model, str(other)) == {"top_k": 20}
+    assert sampling_defaults(model, "vllm") == {} and sampling_defaults(other / "none") == {}
+    with pytest.raises(FileNotFoundError):
+        sampling_defaults(model, str(tmp_path))

@@ -46,11 +46,16 @@ def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     assert len(tokens) == 12  # this checkpoint has no EOS
     eos = tokens[4]
     d = shutil.copytree(src, tmp_path / "with-eos")
-    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos]}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos], "temperature": 0.0,
+                                                          "top_k": 50, "do_sample": True, "max_new_tokens": 12}))
     llm = LLM(str(d), **SMALL_ENGINE)
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     first = tokens.index(eos)
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    # vLLM's --generation-config auto: the file's sampling settings are the defaults (top_k 50 is
+    # transformers' own default, not the model's choice; do_sample is not read)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=12)
+    assert llm.generate([prompt])[0].outputs[0].token_ids == out.token_ids
     kept = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
     assert kept.token_ids == tokens and kept.finish_reason == "length"
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
