@@ -1,7 +1,8 @@
 """The Quart app: OpenAI's routes (and vLLM's extras) over an AsyncEngine.
 
 Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, POST /tokenize, POST /detokenize. Every error is
+POST /v1/chat/completions, POST /v1/responses (`api/openai_responses.py`), POST /tokenize,
+POST /detokenize. Every error is
 OpenAI's body `{"error": {message, type, param, code}}`. A request fans out into
 one engine request per prompt, each with n sequences; choice `i * n + j` is
 sequence j of prompt i. Streaming responses are server-sent events ended by
@@ -22,6 +23,7 @@ from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
 from api.metrics import Metrics
+from api.openai_responses import ResponseBuilder, chat_request
 from api.protocol import APIError, GenerationRequest, Limits, check_model, parse_chat, parse_completion
 from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_logprobs, new_id, now,
                            prompt_logprobs, sse, usage)
@@ -130,6 +132,13 @@ class _Choices:
             part = merge_completion_logprobs([*parts, self.completion_logprobs[c].format(token_ids, logprobs)])
         self.logprobs[c].append(part)
         return text, part
+
+    def deltas(self, c: int, update: Update) -> list[dict]:
+        """The chat deltas an update of choice c releases (tool calls replace content where asked for)."""
+        if self.tools is None:
+            return [{"content": update.text}] if update.text else []
+        out = self.tools[c].feed(update.text)
+        return out + self.tools[c].finish() if update.finish_reason is not None else out
 
     def usage(self) -> dict:
         return usage(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
@@ -249,19 +258,24 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         return [metrics.timed(engine.generate(f"{request_id}-{i}", ids, req.params), req.params.n)
                 for i, ids in enumerate(req.prompts)]
 
-    async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
+    def admit(req: GenerationRequest) -> None:
+        """400 before anything is sent where the request cannot run: "auto" tools the server does not
+        serve, or a prompt the engine would refuse."""
         if req.tools is not None and req.tools.mode == "auto" and not auto_tool_choice:
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice (the server runs with '
                            '--no-enable-auto-tool-choice)', param="tool_choice")
         if req.tools is not None and req.tools.mode == "auto" and tool_parser.name == "mistral":
             req.params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
-        head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": limits.served_model_name}
-        try:  # a 400 before a stream's 200 is sent, where the engine would refuse the request
+        try:
             for ids in req.prompts:
                 engine.check(ids, req.params)
         except ValueError as e:
             raise APIError(str(e)) from e
+
+    async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
+        admit(req)
+        head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
+                "model": limits.served_model_name}
         if req.stream:
             return Response(stream(req, request_id, chat, head), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
@@ -290,13 +304,6 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 return sse({**head, "choices": [choice], "usage": choices.choice_usage(c)})
             return sse({**head, "choices": [choice], **extra})
 
-        def deltas(c: int, update: Update) -> list[dict]:
-            """The chat deltas an update releases (tool calls replace content where asked for)."""
-            if choices.tools is None:
-                return [{"content": update.text}] if update.text else []
-            out = choices.tools[c].feed(update.text)
-            return out + choices.tools[c].finish() if update.finish_reason is not None else out
-
         for c in range(len(choices.texts)) if chat else ():
             yield chunk(c, {"role": "assistant", "content": ""})
         try:
@@ -304,7 +311,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 c = choices.choice_index(i, update)
                 text, logprobs = choices.add(c, update)
                 if chat:
-                    ds = deltas(c, update) or ([{}] if logprobs else [])
+                    ds = choices.deltas(c, update) or ([{}] if logprobs else [])
                     for k, delta in enumerate(ds):
                         yield chunk(c, delta, logprobs=logprobs if k == 0 else None)
                 elif text or (logprobs and logprobs["tokens"]):
@@ -328,6 +335,46 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     async def chat_completions():
         body = await json_body()
         return await run(parse_chat(body, limits, tokenizer), new_id("chatcmpl"), chat=True)
+
+    async def respond(req: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
+        """The Responses events of a chat request's one choice (`api/openai_responses.py`)."""
+        choices = _Choices(req, True, engine, tool_parser)
+        for event in builder.start():
+            yield event
+        async for _, update in merged(streams(req, builder.response["id"])):
+            _, logprobs = choices.add(0, update)
+            for k, delta in enumerate(choices.deltas(0, update) or [{}]):
+                for event in builder.delta(delta, logprobs if k == 0 else None):
+                    yield event
+        for event in builder.finish(choices.finish_reason(0), choices.usage()):
+            yield event
+
+    async def respond_streamed(req: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
+        try:
+            async for event in respond(req, builder):
+                yield event
+        except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
+            status = 400 if isinstance(e, ValueError) else 500
+            metrics.errors.labels(str(status)).inc()
+            for event in builder.failed(str(e), "invalid_request_error" if status == 400 else "server_error"):
+                yield event
+
+    @app.post("/v1/responses")
+    async def responses():
+        body = await json_body()
+        req = parse_chat(chat_request(body), limits, tokenizer)
+        admit(req)
+        builder = ResponseBuilder(new_id("resp", "_"), body, limits.served_model_name, req.params.temperature,
+                                  req.params.top_p, logprobs=req.params.logprobs is not None)
+        if req.stream:
+            return Response(respond_streamed(req, builder), content_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache"})
+        try:
+            async for _ in respond(req, builder):
+                pass
+        except ValueError as e:
+            raise APIError(str(e)) from e
+        return builder.response
 
     @app.post("/tokenize")
     async def tokenize():

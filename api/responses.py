@@ -15,8 +15,8 @@ from jaxserve.tokenizer import Tokenizer
 LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -1,0 +1,272 @@
+"""OpenAI's Responses API (POST /v1/responses), served by the chat path.
+
+A request is read as the chat request it stands for (`chat_request`): `instructions` and the
+`input` items become messages, function tools and `tool_choice` take the chat form, `text.format`
+becomes `response_format`, `max_output_tokens` is max_tokens. The chat choice's deltas (text,
+tool calls) then become the Responses events and output items (`ResponseBuilder`): a message
+with its output_text, and a function_call item per call. A response that is not streamed is the
+same events' end state. Nothing is stored, as in vLLM by default: the response says `store:
+false`, and `previous_response_id` (which needs a stored response) is a 400.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+from api.protocol import APIError
+from api.responses import new_id, now
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_NOT_SERVED = {  # request fields that need what this server does not keep or run
+    "previous_response_id": "it needs a stored response, and responses are not stored",
+    "conversation": "it needs a stored conversation, and conversations are not stored",
+    "prompt": "stored prompt templates are not available",
+    "background": "background responses are not available",
+    "max_tool_calls": "a bound on built-in tool calls has nothing to bound: only function tools are served",
+}
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def _text(content, where: str) -> str:
+    """A message's content: a string, or text parts (joined with newlines)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+                raise APIError(f"{where}.content: only text parts ({', '.join(_TEXT_PARTS)}) are supported",
+                               param="input")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(f"{where}.content must be a string or a list of text parts", param="input")
+
+
+def _messages(body: dict) -> list[dict]:
+    """`instructions` and `input` as chat messages: a function_call item joins the assistant message
+    before it (as its tool_calls), a function_call_output item is a tool message."""
+    messages = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise APIError("'instructions' must be a string", param="instructions")
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*messages, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError("'input' must be a string or a non-empty list of items", param="input")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item.get("role"), str):
+            messages.append({"role": item["role"], "content": _text(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise APIError(f"{where}: a function_call item needs call_id, name and arguments (strings)",
+                               param="input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if not (messages and messages[-1]["role"] == "assistant"):
+                messages.append({"role": "assistant", "content": ""})
+            messages[-1].setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise APIError(f"{where}: a function_call_output item needs a call_id", param="input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output", ""), where)})
+        else:
+            raise APIError(f"{where}: items of type {kind!r} are not supported (messages, function_call and "
+                           "function_call_output are)", param="input")
+    return messages
+
+
+def _tools(body: dict) -> dict:
+    """`tools` and `tool_choice` in the chat form (function tools only)."""
+    out = {}
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
+            raise APIError("'tools' must be a list", param="tools")
+        chat_tools = []
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                kind = tool.get("type") if isinstance(tool, dict) else None
+                raise APIError(f"tools[{i}]: only function tools are supported, not {kind!r}", param="tools")
+            chat_tools.append({"type": "function", "function": {k: tool[k] for k in (
+                "name", "description", "parameters", "strict") if tool.get(k) is not None}})
+        out["tools"] = chat_tools
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise APIError("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
+                           "\"name\": ...}", param="tool_choice")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    return out
+
+
+def _response_format(body: dict) -> dict:
+    """`text.format` as the chat `response_format`."""
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if text is not None and not isinstance(text, dict):
+        raise APIError("'text' must be an object", param="text")
+    if fmt is None or fmt.get("type") == "text":
+        return {}
+    if fmt.get("type") == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if fmt.get("type") == "json_schema":
+        schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"response_format": {"type": "json_schema", "json_schema": schema}}
+    raise APIError(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                   param="text")
+
+
+def chat_request(body: dict) -> dict:
+    """The chat completions body a Responses request stands for; 400 for what cannot be served."""
+    for name, why in _NOT_SERVED.items():
+        if body.get(name) not in (None, False):
+            raise APIError(f"'{name}' is not supported: {why}", param=name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise APIError("'truncation' must be 'disabled': input that does not fit is a 400", param="truncation")
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
+        raise APIError("'reasoning' is not supported: the served model has no reasoning settings", param="reasoning")
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(entry != LOGPROBS_INCLUDE for entry in include):
+        raise APIError(f"'include' may only hold {LOGPROBS_INCLUDE!r}", param="include")
+    chat = {"messages": _messages(body), **_tools(body), **_response_format(body)}
+    for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                         ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
+                         ("user", "user")):
+        if body.get(ours) is not None:
+            chat[theirs] = body[ours]
+    if LOGPROBS_INCLUDE in include:
+        chat.update(logprobs=True, top_logprobs=body.get("top_logprobs") or 0)
+    return chat
+
+
+def _event(kind: str, sequence: int, **fields) -> str:
+    """One server-sent event of the Responses stream: its type as the event name and in the data."""
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **fields}, ensure_ascii=False)}\n\n"
+
+
+class ResponseBuilder:
+    """The response, grown from the chat choice's deltas; each step returns the events it makes."""
+
+    def __init__(self, response_id: str, body: dict, model: str, temperature: float, top_p: float,
+                 logprobs: bool):
+        self.logprobs = logprobs
+        self.sequence = 0
+        self.output: list[dict] = []
+        self.open: dict | None = None  # the item being streamed (its "done" events not yet sent)
+        self.pending_logprobs: list[dict] = []  # logprobs of text held back (a stop string being matched)
+        self.response = {
+            "id": response_id, "object": "response", "created_at": now(), "status": "in_progress",
+            "background": False, "error": None, "incomplete_details": None,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "max_tool_calls": None, "model": model, "output": self.output,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
+            "reasoning": None, "service_tier": "default", "store": False, "temperature": temperature,
+            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"), "top_p": top_p,
+            "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
+        }
+
+    def _emit(self, kind: str, **fields) -> str:
+        event = _event(kind, self.sequence, **fields)
+        self.sequence += 1
+        return event
+
+    def _snapshot(self) -> dict:
+        return json.loads(json.dumps(self.response))
+
+    def start(self) -> Iterator[str]:
+        yield self._emit("response.created", response=self._snapshot())
+        yield self._emit("response.in_progress", response=self._snapshot())
+
+    def _open(self, item: dict) -> Iterator[str]:
+        yield from self._close()
+        self.open = item
+        self.output.append(item)
+        added = {**item, "content": []} if item["type"] == "message" else item  # (its part comes next)
+        yield self._emit("response.output_item.added", output_index=len(self.output) - 1, item=added)
+
+    def _close(self) -> Iterator[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index = len(self.output) - 1
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            if self.pending_logprobs:
+                part["logprobs"].extend(self.pending_logprobs)
+                self.pending_logprobs = []
+            ids = dict(item_id=item["id"], output_index=index, content_index=0)
+            yield self._emit("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"])
+            yield self._emit("response.content_part.done", **ids, part=part)
+        else:
+            yield self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                             arguments=item["arguments"])
+        yield self._emit("response.output_item.done", output_index=index, item=item)
+
+    def _open_message(self) -> Iterator[str]:
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        yield from self._open({"type": "message", "id": new_id("msg", "_"), "status": "in_progress", "role": "assistant",
+                               "content": [part]})
+        yield self._emit("response.content_part.added", item_id=self.open["id"], output_index=len(self.output) - 1,
+                         content_index=0, part=dict(part))
+
+    def _text(self, text: str, logprobs: list[dict] | None) -> Iterator[str]:
+        if self.logprobs:
+            self.pending_logprobs.extend(logprobs or [])
+        if not text:
+            return
+        if self.open is None or self.open["type"] != "message":
+            yield from self._open_message()
+        part = self.open["content"][0]
+        part["text"] += text
+        shown, self.pending_logprobs = self.pending_logprobs, []
+        part["logprobs"].extend(shown)
+        yield self._emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
+                         content_index=0, delta=text, logprobs=shown)
+
+    def delta(self, delta: dict, logprobs: list[dict] | None = None) -> Iterator[str]:
+        """A chat delta of the choice (content, or tool_calls as `ChoiceTools` streams them) and the
+        logprobs of its tokens."""
+        yield from self._text(delta.get("content") or "", logprobs)
+        for call in delta.get("tool_calls") or []:
+            if "id" in call:  # a new call: its id and name come first
+                yield from self._open({"type": "function_call", "id": new_id("fc", "_"), "call_id": call["id"],
+                                       "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
+            arguments = call.get("function", {}).get("arguments") or ""
+            if arguments and self.open is not None and self.open["type"] == "function_call":
+                self.open["arguments"] += arguments
+                yield self._emit("response.function_call_arguments.delta", item_id=self.open["id"],
+                                 output_index=len(self.output) - 1, delta=arguments)
+
+    def finish(self, finish_reason: str | None, usage: dict) -> Iterator[str]:
+        """The last events: the open item closed, then response.completed (or .incomplete where the
+        output reached max_output_tokens). `usage` is the chat usage."""
+        if not self.output:  # an empty answer is still a message
+            yield from self._open_message()
+        yield from self._close()
+        incomplete = finish_reason == "length"
+        self.response.update(
+            status="incomplete" if incomplete else "completed",
+            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
+            usage={"input_tokens": usage["prompt_tokens"],
+                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": usage["total_tokens"]})
+        yield self._emit("response.incomplete" if incomplete else "response.completed", response=self._snapshot())
+
+    def failed(self, message: str, code: str) -> Iterator[str]:
+        """After the stream has begun, an error ends it: an error event, then response.failed."""
+        yield self._emit("error", code=code, message=message, param=None)
+        self.response.update(status="failed", error={"code": code, "message": message})
+        yield self._emit("response.failed", response=self._snapshot())
