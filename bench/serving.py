@@ -29,9 +29,10 @@ MARKERS = ("<!-- serving:start -->", "<!-- serving:end -->")
 
 
 def jaxserve_cmd(model: Path, dtype: str, port: int) -> list[str]:
+    """The KV cache is bfloat16 under either dtype: 16-bit, as llama.cpp's (its default f16 cache)."""
     return [sys.executable, "run_server.py", "--model", str(model), "--served-model-name", "bench", "--dtype", dtype,
-            "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-            "--log-level", "warning"]
+            "--kv-cache-dtype", "bfloat16", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64",
+            "--max-num-batched-tokens", "512", "--log-level", "warning"]
 
 
 def llama_cmd(model: Path, port: int) -> list[str]:
@@ -135,7 +136,8 @@ def main() -> None:
 
 def render(results: dict, startups: dict, limits: dict, config: dict, runs: int, names: list[str]) -> str:
     lines = [f"{machine_line()}, {THREADS} threads for every peer. Command: `make bench` "
-             f"(`python bench/serving.py --runs {runs} --write`).", "", "Machine limits (same run):", "",
+             f"(`python bench/serving.py --runs {runs} --write`). Every server keeps a 16-bit KV cache: "
+             f"llama.cpp's default f16, jaxserve's `--kv-cache-dtype bfloat16`.", "", "Machine limits (same run):", "",
              report(limits), "",
              "| run | server | W1 TTFT ms | W1 ITL ms | W1 decode tok/s | W2 tok/s | W2 TTFT p50/p99 ms | "
              "W2 ITL p50/p99 ms | W3 tok/s | W3 TTFT p50/p99 ms | W3 ITL p50/p99 ms |",
