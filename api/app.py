@@ -30,6 +30,7 @@ from api.responses import (CompletionLogprobs, chat_logprobs, merge_completion_l
 from api.tool_parsers import ToolParser, parser_for_template
 from api.tools import ChoiceTools
 from jaxserve.async_engine import AsyncEngine, Update
+from jaxserve.beam_search import BeamSearchParams
 
 log = logging.getLogger(__name__)
 
@@ -133,12 +134,12 @@ class _Choices:
         self.logprobs[c].append(part)
         return text, part
 
-    def deltas(self, c: int, update: Update) -> list[dict]:
-        """The chat deltas an update of choice c releases (tool calls replace content where asked for)."""
+    def deltas(self, c: int, text: str, finished: bool) -> list[dict]:
+        """The chat deltas of text that choice c adds (`add`'s; tool calls replace content where asked for)."""
         if self.tools is None:
-            return [{"content": update.text}] if update.text else []
-        out = self.tools[c].feed(update.text)
-        return out + self.tools[c].finish() if update.finish_reason is not None else out
+            return [{"content": text}] if text else []
+        out = self.tools[c].feed(text)
+        return out + self.tools[c].finish() if finished else out
 
     def usage(self) -> dict:
         return usage(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
@@ -255,8 +256,18 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         return {"version": importlib.metadata.version("jaxserve")}
 
     def streams(req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:
-        return [metrics.timed(engine.generate(f"{request_id}-{i}", ids, req.params), req.params.n)
+        run = beam_search if req.beam is not None else engine.generate
+        return [metrics.timed(run(f"{request_id}-{i}", ids, req.beam or req.params), req.params.n)
                 for i, ids in enumerate(req.prompts)]
+
+    async def beam_search(request_id: str, ids: list[int], params: BeamSearchParams) -> AsyncIterator[Update]:
+        """The best beams, best first, as the n choices' one update each (once the search is over)."""
+        result = await engine.beam_search(request_id, ids, params)
+        for index, beam in enumerate(result.sequences):
+            tokens = beam.tokens[len(ids):]
+            yield Update(index=index, text=beam.text, token_ids=tokens, logprobs=[], num_prompt_tokens=len(ids),
+                         num_cached_tokens=0, num_output_tokens=len(tokens), finish_reason=beam.finish_reason,
+                         stop_reason=None)  # (an EOS, as a sampled one reports it)
 
     def admit(req: GenerationRequest) -> None:
         """400 before anything is sent where the request cannot run: "auto" tools the server does not
@@ -311,7 +322,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 c = choices.choice_index(i, update)
                 text, logprobs = choices.add(c, update)
                 if chat:
-                    ds = choices.deltas(c, update) or ([{}] if logprobs else [])
+                    ds = choices.deltas(c, text, update.finish_reason is not None) or ([{}] if logprobs else [])
                     for k, delta in enumerate(ds):
                         yield chunk(c, delta, logprobs=logprobs if k == 0 else None)
                 elif text or (logprobs and logprobs["tokens"]):
@@ -342,8 +353,8 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         for event in builder.start():
             yield event
         async for _, update in merged(streams(req, builder.response["id"])):
-            _, logprobs = choices.add(0, update)
-            for k, delta in enumerate(choices.deltas(0, update) or [{}]):
+            text, logprobs = choices.add(0, update)
+            for k, delta in enumerate(choices.deltas(0, text, update.finish_reason is not None) or [{}]):
                 for event in builder.delta(delta, logprobs if k == 0 else None):
                     yield event
         for event in builder.finish(choices.finish_reason(0), choices.usage()):

@@ -35,7 +35,7 @@ def _text(content, where: str) -> str:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)):
                 raise APIError(f"{where}.content: only text parts ({', '.join(_TEXT_PARTS)}) are supported",
                                param="input")
             texts.append(part["text"])
@@ -151,7 +151,8 @@ def chat_request(body: dict) -> dict:
 
 def _event(kind: str, sequence: int, **fields) -> str:
     """One server-sent event of the Responses stream: its type as the event name and in the data."""
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence, **fields}, ensure_ascii=False)}\n\n"
+    data = json.dumps({"type": kind, "sequence_number": sequence, **fields}, ensure_ascii=False)
+    return f"event: {kind}\ndata: {data}\n\n"
 
 
 class ResponseBuilder:
@@ -216,8 +217,8 @@ class ResponseBuilder:
 
     def _open_message(self) -> Iterator[str]:
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield from self._open({"type": "message", "id": new_id("msg", "_"), "status": "in_progress", "role": "assistant",
-                               "content": [part]})
+        yield from self._open({"type": "message", "id": new_id("msg", "_"), "status": "in_progress",
+                               "role": "assistant", "content": [part]})
         yield self._emit("response.content_part.added", item_id=self.open["id"], output_index=len(self.output) - 1,
                          content_index=0, part=dict(part))
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 
+from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from jaxserve.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
@@ -52,6 +53,7 @@ class GenerationRequest:
     include_usage: bool  # stream_options.include_usage
     echo: bool = False  # completions: the prompt text leads each choice
     prompt_only: bool = False  # completions: echo with max_tokens 0, the prompt alone (one token is sampled, dropped)
+    beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n best beams are the n choices
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
@@ -84,12 +86,42 @@ def _bool(body: dict, name: str, default: bool = False) -> bool:
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "use_beam_search": lambda v: bool(v),
-    "length_penalty": lambda v: v not in (None, 1),  # beam search's
     "logits_processors": lambda v: bool(v),
     "priority": lambda v: v not in (None, 0),
     "spaces_between_special_tokens": lambda v: v is False,
 }
+
+
+# With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
+_BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                 "repetition_penalty": (1,), "min_tokens": (0,), "top_logprobs": (0,),
+                 "prompt_logprobs": (), "stop": ("", []), "stop_token_ids": ([],), "logit_bias": ({},),
+                 "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
+                 "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+                 "structured_outputs": ()}
+
+
+def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
+    """vLLM's `use_beam_search` (with `length_penalty`): the request's n best beams become its n
+    choices. Sampling controls that beam search has no use for are a 400, not ignored."""
+    if not _bool(body, "use_beam_search"):
+        if body.get("length_penalty") not in (None, 1):
+            raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
+        return req
+    logprobs = body.get("logprobs")  # (completions' 0 asks for the sampled tokens' own)
+    for name, used in (("logprobs", logprobs is not None and logprobs is not False),
+                       *((name, body.get(name) is not None and body[name] not in neutral)
+                         for name, neutral in _BEAM_NEUTRAL.items())):
+        if used:
+            raise APIError(f"'{name}' cannot be combined with 'use_beam_search'", param=name)
+    params = req.params
+    if params.n > MAX_BEAM_WIDTH:
+        raise APIError(f"'n' (the beam width) must be at most {MAX_BEAM_WIDTH} with 'use_beam_search'", param="n")
+    max_tokens = params.max_tokens or limits.max_model_len - max(map(len, req.prompts))
+    req.beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature,
+                                length_penalty=float(_number(body, "length_penalty", 1.0, -100.0, 100.0)))
+    return req
 
 
 def _stop(body: dict) -> list[str]:
@@ -354,7 +386,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                       params, "prompt") for p in prompt]
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
-    return GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, **options)
+    return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, **options), body,
+                        limits)
 
 
 def _message_text(message: dict, i: int) -> str:
@@ -414,9 +447,14 @@ def _template_options(body: dict) -> dict:
 
 
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+    return _beam_search(_parse_chat(body, limits, tokenizer), body, limits)
+
+
+def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     check_model(body, limits)
-    if _bool(body, "echo"):
-        raise APIError("'echo' on chat is not supported by this server yet", param="echo")
+    echo = _bool(body, "echo")  # vLLM's: the reply starts with the assistant message it continues
+    if echo and _bool(body, "logprobs"):
+        raise APIError("'echo' with 'logprobs' on chat is not supported by this server yet", param="echo")
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
     response = _response_options(body)
     try:
@@ -451,5 +489,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     # (vLLM's default: the template holds the special tokens it wants)
     ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
-    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [text], params,
+    last = rendered[-1]
+    echoed = last["content"] if echo and last["role"] == "assistant" else ""
+    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [echoed], params, echo=echo,
                              tools=tools if tools is not None and tools.mode != "none" else None, **response)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 
-from jaxserve.engine import Engine
+from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
+from jaxserve.engine import Engine, Logprob, logprob_entries
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling import SamplingParams
 from jaxserve.sequence import TokenLogprobs
@@ -99,6 +101,34 @@ class AsyncEngine:
         finally:
             if unfinished:
                 self.abort(request_id)
+
+    async def beam_search(self, request_id: str, prompt_token_ids: list[int],
+                          params: BeamSearchParams) -> BeamSearchOutput:
+        """vLLM's server-side beam search: `beam_search.search`, each round's beams run side by side
+        as requests of one token (so they share steps and the prefix cache). A beam's text is that
+        of its generated tokens, as in vLLM's server."""
+        run = search([prompt_token_ids], params, frozenset(self.engine.model_config.eos_token_ids),
+                     self.engine.config.max_model_len)
+        step = round_params(params)
+        try:
+            beams = next(run)
+            for r in itertools.count():
+                beams = run.send(await asyncio.gather(*(
+                    self._candidates(f"{request_id}-{r}-{b}", tokens, step) for b, tokens in enumerate(beams))))
+        except StopIteration as done:
+            (result,) = done.value
+        for beam in result.sequences:
+            beam.text = self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
+        return result
+
+    async def _candidates(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                          ) -> dict[int, Logprob]:
+        """The next-token candidates of one beam (its one token's logprobs entry)."""
+        tokens, logprobs = [], []
+        async for update in self.generate(request_id, prompt_token_ids, params):
+            tokens += update.token_ids
+            logprobs += update.logprobs
+        return logprob_entries(self.tokenizer, tokens, logprobs)[0]
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))

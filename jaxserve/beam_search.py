@@ -11,6 +11,7 @@ first. The prefix cache keeps each round's work to the beams' new tokens and the
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
@@ -61,32 +62,32 @@ def _score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_penal
     return beam.cum_logprob / length ** length_penalty
 
 
-def beam_search(llm: LLM, prompts: list[PromptInput], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    eos = frozenset() if params.ignore_eos else frozenset(llm.engine.model_config.eos_token_ids)
-    step = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                          ignore_eos=True)
+def search(prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int],
+           max_model_len: int) -> Generator[list[list[int]], list[dict[int, Logprob]], list[BeamSearchOutput]]:
+    """The search, for any way of running a round: it yields the token lists of the round's live
+    beams, is sent back each one's next-token candidates (the top 2 x beam_width logprobs and the
+    sampled token, as `SamplingParams.logprobs` gives them), and returns each prompt's best
+    beam_width beams. `texts` are left to the caller."""
+    eos = frozenset() if params.ignore_eos else eos_token_ids
 
     def key(beam: BeamSearchSequence) -> float:
         return _score(beam, eos, params.length_penalty)
 
-    prompt_ids = [llm._tokenize(p)[1] for p in prompts]
-    max_model_len = llm.engine.config.max_model_len
     for ids in prompt_ids:
         if len(ids) + params.max_tokens > max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
                              f"({max_model_len})")
     live = [[BeamSearchSequence(tokens=ids, logprobs=[])] for ids in prompt_ids]
-    complete: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
+    complete: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
+    for _ in range(params.max_tokens):
         beams = [beam for per_prompt in live for beam in per_prompt]
         if not beams:
             break
-        outputs = iter(llm.generate([beam.tokens for beam in beams], step, use_tqdm=False))
+        candidates_of = iter((yield [beam.tokens for beam in beams]))
         for p, per_prompt in enumerate(live):
             candidates = []
             for beam in per_prompt:
-                (logprobs,) = next(outputs).outputs[0].logprobs
+                logprobs = next(candidates_of)
                 for token, logprob in logprobs.items():
                     new = BeamSearchSequence(tokens=beam.tokens + [token], logprobs=beam.logprobs + [logprobs],
                                              cum_logprob=beam.cum_logprob + logprob.logprob)
@@ -97,10 +98,38 @@ def beam_search(llm: LLM, prompts: list[PromptInput], params: BeamSearchParams,
                         candidates.append(new)
             live[p] = sorted(candidates, key=key, reverse=True)[:params.beam_width]
     results = []
-    for ids, per_prompt, done in zip(prompt_ids, live, complete):
+    for per_prompt, done in zip(live, complete):
         best = sorted(done + per_prompt, key=key, reverse=True)[:params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"
-            beam.text = llm.tokenizer.decode(beam.tokens)
         results.append(BeamSearchOutput(sequences=best))
+    return results
+
+
+def round_params(params: BeamSearchParams) -> SamplingParams:
+    """One round of one beam: a token, with the 2 x beam_width candidates' logprobs."""
+    return SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                          ignore_eos=True)
+
+
+def beam_search(llm: LLM, prompts: list[PromptInput], params: BeamSearchParams,
+                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """`search` with each round run by `LLM.generate`; a beam's text is that of all its tokens,
+    prompt included (as vLLM's `LLM.beam_search`)."""
+    engine = llm.engine
+    run = search([llm._tokenize(p)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
+                 engine.config.max_model_len)
+    step = round_params(params)
+    with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
+        try:
+            beams = next(run)
+            while True:
+                outputs = llm.generate(beams, step, use_tqdm=False)
+                bar.update()
+                beams = run.send([out.outputs[0].logprobs[0] for out in outputs])
+        except StopIteration as done:
+            results = done.value
+    for result in results:
+        for beam in result.sequences:
+            beam.text = llm.tokenizer.decode(beam.tokens)
     return results

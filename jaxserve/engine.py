@@ -85,7 +85,8 @@ class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True, sampling_defaults: dict | None = None):
+                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True,
+                 sampling_defaults: dict | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
         and every bucket is compiled. `sampling_defaults` (`config.sampling_defaults`): what the API
         and `LLM` give a request for the sampling fields it leaves out."""

@@ -66,6 +66,35 @@ def offline():
     return LLM(None, **ENGINE)
 
 
+def test_beam_search_through_the_api_as_offline(served, client, offline):
+    """vLLM's `use_beam_search`: the n best beams, best first, are the n choices (the text of the
+    generated tokens), as the offline LLM.beam_search finds them; streamed, each choice's text comes
+    whole. Controls beam search has no use for are 400s."""
+    from jaxserve import BeamSearchParams
+
+    prompt = [11, 12, 13]
+    want = offline.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    texts = [offline.tokenizer.decode(beam.tokens[3:]) for beam in want[0].sequences]
+    r = completion(client, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    assert [c.text for c in r.choices] == texts
+    assert r.usage.completion_tokens == sum(len(beam.tokens) - 3 for beam in want[0].sequences)
+    streamed = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=4, n=2, stream=True, extra_body={"use_beam_search": True}):
+        for choice in chunk.choices:
+            streamed.setdefault(choice.index, []).append(choice.delta.content)
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                           n=2, extra_body={"use_beam_search": True})
+    assert {i: "".join(filter(None, parts)) for i, parts in streamed.items()} == {
+        c.index: c.message.content for c in whole.choices}
+    for bad, param in (({"top_p": 0.5}, "top_p"), ({"logprobs": 0}, "logprobs"), ({"stop": ["a"]}, "stop"),
+                       ({"n": 11}, "n")):
+        refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "use_beam_search": True, **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+    refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "length_penalty": 2.0})
+    assert refused.status_code == 400 and "use_beam_search" in refused.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("penalties", [
     dict(presence_penalty=1.5), dict(frequency_penalty=2.0), dict(repetition_penalty=1.8),
     dict(presence_penalty=-1.0, frequency_penalty=0.7, repetition_penalty=0.8)])
@@ -137,6 +166,23 @@ def test_completion_logprobs_shape_and_echo(client):
     echoed = completion(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY).choices[0].text
     assert echoed == "echo me" + r.choices[0].text
     assert streamed_text(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY)[0] == echoed
+
+
+def test_chat_echo_repeats_the_assistant_message_it_continues(client):
+    """vLLM's chat `echo`: where the last message is the assistant's (continued), the reply starts
+    with its content, streamed or not; after a user message there is nothing to repeat."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
+    ask = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0.0,
+               extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    ask["extra_body"]["echo"] = True
+    echoed = client.chat.completions.create(**ask).choices[0].message.content
+    assert echoed == "Once upon" + plain
+    chunks = client.chat.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
+    after_user = dict(model=MODEL, messages=messages[:1], max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(**after_user).choices[0].message.content == client.chat.completions.create(
+        **{**after_user, "extra_body": {"ignore_eos": True, "echo": True}}).choices[0].message.content
 
 
 def test_echo_with_logprobs_scores_the_prompt(served, client):
