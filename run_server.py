@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help=f"HF checkpoint directory or hub id (default: the built-in {DEFAULT_MODEL_NAME}, random weights)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -68,6 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "generation_config.json), vllm (none: vLLM's neutral defaults), or a directory holding one")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
+    p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request (its id, prompt length and sampling settings) as it arrives")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older name: do not log each request (the default)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how to read tool calls in the model's output (default: from the chat template)")
@@ -119,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     engine, tokenizer = build_engine(
         args.model, chat_template=read_chat_template(args.chat_template), max_model_len=args.max_model_len,
         num_pages=args.num_pages, kv_cache_memory_fraction=args.kv_cache_memory_fraction, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype, generation_config=args.generation_config,
+        kv_cache_dtype=args.kv_cache_dtype, generation_config=args.generation_config, tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
                     sampling_defaults=engine.sampling_defaults)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
-                     auto_tool_choice=args.enable_auto_tool_choice)
+                     auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests)
     async_engine.start()
     try:
         asyncio.run(serve(app, args.host, args.port, args.log_level, async_engine))

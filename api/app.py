@@ -179,10 +179,12 @@ class _Choices:
 
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
-               tool_parser: ToolParser | None = None, auto_tool_choice: bool = True) -> Quart:
+               tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
+               log_requests: bool = False) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
-    --enable-auto-tool-choice ("required" and a named function are still served)."""
+    --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
+    logs each request as it starts."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
@@ -256,6 +258,9 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         return {"version": importlib.metadata.version("jaxserve")}
 
     def streams(req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:
+        if log_requests:
+            log.info("request %s: prompt tokens %s, %s", request_id, [len(ids) for ids in req.prompts],
+                     req.beam or req.params)
         run = beam_search if req.beam is not None else engine.generate
         return [metrics.timed(run(f"{request_id}-{i}", ids, req.beam or req.params), req.params.n)
                 for i, ids in enumerate(req.prompts)]

@@ -219,11 +219,13 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
                  num_pages: int | None = None, kv_cache_memory_fraction: float | None = None, dtype: str = "auto",
-                 generation_config: str = "auto", **engine_options) -> tuple[Engine, Tokenizer]:
+                 generation_config: str = "auto", tokenizer: str | None = None,
+                 **engine_options) -> tuple[Engine, Tokenizer]:
     """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB.
     `dtype` "auto" is the checkpoint's own (`resolve_dtype`); `generation_config` says where the
-    requests' sampling defaults come from (`sampling_defaults`)."""
+    requests' sampling defaults come from (`sampling_defaults`); `tokenizer` is a directory (or hub
+    id) to read the tokenizer and chat template from instead of the model's."""
     model_dir = resolve_model(model)
     model_config = ModelConfig.from_hf(model_dir)
     defaults = sampling_defaults(model_dir, generation_config)
@@ -237,7 +239,8 @@ def build_engine(model: str | None, *, chat_template: str | None = None, max_mod
     config = EngineConfig.resolve(model_config, max_model_len=max_model_len, num_pages=num_pages, dtype=dtype,
                                   **engine_options)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
-        tokenizer = pool.submit(Tokenizer, model_dir, chat_template=chat_template)
+        tokenizer = pool.submit(Tokenizer, model_dir if tokenizer is None else resolve_model(tokenizer),
+                                chat_template=chat_template)
         engine = Engine(model_dir, model_config, config, tokenizer, sampling_defaults=defaults)
     return engine, engine.tokenizer
 
@@ -256,12 +259,13 @@ class LLM:
                  page_size: int | None = None, block_size: int | None = None, num_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                  seed: int = 0, tensor_parallel_size: int = 1, enable_prefix_caching: bool = True,
-                 generation_config: str = "auto", trust_remote_code: bool = False):
+                 generation_config: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False):
         """vLLM's arguments under vLLM's names: `block_size` is `page_size` (tokens per KV page, 16 if
         neither is given), `gpu_memory_utilization` is `kv_cache_memory_fraction` (the share of
         device memory, host RAM on CPU, for weights and KV cache together). `dtype` "auto" is the
         checkpoint's own; `kv_cache_dtype` "auto" is `dtype`. `generation_config` ("auto", "vllm" or
-        a directory) gives `get_default_sampling_params` (`config.sampling_defaults`).
+        a directory) gives `get_default_sampling_params` (`config.sampling_defaults`); `tokenizer`
+        (a directory) replaces the model's tokenizer.
         `trust_remote_code` is accepted for vLLM's scripts: jaxserve runs no code from a checkpoint
         either way."""
         if jax.process_count() > 1:
@@ -273,7 +277,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=_either("page_size", page_size, "block_size", block_size) or 16, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            generation_config=generation_config)
+            generation_config=generation_config, tokenizer=tokenizer)
         self._request_ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -286,6 +286,21 @@ def test_api_key_guards_v1_routes(served):
     asyncio.run(check())
 
 
+def test_requests_are_logged_when_asked(served, caplog):
+    """--enable-log-requests: one log line per request, with its id and prompt length."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), log_requests=True)
+
+    async def check():
+        response = await app.test_client().post("/v1/completions", json={"model": MODEL, "prompt": "abc",
+                                                                          "max_tokens": 1})
+        return await response.get_json()
+
+    with caplog.at_level("INFO", logger="api.app"):
+        body = asyncio.run(check())
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "api.app"]
+    assert body["id"] in line and "[3]" in line
+
+
 def test_auto_tool_choice_can_be_switched_off(served):
     """`--no-enable-auto-tool-choice`: tools chosen "auto" (named or implied) are a 400, as in vLLM
     without --enable-auto-tool-choice; tool_choice "none" is still served."""

@@ -8,6 +8,7 @@ import shutil
 import pytest
 from conftest import SMALL_ENGINE
 
+from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, SamplingParams
 from jaxserve.scheduler import _FORK_SEED_STRIDE
 
@@ -48,7 +49,14 @@ def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     d = shutil.copytree(src, tmp_path / "with-eos")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [255, eos], "temperature": 0.0,
                                                           "top_k": 50, "do_sample": True, "max_new_tokens": 12}))
-    llm = LLM(str(d), **SMALL_ENGINE)
+    tok = tmp_path / "tokenizer"  # (vLLM's `tokenizer`: the tokenizer and chat template from elsewhere)
+    tok.mkdir()
+    write_byte_tokenizer(tok)
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    (tok / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((tok / "tokenizer_config.json").read_text()), "chat_template": template}))
+    llm = LLM(str(d), tokenizer=str(tok), **SMALL_ENGINE)
+    assert llm.get_tokenizer().chat_template == template
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     first = tokens.index(eos)
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None

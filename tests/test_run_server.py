@@ -77,5 +77,8 @@ def test_vllm_flag_names():
     assert (args.page_size, args.kv_cache_memory_fraction, args.kv_cache_dtype) == (32, 0.5, "bfloat16")
     assert args.dtype == "auto" and args.enable_auto_tool_choice
     assert not parse_args(["--no-enable-auto-tool-choice"]).enable_auto_tool_choice
+    assert parse_args(["--enable-log-requests"]).enable_log_requests
+    assert not parse_args(["--disable-log-requests"]).enable_log_requests
+    assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-dtype", "fp8"])
