@@ -46,12 +46,12 @@ class Limits:
 @dataclasses.dataclass
 class GenerationRequest:
     prompts: list[list[int]]  # token ids of each prompt (one choice each)
-    prompt_texts: list[str]  # what `echo` repeats
+    prompt_texts: list[str]  # what `echo` repeats (chat: the assistant message continued, else "")
     params: SamplingParams
     # how the response is sent (`_response_options`)
     stream: bool
     include_usage: bool  # stream_options.include_usage
-    echo: bool = False  # completions: the prompt text leads each choice
+    echo: bool = False  # prompt_texts lead each choice
     prompt_only: bool = False  # completions: echo with max_tokens 0, the prompt alone (one token is sampled, dropped)
     beam: BeamSearchParams | None = None  # vLLM's use_beam_search: the n best beams are the n choices
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
