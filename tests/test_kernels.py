@@ -106,10 +106,12 @@ def test_interpreters_poison_outputs():
 
 
 @pytest.mark.parametrize("kernel", ["tpu", "gpu"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kernel_lowers_for_its_platform(kernel, dtype):
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                            ("float32", "bfloat16")])
+def test_kernel_lowers_for_its_platform(kernel, dtype, kv_dtype):
     """Lowered from this CPU for the real platform: the module holds the kernel's custom call. On
-    TPU/GPU the cache holds the model's dtype (no uint16 bits)."""
+    TPU/GPU the cache holds its values' dtype (no uint16 bits); a bfloat16 cache may serve a
+    float32 model (`kv_cache_dtype`)."""
     platform, custom_call = KERNELS[kernel]
     rng = np.random.default_rng(0)
     for seqs, num_kv_heads, group, head_dim, num_tokens in (([(0, 40), (7, 1)], 2, 4, 128, 64),
@@ -117,7 +119,7 @@ def test_kernel_lowers_for_its_platform(kernel, dtype):
                                                             ([(100, 12), (3, 4)], 1, 8, 128, 16)):
         q, k, v, *rest = ragged_batch(rng, seqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                                       num_tokens=num_tokens, page_size=16, width=16)
-        k, v = (jnp.asarray(rng.normal(size=k.shape), dtype) for _ in range(2))
+        k, v = (jnp.asarray(rng.normal(size=k.shape), kv_dtype) for _ in range(2))
         fn = jax.jit(functools.partial(paged_attention, sm_scale=0.1, sliding_window=32, impl=kernel))
         text = fn.trace(q.astype(dtype), k, v, *rest).lower(lowering_platforms=(platform,)).as_text()
         assert custom_call in set(re.findall(r"custom_call @([\w$.]+)", text)), platform

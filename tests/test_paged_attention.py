@@ -89,14 +89,15 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                            ("float32", "bfloat16")])
 @pytest.mark.parametrize("head_dim,seqs", [
     (16, [(3, 37), (20, 1), (0, 17), (40, 5)]),  # (cached, new): 64 tokens, partial tiles, a decode
     (76, [(40, 1)]),  # one decoding sequence, a head dimension past its last whole 8 lanes
 ])
-def test_matches_reference_on_wide_tiles(dtype, impl, head_dim, seqs):
+def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
     """Tiles of 16 rows, a random cache; in bfloat16 the cache holds its bits (as the engine stores
-    it on CPU)."""
+    it on CPU), also under a float32 q (`kv_cache_dtype`)."""
     from kernels import cache_dtype
     from kernels.paged_attention.reference import to_cache
 
@@ -111,12 +112,12 @@ def test_matches_reference_on_wide_tiles(dtype, impl, head_dim, seqs):
     kv_lens = np.array([c + n for c, n in seqs], np.int32)
     q = rng.normal(size=(64, num_heads, head_dim)).astype(np.float32)  # (rows past the last sequence's: padding)
     shape = (num_pages, page_size, num_kv_heads, head_dim)
-    store = jax.numpy.zeros((), cache_dtype(dtype))
-    k_pages, v_pages = (to_cache(jax.numpy.asarray(rng.normal(size=shape), dtype), store) for _ in range(2))
+    store = jax.numpy.zeros((), cache_dtype(kv_dtype))
+    k_pages, v_pages = (to_cache(jax.numpy.asarray(rng.normal(size=shape), kv_dtype), store) for _ in range(2))
     args = (jax.numpy.asarray(q, dtype), k_pages, v_pages, kv_lens, page_table, query_start, np.int32(len(seqs)))
     run = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl"))
     for window in (None, 9):
         want = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl="reference"), np.float32)
         got = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl=impl), np.float32)
-        np.testing.assert_allclose(got, want, atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+        np.testing.assert_allclose(got, want, atol=1e-5 if kv_dtype == "float32" else 2e-2, rtol=0)
         assert np.abs(want[:query_start[-1]]).max() > 0.1 and np.all(want[query_start[-1]:] == 0)
