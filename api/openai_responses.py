@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator
 
 from api.protocol import APIError
-from api.responses import new_id, now
+from api.responses import new_id, now, sse
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NOT_SERVED = {  # request fields that need what this server does not keep or run
@@ -151,8 +151,7 @@ def chat_request(body: dict) -> dict:
 
 def _event(kind: str, sequence: int, **fields) -> str:
     """One server-sent event of the Responses stream: its type as the event name and in the data."""
-    data = json.dumps({"type": kind, "sequence_number": sequence, **fields}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n"
+    return sse({"type": kind, "sequence_number": sequence, **fields}, event=kind)
 
 
 class ResponseBuilder:

@@ -34,9 +34,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 _LINE_BREAKING = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
 
 
-def sse(payload: dict) -> str:
-    """One server-sent event: a single `data:` line (UTF-8 JSON), whatever text it carries."""
-    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
+def sse(payload: dict, event: str | None = None) -> str:
+    """One server-sent event: a single `data:` line (UTF-8 JSON), whatever text it carries, after an
+    `event:` line where the event is named (the Responses API's)."""
+    name = f"event: {event}\n" if event else ""
+    return f"{name}data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 def _finite(logprob: float) -> float:
