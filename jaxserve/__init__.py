@@ -14,6 +14,7 @@ _EXPORTS = {
     "CompletionOutput": "jaxserve.engine",
     "SamplingParams": "jaxserve.sampling",
     "BeamSearchParams": "jaxserve.beam_search",
+    "StructuredOutputsParams": "jaxserve.structured",
 }
 __all__ = list(_EXPORTS)
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.structured import Constraint, mask_width
+from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
 MAX_LOGPROBS = 20  # top logprobs returned per token (OpenAI's bound)
@@ -66,6 +66,7 @@ class SamplingParams:
     # distribution (no sampling settings applied), as vLLM's; the prompt is then computed whole
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
     skip_special_tokens: bool = True  # leave special tokens out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
@@ -84,6 +85,10 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+        if self.structured_outputs is not None:
+            derived = self.structured_outputs.constraint()
+            check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")
+            self.constraint = derived
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

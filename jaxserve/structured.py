@@ -49,6 +49,33 @@ def _compile(c: Constraint) -> str:
     return grammar
 
 
+@dataclasses.dataclass
+class StructuredOutputsParams:
+    """vLLM's offline form of a constraint (`SamplingParams(structured_outputs=...)`): exactly one
+    of a JSON schema (a dict or its JSON text), any JSON object, a regex, a choice among strings,
+    or a Lark grammar."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def constraint(self) -> Constraint:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar or json_object, "
+                             f"got {given or 'none'}")
+        if self.json is not None:
+            return Constraint("json_schema", self.json if isinstance(self.json, str) else json.dumps(self.json))
+        if self.choice is not None:
+            return Constraint("choice", tuple(self.choice))
+        if self.json_object:
+            return Constraint("json_object")
+        return Constraint("regex", self.regex) if self.regex is not None else Constraint("grammar", self.grammar)
+
+
 def _compact(schema: dict) -> str:
     """JSON text of the schema, asking llguidance for compact output (no free whitespace, which
     a weak model could spend its whole budget on) unless the schema says otherwise."""

@@ -218,3 +218,20 @@ def test_beam_search_as_vllms(default_llm, monkeypatch):
     assert all(s.text == default_llm.tokenizer.decode(s.tokens) for s in stopped)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=11, max_tokens=4)
+
+
+def test_structured_outputs_offline_as_vllms(default_llm):
+    """vLLM's `SamplingParams(structured_outputs=StructuredOutputsParams(...))`: the output follows
+    the choice or regex and the sequence stops once it is complete; exactly one kind per request."""
+    import re
+
+    from jaxserve import StructuredOutputsParams
+
+    choice, regex = default_llm.generate(["a", "b"], [
+        SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+        SamplingParams(max_tokens=20, seed=1, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,6}"))],
+        use_tqdm=False)
+    assert choice.outputs[0].text in ("yes", "no") and choice.outputs[0].finish_reason == "stop"
+    assert re.fullmatch("[a-z]{3,6}", regex.outputs[0].text) and regex.outputs[0].finish_reason == "stop"
+    with pytest.raises(ValueError, match="exactly one"):
+        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
