@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely (under the distribution sampled from, for a generated token)
-    decoded_token: str
+    decoded_token: str | None  # None where the request set detokenize=False
 
 
 @dataclasses.dataclass
@@ -357,20 +357,23 @@ class LLM:
                                     cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
                                     stop_reason=s.stop_reason,
                                     logprobs=None if s.params.logprobs is None else
-                                    logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs))
+                                    logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,
+                                                    s.params.detokenize))
                    for s in _choices(seq)]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = [None, *logprob_entries(self.tokenizer, seq.prompt_token_ids[1:], seq.prompt_logprobs)]
+            prompt_logprobs = [None, *logprob_entries(self.tokenizer, seq.prompt_token_ids[1:], seq.prompt_logprobs,
+                                                      seq.params.detokenize)]
         return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
                              outputs=outputs, finished=all(o.finish_reason is not None for o in outputs),
                              num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
-def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs]
-                    ) -> list[dict[int, Logprob]]:
-    """vLLM's form: per token, {id: Logprob} for the token and then the top k."""
-    decode = tokenizer.decode_token
+def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+                    detokenize: bool = True) -> list[dict[int, Logprob]]:
+    """vLLM's form: per token, {id: Logprob} for the token and then the top k (`decoded_token` None
+    without `detokenize`)."""
+    decode = tokenizer.decode_token if detokenize else (lambda token: None)
     out = []
     for token, (logprob, rank, top_ids, top_lps) in zip(token_ids, logprobs):
         entry = {token: Logprob(logprob, rank, decode(token))}

@@ -123,9 +123,10 @@ class OutputProcessor:
         text_tokens = new_tokens
         if seq.finish_reason == "stop" and new_tokens and new_tokens[-1] in self.scheduler.eos_token_ids:
             text_tokens = new_tokens[:-1]  # an EOS that ended it is never text (even with special tokens kept)
-        state.text += state.detokenizer.push(text_tokens)
-        if seq.is_finished:
-            state.text += state.detokenizer.flush()
+        if seq.params.detokenize:
+            state.text += state.detokenizer.push(text_tokens)
+            if seq.is_finished:
+                state.text += state.detokenizer.flush()
         stops = seq.params.stop
         longest = max(map(len, stops), default=0)
         hit = find_stop(state.text, stops, max(0, released - longest + 1)) if stops else None

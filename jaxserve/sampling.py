@@ -68,6 +68,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
@@ -117,6 +118,7 @@ class SamplingParams:
         check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
               "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(self.detokenize or not self.stop, "stop strings need detokenize=True (the text they are found in)")
         check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
               f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),

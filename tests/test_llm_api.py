@@ -235,3 +235,16 @@ def test_structured_outputs_offline_as_vllms(default_llm):
     assert re.fullmatch("[a-z]{3,6}", regex.outputs[0].text) and regex.outputs[0].finish_reason == "stop"
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
+
+
+def test_detokenize_false_gives_token_ids_alone(default_llm):
+    """vLLM's `detokenize=False`: the same tokens, no text, logprobs without decoded tokens; stop
+    strings (found in the text) need the text."""
+    greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=1)
+    (text,) = default_llm.generate(["hello"], SamplingParams(**greedy), use_tqdm=False)
+    (ids,) = default_llm.generate(["hello"], SamplingParams(**greedy, detokenize=False), use_tqdm=False)
+    assert ids.outputs[0].token_ids == text.outputs[0].token_ids and text.outputs[0].text
+    assert ids.outputs[0].text == "" and all(lp.decoded_token is None for entry in ids.outputs[0].logprobs
+                                             for lp in entry.values())
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
