@@ -11,7 +11,7 @@ false`, and `previous_response_id` (which needs a stored response) is a 400.
 
 from __future__ import annotations
 
-import json
+import copy
 from collections.abc import Iterator
 
 from api.protocol import APIError
@@ -182,7 +182,7 @@ class ResponseBuilder:
         return event
 
     def _snapshot(self) -> dict:
-        return json.loads(json.dumps(self.response))
+        return copy.deepcopy(self.response)
 
     def start(self) -> Iterator[str]:
         yield self._emit("response.created", response=self._snapshot())

@@ -109,11 +109,10 @@ def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> Generati
             raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
         return req
     logprobs = body.get("logprobs")  # (completions' 0 asks for the sampled tokens' own)
-    for name, used in (("logprobs", logprobs is not None and logprobs is not False),
-                       *((name, body.get(name) is not None and body[name] not in neutral)
-                         for name, neutral in _BEAM_NEUTRAL.items())):
-        if used:
-            raise APIError(f"'{name}' cannot be combined with 'use_beam_search'", param=name)
+    refused = (["logprobs"] if logprobs is not None and logprobs is not False else []) + [
+        name for name, neutral in _BEAM_NEUTRAL.items() if body.get(name) is not None and body[name] not in neutral]
+    if refused:
+        raise APIError(f"'{refused[0]}' cannot be combined with 'use_beam_search'", param=refused[0])
     params = req.params
     if params.n > MAX_BEAM_WIDTH:
         raise APIError(f"'n' (the beam width) must be at most {MAX_BEAM_WIDTH} with 'use_beam_search'", param="n")
@@ -339,7 +338,9 @@ def check_model(body: dict, limits: Limits) -> None:
 
 
 def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str) -> list[int]:
-    """The prompt's ids as they will run (truncated, see SamplingParams.truncate); 400 if they cannot."""
+    """The prompt's ids as they will run (truncated, see SamplingParams.truncate); 400 if they cannot.
+    A request without max_tokens (chat) under a model's max_new_tokens (`Limits.sampling_defaults`)
+    gets the rest of the context up to that cap here, where the prompt's length is known."""
     ids = params.truncate(ids, limits.max_model_len)
     if not ids:
         raise APIError("the prompt is empty", param=param)
