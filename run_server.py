@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
 
 import jax
 
 from api.app import create_app
+from api.cors import CorsPolicy
+from api.metrics import StatsLog
 from api.protocol import Limits
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
@@ -30,6 +34,10 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import DTYPES
 from jaxserve.engine import build_engine
 from jaxserve.sharding import initialize_distributed, is_leader
+
+log = logging.getLogger("jaxserve.server")
+# seconds between stats lines: vLLM's 10, or JAXSERVE_LOG_STATS_INTERVAL (as VLLM_LOG_STATS_INTERVAL)
+STATS_INTERVAL_S = float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", 10.0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,9 +87,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="how to read tool calls in the model's output (default: from the chat template)")
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help='serve tool_choice "auto" (default: on; off, such requests are a 400)')
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help=f"no stats line (throughput, running and waiting sequences, KV cache use, prefix cache "
+                        f"hit rate) every {STATS_INTERVAL_S:g} s while busy")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"],
+                   help='CORS: the origins whose web pages may call the API, a JSON list (default: ["*"], any)')
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS: allowed methods (default: ["*"])')
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help='CORS: allowed headers (default: ["*"])')
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow the browser's credentials")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
+    p.add_argument("--ssl-ca-certs", default=None,
+                   help="HTTPS: a CA certificate file; clients must then present a certificate it signed")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines: jaxserve runs no code from a checkpoint either way")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        p.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_ca_certs and not args.ssl_certfile:
+        p.error("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    return args
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not (isinstance(items, list) and all(isinstance(v, str) for v in items)):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {value!r}')
+    return items
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -91,14 +126,17 @@ def read_chat_template(value: str | None) -> str | None:
     return path.read_text() if len(value) < 4096 and path.is_file() else value
 
 
-async def serve(app, host: str, port: int, log_level: str, engine: AsyncEngine) -> None:
+async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     config = Config()
-    config.bind = [f"{host}:{port}"]
-    config.loglevel = log_level.upper()
+    config.bind = [f"{args.host}:{args.port}"]
+    config.loglevel = args.log_level.upper()
     config.graceful_timeout = 5.0
+    config.keyfile, config.certfile, config.ca_certs = args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs
+    if args.ssl_ca_certs:
+        config.verify_mode = ssl.CERT_REQUIRED
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -110,10 +148,21 @@ async def serve(app, host: str, port: int, log_level: str, engine: AsyncEngine) 
                 stop.set()
             await asyncio.sleep(0.5)
 
-    watchdog = asyncio.create_task(watch_engine())
-    print(f"jaxserve: listening on http://{host}:{port} (OpenAI API under /v1)", flush=True)
+    async def log_stats():
+        stats = StatsLog(engine)
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            if line := stats.line():
+                log.info("%s", line)
+
+    tasks = [asyncio.create_task(watch_engine())]
+    if not args.disable_log_stats:
+        tasks.append(asyncio.create_task(log_stats()))
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
-    watchdog.cancel()
+    for task in tasks:
+        task.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,10 +187,12 @@ def main(argv: list[str] | None = None) -> None:
                     sampling_defaults=engine.sampling_defaults)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
-                     auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests)
+                     auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
+                     cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
+                                     tuple(args.allowed_headers), args.allow_credentials))
     async_engine.start()
     try:
-        asyncio.run(serve(app, args.host, args.port, args.log_level, async_engine))
+        asyncio.run(serve(app, args, async_engine))
     finally:
         if async_engine.shutdown():  # not while the engine thread may still broadcast a step
             engine.runner.stop_followers()

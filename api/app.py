@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from quart import Quart, Response, request
 from werkzeug.exceptions import HTTPException
 
+from api.cors import CorsPolicy
 from api.metrics import Metrics
 from api.openai_responses import ResponseBuilder, chat_request
 from api.protocol import APIError, GenerationRequest, Limits, check_model, parse_chat, parse_completion
@@ -180,17 +181,18 @@ class _Choices:
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
-               log_requests: bool = False) -> Quart:
+               log_requests: bool = False, cors: CorsPolicy = CorsPolicy()) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
-    logs each request as it starts."""
+    logs each request as it starts. `cors` says which web pages may call the API (any, by default)."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     tokenizer = engine.tokenizer
     tool_parser = tool_parser or parser_for_template(tokenizer.hf.chat_template)
     metrics = Metrics(engine)
+    cors.install(app)  # its preflight answer comes before the API key check
 
     def error_response(e: APIError):
         metrics.errors.labels(str(e.status)).inc()

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one app: engine gauges read at scrape time, request timings and outcomes.
+"""Prometheus metrics of one app: engine gauges read at scrape time, request timings and outcomes;
+and the server's periodic log line of the same figures (`StatsLog`).
 
 Names follow vLLM's (`vllm:` -> `jaxserve:`). Each app has its own registry.
 """
@@ -36,6 +37,10 @@ class _EngineCollector:
                                   sched.num_prompt_tokens_computed)
         yield CounterMetricFamily("jaxserve:generation_tokens", "Tokens generated.", sched.num_generated_tokens)
         yield CounterMetricFamily("jaxserve:num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield CounterMetricFamily("jaxserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  sched.num_prefix_queried_tokens)
+        yield CounterMetricFamily("jaxserve:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  sched.num_prefix_hit_tokens)
 
 
 class Metrics:
@@ -75,3 +80,38 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class StatsLog:
+    """vLLM's periodic stats line: prompt and generation throughput since the last line, sequences
+    running and waiting, KV cache use and the prefix cache's hit rate. Reads the scheduler's counters
+    (plain integers of the engine thread) like `_EngineCollector`."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.scheduler = engine.engine.scheduler
+        self._last = self._counters()
+        self._was_busy = False
+
+    def _counters(self) -> tuple[float, int, int, int, int]:
+        s = self.scheduler
+        return (time.perf_counter(), s.num_prompt_tokens_computed, s.num_generated_tokens,
+                s.num_prefix_queried_tokens, s.num_prefix_hit_tokens)
+
+    def line(self) -> str | None:
+        """The figures since the last call; None while idle (after one line that shows it went idle)."""
+        now = self._counters()
+        (t0, prompt0, generated0, queried0, hits0), (t1, prompt1, generated1, queried1, hits1) = self._last, now
+        self._last = now
+        s, alloc = self.scheduler, self.scheduler.allocator
+        busy = bool(s.running or s.waiting or prompt1 > prompt0 or generated1 > generated0)
+        if not (busy or self._was_busy):
+            return None
+        self._was_busy = busy
+        dt = max(t1 - t0, 1e-9)
+        queried = queried1 - queried0
+        hit_rate = f"{100 * (hits1 - hits0) / queried:.1f}%" if queried else "-"
+        return (f"Avg prompt throughput: {(prompt1 - prompt0) / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {(generated1 - generated0) / dt:.1f} tokens/s, "
+                f"Running: {len(s.running)} seqs, Waiting: {len(s.waiting)} seqs, "
+                f"KV cache usage: {100 * (alloc.num_usable - alloc.num_free) / alloc.num_usable:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate}")

@@ -126,6 +126,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens_computed = 0  # prefill work, recomputation included
         self.num_generated_tokens = 0
+        # prefix cache lookups of new sequences: their prompt tokens, and those found cached
+        self.num_prefix_queried_tokens = 0
+        self.num_prefix_hit_tokens = 0
         self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
 
     def new_seq_id(self) -> int:
@@ -186,6 +189,9 @@ class Scheduler:
                     seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
+            if self.config.enable_prefix_caching and not seq.num_preemptions:
+                self.num_prefix_queried_tokens += seq.num_prompt_tokens
+                self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.rows.append(self._row(seq, n, len(batch.rows)))

@@ -12,6 +12,7 @@ import pytest
 from server import MAX_MODEL_LEN, MODEL, post
 
 from api.app import create_app
+from api.cors import CorsPolicy
 from api.protocol import Limits
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -405,3 +406,48 @@ def test_responses_api_logprobs_tools_and_errors(served, client):
                        ({"include": ["reasoning.encrypted_content"]}, "include")):
         refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+
+
+def test_cors_lets_web_pages_call_the_api(served):
+    """vLLM's default CORS policy (any origin, method and header; no credentials) over HTTP: the
+    preflight is answered before the API key is asked for, and answers (errors too) name the origin.
+    A narrower policy refuses other origins, methods and headers."""
+    origin = {"Origin": "https://app.example"}
+    preflight = httpx.options(served[0].url + "/v1/chat/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, x-stainless-os"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "*"
+    assert "POST" in preflight.headers["access-control-allow-methods"]
+    assert preflight.headers["access-control-allow-headers"] == "authorization, x-stainless-os"
+    answered = post(served, "/v1/completions", {"prompt": "a", "max_tokens": 1})
+    assert "access-control-allow-origin" not in answered.headers  # no Origin: not a browser's cross-origin call
+    for r in (httpx.post(served[0].url + "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers=origin),
+              httpx.post(served[0].url + "/v1/completions", json={"prompt": "a", "temperature": -1}, headers=origin),
+              httpx.get(served[0].url + "/v1/models", headers=origin)):
+        assert r.status_code in (200, 400) and r.headers["access-control-allow-origin"] == "*"
+
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="k", cors=CorsPolicy(
+        allowed_origins=("https://app.example",), allowed_methods=("GET", "POST"), allowed_headers=("authorization",),
+        allow_credentials=True))
+
+    def ask(origin: str, method: str = "POST", headers: str = "authorization"):
+        return {"Origin": origin, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers}
+
+    async def check():
+        test = app.test_client()
+        ok = await test.options("/v1/models", headers=ask("https://app.example"))
+        assert ok.status_code == 200 and ok.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert ok.headers["Access-Control-Allow-Credentials"] == "true" and "Origin" in ok.headers["Vary"]
+        assert ok.headers["Access-Control-Allow-Methods"] == "GET, POST"
+        for refused, what in ((ask("https://evil.example", "DELETE"), "origin, method"),
+                              (ask("https://app.example", headers="x-secret"), "headers")):
+            r = await test.options("/v1/models", headers=refused)
+            assert r.status_code == 400 and (await r.get_data(as_text=True)) == f"Disallowed CORS {what}"
+        assert "Access-Control-Allow-Origin" not in (await test.options("/v1/models", headers=ask("https://e.example")
+                                                                         )).headers
+        denied = await test.get("/v1/models", headers={"Origin": "https://app.example"})  # no key: 401, readable
+        assert denied.status_code == 401 and denied.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        other = await test.get("/v1/models", headers={"Origin": "https://evil.example", "Authorization": "Bearer k"})
+        assert other.status_code == 200 and "Access-Control-Allow-Origin" not in other.headers
+
+    asyncio.run(check())

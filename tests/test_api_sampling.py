@@ -8,6 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server import ENGINE, MAX_MODEL_LEN, MODEL, post
 
+from api.metrics import StatsLog
 from checkpoints.default_model import IM_END_ID
 from jaxserve import LLM, SamplingParams
 
@@ -297,6 +298,35 @@ def test_metrics_parse_and_move(served, client):
     for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_pages_used",
                  "jaxserve:num_preemptions_total"):
         assert name in after
+
+
+def test_prefix_cache_counters_and_the_stats_line(served, client):
+    """The prefix cache's queries and hits (tokens, in /metrics and the stats line), and vLLM's
+    periodic stats line: throughput since the last line, one more line once idle, then none."""
+    stats = StatsLog(served[1])
+    before = httpx.get(served[0].url + "/metrics").text
+    prompt = "The stats line counts these tokens twice over. " * 2
+    for _ in range(2):
+        n = completion(client, prompt=prompt, max_tokens=4, **GREEDY).usage.prompt_tokens
+    size = served[1].engine.config.page_size
+    hits = (n - 1) // size * size  # the second run's full pages (its last token is always computed)
+    line = stats.line()
+    fields = dict(part.split(": ") for part in line.split(", "))
+    assert float(fields["Avg generation throughput"].split()[0]) > 0
+    assert float(fields["Avg prompt throughput"].split()[0]) > 0
+    assert fields["Running"] == "0 seqs" and fields["Waiting"] == "0 seqs"
+    assert fields["Prefix cache hit rate"] == f"{100 * hits / (2 * n):.1f}%"
+    assert stats.line().startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
+    assert stats.line() is None  # idle
+
+    def counter(text, name):
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    after = httpx.get(served[0].url + "/metrics").text
+    assert counter(after, "jaxserve:prefix_cache_queries_total") - counter(
+        before, "jaxserve:prefix_cache_queries_total") == 2 * n
+    assert counter(after, "jaxserve:prefix_cache_hits_total") - counter(
+        before, "jaxserve:prefix_cache_hits_total") == hits
 
 
 def test_tokenize_and_detokenize(served):

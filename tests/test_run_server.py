@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -11,43 +13,59 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trustme
 from server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, tmp_path):
+@pytest.mark.parametrize("sig,https", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path):
+    """Also: HTTPS with --ssl-keyfile / --ssl-certfile, and the stats line while busy."""
     port = free_port()
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
+    flags, client = [], httpx.Client(timeout=30)
+    if https:
+        ca = trustme.CA()
+        cert = ca.issue_cert("127.0.0.1")
+        cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+        cert.cert_chain_pems[0].write_to_path(str(tmp_path / "cert.pem"))
+        flags = ["--ssl-keyfile", str(tmp_path / "key.pem"), "--ssl-certfile", str(tmp_path / "cert.pem")]
+        context = ssl.create_default_context()
+        ca.configure_trust(context)
+        client = httpx.Client(timeout=30, verify=context)
     proc = subprocess.Popen(
         [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
-         "--chat-template", str(template), "--log-level", "warning", "--kv-cache-memory-fraction", "0.01"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+         "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01", *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAXSERVE_LOG_STATS_INTERVAL": "0.2"})
+    url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k"}
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
             assert proc.poll() is None, proc.stdout.read()
             try:
-                if httpx.get(url + "/health").status_code == 200:
+                if client.get(url + "/health").status_code == 200:
                     break
             except httpx.TransportError:
                 time.sleep(0.5)
-        r = httpx.post(url + "/v1/chat/completions", headers=auth, timeout=30, json={
+        r = client.post(url + "/v1/chat/completions", headers=auth, json={
             "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.json()["usage"]["prompt_tokens"] == len("[user] hi\n[assistant] ")  # the --chat-template
-        assert httpx.get(url + "/v1/models").status_code == 401
+        assert client.get(url + "/v1/models").status_code == 401
+        if https:
+            with pytest.raises(httpx.TransportError):  # TLS or nothing
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
         started = threading.Event()
 
         def stream():
             try:
-                with httpx.stream("POST", url + "/v1/completions", headers=auth, timeout=30, json={
+                with client.stream("POST", url + "/v1/completions", headers=auth, json={
                         "prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}) as s:
                     for _ in s.iter_lines():
                         started.set()
@@ -57,11 +75,13 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, tmp_path):
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(30)
+        time.sleep(1.0)  # a few stats lines (every 0.2 s here)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         reader.join(30)
         assert proc.returncode == 0, out
-        assert f"listening on http://127.0.0.1:{port}" in out and "jaxserve: stopped" in out
+        assert f"listening on {url}" in out and "jaxserve: stopped" in out
+        assert "Avg generation throughput: " in out  # the stats line
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -80,5 +100,10 @@ def test_vllm_flag_names():
     assert parse_args(["--enable-log-requests"]).enable_log_requests
     assert not parse_args(["--disable-log-requests"]).enable_log_requests
     assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
-    with pytest.raises(SystemExit):
-        parse_args(["--kv-cache-dtype", "fp8"])
+    assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
+    args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
+    assert args.allowed_origins == ["https://a.example"] and args.allow_credentials and args.allowed_methods == ["*"]
+    for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"],
+                  ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"]):
+        with pytest.raises(SystemExit):
+            parse_args(wrong)
