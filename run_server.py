@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the sampling defaults of requests come from: auto (the model's "
                         "generation_config.json), vllm (none: vLLM's neutral defaults), or a directory holding one")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests pass their own chat_template (default: such requests are a 400, as in vLLM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                    help="log each request (its id, prompt length and sampling settings) as it arrives")
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     async_engine = AsyncEngine(engine, tokenizer)
     limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,
-                    sampling_defaults=engine.sampling_defaults)
+                    sampling_defaults=engine.sampling_defaults,
+                    trust_request_chat_template=args.trust_request_chat_template)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,

@@ -400,7 +400,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         check_model(body, limits)
         if "messages" in body:
             rendering = {k: body[k] for k in ("messages", "tools", "add_generation_prompt", "continue_final_message",
-                                              "chat_template_kwargs") if k in body}
+                                              "chat_template", "chat_template_kwargs") if k in body}
             ids = parse_chat({**rendering, "max_tokens": 1}, limits, tokenizer).prompts[0]
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)

@@ -41,6 +41,7 @@ class Limits:
     # the model's sampling defaults (`Engine.sampling_defaults`): for the fields a request leaves out;
     # a default max_tokens also caps the request's own
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
+    trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template: requests may pass their own
 
 
 @dataclasses.dataclass
@@ -430,10 +431,19 @@ def _template_message(m: dict, i: int) -> dict:
     return out
 
 
-def _template_options(body: dict) -> dict:
+def _template_options(body: dict, limits: Limits) -> dict:
     """vLLM's extras for rendering the messages: `add_generation_prompt` (default true),
-    `continue_final_message` (default false) and `chat_template_kwargs` (more template variables)."""
+    `continue_final_message` (default false), `chat_template_kwargs` (more template variables), and
+    `chat_template` (the request's own, where the server trusts requests' templates)."""
     out = {}
+    template = body.get("chat_template")
+    if template is not None:
+        if not limits.trust_request_chat_template:
+            raise APIError("the request passes a chat template, but the server was not started with "
+                           "--trust-request-chat-template: a request's template is refused", param="chat_template")
+        if not isinstance(template, str) or not template.strip():
+            raise APIError("'chat_template' must be a non-empty string (a Jinja template)", param="chat_template")
+        out["chat_template"] = template
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
         out[name] = body.get(name, default)
         if not isinstance(out[name], bool):
@@ -441,7 +451,8 @@ def _template_options(body: dict) -> dict:
     out["template_kwargs"] = body.get("chat_template_kwargs")
     if out["template_kwargs"] is not None and not isinstance(out["template_kwargs"], dict):
         raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    error = template_options_error(**out)
+    error = template_options_error(out["add_generation_prompt"], out["continue_final_message"],
+                                   out["template_kwargs"])
     if error:
         raise APIError(error[1], param=error[0])
     return out
@@ -478,7 +489,7 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
         return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text], params, **response)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
-    options = _template_options(body)
+    options = _template_options(body, limits)
     rendered = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:

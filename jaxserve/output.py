@@ -10,7 +10,9 @@ Text is released only once it is decided: a tail that could still be the start
 of a stop string is held back, so no released text ever contains part of a
 stop string that then matches. When a stop string appears, the text is cut
 there (or after it, with `include_stop_str_in_output`) and the sequence is
-finished with reason "stop".
+finished with reason "stop". As in vLLM, a stop string counts only where it
+ends in the text of a token after the first `min_tokens`, and the EOS or stop
+token that ends a sequence adds no text (unless `include_stop_str_in_output`).
 """
 
 from __future__ import annotations
@@ -48,11 +50,12 @@ class _TextState:
     detokenizer: IncrementalDetokenizer
     text: str = ""  # everything decoded so far (stop strings cut)
     num_tokens: int = 0  # output tokens already reported
+    exempt: int = 0  # characters of the first min_tokens tokens: no stop string may end in them
 
 
-def find_stop(text: str, stops: list[str], start: int) -> tuple[int, str] | None:
-    """Earliest (index, stop string) occurring in text[start:]."""
-    hits = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
+def find_stop(text: str, stops: list[str], checked: int) -> tuple[int, str] | None:
+    """Earliest (index, stop string) occurring in `text` and ending after text[:checked]."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
     return min(hits) if hits else None
 
 
@@ -121,15 +124,18 @@ class OutputProcessor:
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
         text_tokens = new_tokens
-        if seq.finish_reason == "stop" and new_tokens and new_tokens[-1] in self.scheduler.eos_token_ids:
-            text_tokens = new_tokens[:-1]  # an EOS that ended it is never text (even with special tokens kept)
+        if new_tokens and self._ended_by_token(seq) and not seq.params.include_stop_str_in_output:
+            text_tokens = new_tokens[:-1]  # the EOS or stop token that ended it (even with special tokens kept)
         if seq.params.detokenize:
             state.text += state.detokenizer.push(text_tokens)
             if seq.is_finished:
                 state.text += state.detokenizer.flush()
         stops = seq.params.stop
-        longest = max(map(len, stops), default=0)
-        hit = find_stop(state.text, stops, max(0, released - longest + 1)) if stops else None
+        if state.num_tokens <= seq.params.min_tokens:
+            state.exempt = len(state.text)
+            hit = None
+        else:
+            hit = find_stop(state.text, stops, max(released, state.exempt)) if stops else None
         if hit is not None:
             index, stop = hit
             state.text = state.text[:index + len(stop) if seq.params.include_stop_str_in_output else index]
@@ -148,6 +154,11 @@ class OutputProcessor:
         return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
                               num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
                               stop_reason=seq.stop_reason)
+
+    def _ended_by_token(self, seq: Sequence) -> bool:
+        """Whether the sequence's last token finished it: an EOS, or one of its stop_token_ids."""
+        last = seq.output_token_ids[-1]
+        return seq.finish_reason == "stop" and (last in self.scheduler.eos_token_ids or seq.stop_reason == last)
 
     def forget(self, seq_id: int) -> None:
         """Drop the host state of a finished or aborted sequence."""

@@ -451,3 +451,24 @@ def test_cors_lets_web_pages_call_the_api(served):
         assert other.status_code == 200 and "Access-Control-Allow-Origin" not in other.headers
 
     asyncio.run(check())
+
+
+def test_a_requests_chat_template_only_where_trusted(served):
+    """vLLM's `chat_template` request field: a 400 unless the server trusts requests' templates
+    (--trust-request-chat-template); then it renders the messages, for /tokenize too."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "chat_template": "{{ messages[0]['content'] }}!!"}
+    refused = post(served, "/v1/chat/completions", body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+    assert post(served, "/tokenize", body).status_code == 400
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, trust_request_chat_template=True))
+
+    async def check():
+        test = app.test_client()
+        answer = await (await test.post("/v1/chat/completions", json=body)).get_json()
+        assert answer["usage"]["prompt_tokens"] == len("hi!!")
+        assert (await (await test.post("/tokenize", json=body)).get_json())["tokens"] == list(b"hi!!")
+        bad = await test.post("/v1/chat/completions", json={**body, "chat_template": "{% if %}"})
+        assert bad.status_code == 400
+
+    asyncio.run(check())

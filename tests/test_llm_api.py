@@ -69,6 +69,11 @@ def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     stopped = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
                                                     stop_token_ids=[tokens[2]]))[0].outputs[0]
     assert stopped.token_ids == tokens[: tokens.index(tokens[2]) + 1] and stopped.stop_reason == tokens[2]
+    decode = llm.get_tokenizer().decode
+    assert stopped.text == decode(stopped.token_ids[:-1], skip_special_tokens=True)  # the stop token: no text
+    with_stop = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                                      stop_token_ids=[tokens[2]], include_stop_str_in_output=True))
+    assert with_stop[0].outputs[0].text == decode(stopped.token_ids, skip_special_tokens=True) != stopped.text
 
 
 def test_chat_renders_the_template(default_llm):
@@ -134,6 +139,19 @@ def test_stop_strings_logprobs_and_penalties_offline(default_llm):
     penalised = default_llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                                             frequency_penalty=2.0, repetition_penalty=1.5))
     assert penalised[0].outputs[0].token_ids != free.token_ids
+
+
+def test_stop_strings_wait_for_min_tokens_as_in_vllm(default_llm):
+    """A stop string counts only where it ends after the text of the first min_tokens tokens."""
+    letters = dict(max_tokens=30, temperature=0.0, ignore_eos=True, allowed_token_ids=list(range(97, 123)))
+    text = default_llm.generate("zz", SamplingParams(**letters))[0].outputs[0].text  # one letter per token
+    stop = text[1:3]
+    assert default_llm.generate("zz", SamplingParams(**letters, stop=stop))[0].outputs[0].text == text[:1]
+    for min_tokens in (2, 5, 12):
+        later = text.find(stop, min_tokens - len(stop) + 1)
+        out = default_llm.generate("zz", SamplingParams(**letters, stop=stop, min_tokens=min_tokens))[0].outputs[0]
+        assert out.text == (text if later < 0 else text[:later])
+        assert out.finish_reason == ("length" if later < 0 else "stop")
 
 
 def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_llm):

@@ -101,6 +101,7 @@ def test_vllm_flag_names():
     assert not parse_args(["--disable-log-requests"]).enable_log_requests
     assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
     assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
+    assert parse_args(["--trust-request-chat-template"]).trust_request_chat_template
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
     assert args.allowed_origins == ["https://a.example"] and args.allow_credentials and args.allowed_methods == ["*"]
     for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"],
