@@ -195,12 +195,13 @@ class ResponseBuilder:
         added = {**item, "content": []} if item["type"] == "message" else item  # (its part comes next)
         yield self._emit("response.output_item.added", output_index=len(self.output) - 1, item=added)
 
-    def _close(self) -> Iterator[str]:
+    def _close(self, status: str = "completed") -> Iterator[str]:
+        """Close the open item; "incomplete" where the output ran out in it."""
         item, self.open = self.open, None
         if item is None:
             return
         index = len(self.output) - 1
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
             if self.pending_logprobs:
@@ -254,8 +255,8 @@ class ResponseBuilder:
         output reached max_output_tokens). `usage` is the chat usage."""
         if not self.output:  # an empty answer is still a message
             yield from self._open_message()
-        yield from self._close()
         incomplete = finish_reason == "length"
+        yield from self._close("incomplete" if incomplete else "completed")
         self.response.update(
             status="incomplete" if incomplete else "completed",
             incomplete_details={"reason": "max_output_tokens"} if incomplete else None,

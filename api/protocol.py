@@ -64,6 +64,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     value = body.get(name)
     if value is None:
         return default
+    if integer and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 5.0 is 5, as vLLM's request models read it
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise APIError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)

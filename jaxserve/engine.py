@@ -52,7 +52,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    cumulative_logprob: float  # sum of the sampled tokens' logprobs (see sampling.sample)
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs; None without logprobs (vLLM's)
     finish_reason: str | None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS or length
     # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
@@ -354,7 +354,8 @@ class LLM:
 
     def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
         outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
-                                    cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
+                                    cumulative_logprob=None if s.params.logprobs is None else s.cumulative_logprob,
+                                    finish_reason=s.finish_reason,
                                     stop_reason=s.stop_reason,
                                     logprobs=None if s.params.logprobs is None else
                                     logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,

@@ -108,10 +108,10 @@ def test_stream_usage_option(client):
     assert two[-1].usage.completion_tokens == 24
 
 
-@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-def test_max_tokens_with_ignore_eos_is_exact(client, field):
+@pytest.mark.parametrize("field,value", [("max_tokens", 37), ("max_completion_tokens", 37), ("max_tokens", 37.0)])
+def test_max_tokens_with_ignore_eos_is_exact(client, field, value):
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, seed=3,
-                                       extra_body={"ignore_eos": True, field: 37})
+                                       extra_body={"ignore_eos": True, field: value})
     assert r.usage.completion_tokens == 37 and r.choices[0].finish_reason == "length"
 
 
@@ -154,6 +154,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "seed": 1.5}, 400, "seed"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "a", "ignore_eos": "yes"}, 400, "ignore_eos"),
     ("/v1/completions", {"prompt": "a", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -361,6 +362,7 @@ def test_responses_api_is_the_chat_answer(client):
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert item.status == "incomplete"  # the output ran out in it
     assert r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
     assert r.usage.total_tokens == r.usage.input_tokens + 12
@@ -373,6 +375,7 @@ def test_responses_api_is_the_chat_answer(client):
                           "response.incomplete"]
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 12
+    assert events[-2].item.status == "incomplete"
 
 
 def test_responses_api_logprobs_tools_and_errors(served, client):

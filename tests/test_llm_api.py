@@ -28,7 +28,11 @@ def test_prompt_forms_and_output_shape(default_llm):
     assert by_ids.outputs[0].token_ids == out.token_ids == by_dict.outputs[0].token_ids
     assert len(out.token_ids) == 6 and out.finish_reason == "length" and by_text[0].finished
     assert out.text == default_llm.tokenizer.decode(ids + out.token_ids)[len(default_llm.tokenizer.decode(ids)):]
-    assert out.cumulative_logprob < 0
+    assert out.cumulative_logprob is None  # as vLLM's, without logprobs
+    scored = default_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                          logprobs=0))[0].outputs[0]
+    assert scored.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(scored.token_ids,
+                                                                                       scored.logprobs)), abs=1e-4)
 
 
 def test_default_max_tokens_is_16_and_list_of_params(default_llm):
@@ -215,8 +219,8 @@ def test_beam_search_as_vllms(default_llm, monkeypatch):
     from jaxserve import BeamSearchParams
 
     prompt = [11, 12, 13]
-    greedy = default_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                                  use_tqdm=False)[0].outputs[0]
+    greedy = default_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                           logprobs=0), use_tqdm=False)[0].outputs[0]
     (one,) = default_llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=6))[0].sequences
     assert one.tokens == prompt + greedy.token_ids and abs(one.cum_logprob - greedy.cumulative_logprob) < 1e-4
     assert one.text == default_llm.tokenizer.decode(one.tokens) and one.finish_reason == "length"
