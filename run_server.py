@@ -31,7 +31,7 @@ from api.protocol import Limits
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.config import DTYPES
+from jaxserve.config import DTYPES, LOGPROBS_MODES
 from jaxserve.engine import build_engine
 from jaxserve.sharding import initialize_distributed, is_leader
 
@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-memory-fraction", "--gpu-memory-utilization", type=float, default=None,
                    help="size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted")
     p.add_argument("--seed", type=int, default=0, help="seeds the requests that set none")
+    p.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what logprobs are of: raw_logprobs, the model's own distribution (vLLM's default), or "
+                        "processed_logprobs, the one the token is drawn from (after penalties, temperature, top-k/p)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="devices to split weights and KV cache over (multi-host: all devices of all processes)")
     p.add_argument("--coordinator-address", default=None, help="multi-host: HOST:PORT of process 0's coordinator")
@@ -179,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         kv_cache_dtype=args.kv_cache_dtype, generation_config=args.generation_config, tokenizer=args.tokenizer,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
-        tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching)
+        tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
+        logprobs_mode=args.logprobs_mode)
     if not is_leader():
         follow(engine)
         return

@@ -171,6 +171,9 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 DEFAULT_MAX_MODEL_LEN = 8192  # unless asked for more: long contexts cost cache and compile time
 DTYPES = ("float32", "bfloat16")  # what weights, activations and the KV cache can be
+# what sampled tokens' logprobs are of (vLLM's --logprobs-mode; see sampling.sample): the model's own
+# distribution, or the one the token is drawn from
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
@@ -201,6 +204,7 @@ class EngineConfig:
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
+    logprobs_mode: str = "raw_logprobs"  # what logprobs are of (sampling.LOGPROBS_MODES; vLLM's names)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -208,6 +212,8 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
                              + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):

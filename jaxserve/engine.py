@@ -259,13 +259,15 @@ class LLM:
                  page_size: int | None = None, block_size: int | None = None, num_pages: int | None = None,
                  kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                  seed: int = 0, tensor_parallel_size: int = 1, enable_prefix_caching: bool = True,
-                 generation_config: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False):
+                 generation_config: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False,
+                 logprobs_mode: str = "raw_logprobs"):
         """vLLM's arguments under vLLM's names: `block_size` is `page_size` (tokens per KV page, 16 if
         neither is given), `gpu_memory_utilization` is `kv_cache_memory_fraction` (the share of
         device memory, host RAM on CPU, for weights and KV cache together). `dtype` "auto" is the
         checkpoint's own; `kv_cache_dtype` "auto" is `dtype`. `generation_config` ("auto", "vllm" or
         a directory) gives `get_default_sampling_params` (`config.sampling_defaults`); `tokenizer`
-        (a directory) replaces the model's tokenizer.
+        (a directory) replaces the model's tokenizer. `logprobs_mode` (vLLM's): "raw_logprobs", the
+        model's own distribution, or "processed_logprobs", the one each token is drawn from.
         `trust_remote_code` is accepted for vLLM's scripts: jaxserve runs no code from a checkpoint
         either way."""
         if jax.process_count() > 1:
@@ -277,7 +279,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=_either("page_size", page_size, "block_size", block_size) or 16, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            generation_config=generation_config, tokenizer=tokenizer)
+            generation_config=generation_config, tokenizer=tokenizer, logprobs_mode=logprobs_mode)
         self._request_ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

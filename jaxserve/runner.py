@@ -97,7 +97,7 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_sharding: NamedSharding,
-                 replicated: NamedSharding):
+                 replicated: NamedSharding, logprobs_mode: str):
     """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
     tokens and logprobs of every row, the prompt logprobs the plan asks for (`prompt_rows`,
     `prompt_targets`), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -107,7 +107,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
     closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
     copies, pending rows, model inputs, sampling tensors, prompt targets; see `Runner.prepare`).
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
-    the samples come out `replicated`, so any process can read them."""
+    the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, SampleOutput, PromptLogprobs, jax.Array]:
@@ -124,7 +124,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_shardin
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
             kv, logits, hidden = forward(graphdef, state, kv, inputs)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, prompt_rows, prompt_targets)
-        out = sample(logits, sampling)
+        out = sample(logits, sampling, logprobs_mode)
         return kv, out, prompt, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated, replicated))
@@ -146,7 +146,8 @@ class Runner:
         self.weights, state_treedef = jax.tree.flatten(state)
         plan_treedef = jax.tree.structure(self.prepare(ScheduledBatch(rows=[], num_tokens=0, preempted=[]),
                                                        config.step_buckets[0]))
-        self.step_fn = make_step_fn(graphdef, state_treedef, plan_treedef, kv_sharding, replicated)
+        self.step_fn = make_step_fn(graphdef, state_treedef, plan_treedef, kv_sharding, replicated,
+                                    config.logprobs_mode)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)

@@ -3,15 +3,16 @@
 Every per-request setting becomes a row of an array (`SamplingTensors`), so a
 single compiled `sample` serves any mix of greedy and random rows, penalties,
 biases and logprobs. A row's random key is a function of (seed, position of the
-token being sampled) only, so a seeded request gives the same tokens alone or
+token being sampled) only, so a seeded request draws the same numbers alone or
 in any batch, and after a preemption.
 
 The order, as in vLLM: the allowed-token mask (a grammar's, `allowed_token_ids`); logit bias;
 min_tokens (EOS and stop ids masked); repetition, frequency and presence penalties; then greedy
 rows take the argmax, and the others apply temperature, top-k, min-p and top-p and draw.
-Logprobs are those of the distribution the token was drawn from: the processed logits at
-temperature 1 for greedy rows, the tempered and filtered distribution otherwise. Prompt
-logprobs (`prompt_logprobs`) are those of the model's own distribution.
+Logprobs are, as vLLM's by default, those of the model's own distribution (the logits as they
+come out of the model); with `logprobs_mode="processed_logprobs"` those of the distribution the
+token was drawn from: the processed logits at temperature 1 for greedy rows, the tempered and
+filtered distribution otherwise. Prompt logprobs (`prompt_logprobs`) are always the model's own.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config import LOGPROBS_MODES
 from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
@@ -300,7 +302,7 @@ class SamplingTensors:
 @flax.struct.dataclass
 class SampleOutput:
     tokens: jax.Array  # i32[B]
-    logprobs: jax.Array  # f32[B] of each token
+    logprobs: jax.Array  # f32[B] of each token (raw_logprobs: 0 where no row asked for logprobs)
     ranks: jax.Array  # i32[B] 1 + how many tokens are likelier than it (0 where no row asked for logprobs)
     top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[B, K]
@@ -388,13 +390,20 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, t)
 
 
-def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
+def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs") -> SampleOutput:
     """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
 
     No step sorts the vocabulary: greedy rows take the argmax; top-k, min-p and top-p become one
     logit threshold per row, read off the CANDIDATES largest logits (a full sort only for the rare row
     whose top-k or nucleus reaches past them); the draw inverts the CDF over the whole vocabulary.
-    The top logprobs are computed only when some row asks for them."""
+    The top logprobs are computed only when some row asks for them. `logprobs_mode` (vLLM's) says
+    which distribution they are of: "raw_logprobs", the model's own (the logits as they come, before
+    any sampling setting), or "processed_logprobs", the one the token is drawn from (after the
+    mask, bias, penalties, temperature and the top-k / min-p / top-p cut; a token cut is -inf)."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
+    processed = logprobs_mode == "processed_logprobs"
+    raw_logits = logits
     logits = process_logits(logits, t)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
@@ -412,25 +421,51 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SampleOutput:
         return (jnp.full(num_rows, -jnp.inf), jnp.ones(num_rows, bool), jnp.full((num_rows, k), -jnp.inf),
                 jnp.zeros((num_rows, k), jnp.int32))
 
-    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | t.wants_top), lambda: top(candidates),
-                                                         no_top)
+    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | (t.wants_top & processed)),
+                                                         lambda: top(candidates), no_top)
     if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
         threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
     threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
+    def normaliser():
+        return jax.nn.logsumexp(kept, axis=-1, keepdims=True)
+
+    log_norm = normaliser() if processed else None  # (else only a draw needs it)
 
     def draw():
         keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+        return _inverse_cdf(jnp.exp(kept - (log_norm if processed else normaliser())),
+                            jax.vmap(jax.random.uniform)(keys))
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    if not processed:
+        return _model_logprobs(raw_logits, tokens, t, k)
     chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
     logprobs = chosen[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
     ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: _rank(kept, chosen), lambda: jnp.zeros(num_rows, jnp.int32))
     return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
+    """The sampled tokens' logprobs, ranks and the top k under the model's own distribution (the
+    log-softmax of the logits as they come); computed only when some row asks for logprobs (zeros
+    otherwise)."""
+    num_rows = logits.shape[0]
+
+    def no_top():
+        return jnp.full((num_rows, k), -jnp.inf), jnp.zeros((num_rows, k), jnp.int32)
+
+    def scored():
+        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
+        top_logprobs, top_ids = jax.lax.cond(jnp.any(t.wants_top), lambda: tuple(jax.lax.top_k(logprobs, k)), no_top)
+        return chosen[:, 0], _rank(logprobs, chosen), top_logprobs, top_ids.astype(jnp.int32)
+
+    chosen, ranks, top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(t.wants_rank), scored, lambda: (jnp.zeros(num_rows), jnp.zeros(num_rows, jnp.int32), *no_top()))
+    return SampleOutput(tokens=tokens, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
 
 
 def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:

@@ -4,6 +4,7 @@ logprobs, n, echo; plus /metrics, /tokenize and /detokenize."""
 from __future__ import annotations
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server import ENGINE, MAX_MODEL_LEN, MODEL, post
@@ -184,6 +185,21 @@ def test_chat_echo_repeats_the_assistant_message_it_continues(client):
     after_user = dict(model=MODEL, messages=messages[:1], max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})
     assert client.chat.completions.create(**after_user).choices[0].message.content == client.chat.completions.create(
         **{**after_user, "extra_body": {"ignore_eos": True, "echo": True}}).choices[0].message.content
+
+
+def test_logprobs_are_the_models_own_distribution(client):
+    """vLLM's default logprobs_mode (raw_logprobs): what sampling settings did to the draw does not
+    show in the logprobs. A token's logprob, sampled under temperature, top_k, penalties and bias,
+    is the one scoring the same text gives (echo, max_tokens 0)."""
+    prompt = [114, 97, 119]
+    sampled = completion(client, prompt=prompt, max_tokens=6, temperature=1.5, presence_penalty=1.0, seed=2,
+                         logprobs=3, logit_bias={"101": 3},
+                         extra_body={"top_k": 2, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = sampled.choices[0].logprobs
+    assert all(len(top) >= 3 and min(top.values()) > -100 for top in lp.top_logprobs)  # top_k cut none of them
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    scored = completion(client, prompt=prompt + ids, max_tokens=0, echo=True, logprobs=0).choices[0].logprobs
+    np.testing.assert_allclose(scored.token_logprobs[len(prompt):], lp.token_logprobs, atol=2e-4)
 
 
 def test_echo_with_logprobs_scores_the_prompt(served, client):

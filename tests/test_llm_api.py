@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -46,8 +47,12 @@ def test_default_max_tokens_is_16_and_list_of_params(default_llm):
 def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     _, src = hf_checkpoint("llama")
     prompt = [5, 6, 7, 8]
-    free = LLM(str(src), **SMALL_ENGINE).generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
+    processed = LLM(str(src), logprobs_mode="processed_logprobs", **SMALL_ENGINE)  # (also: vLLM's logprobs_mode)
+    free = processed.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))
     tokens = free[0].outputs[0].token_ids
+    pair = SamplingParams(max_tokens=1, temperature=0.0, allowed_token_ids=[3, 9], logprobs=0)
+    (drawn,) = processed.generate([prompt], pair)[0].outputs  # the distribution drawn from: two tokens
+    assert drawn.logprobs[0][drawn.token_ids[0]].logprob >= math.log(0.5) - 1e-6
     assert len(tokens) == 12  # this checkpoint has no EOS
     eos = tokens[4]
     d = shutil.copytree(src, tmp_path / "with-eos")
@@ -64,6 +69,8 @@ def test_stops_at_any_eos_id_of_generation_config(hf_checkpoint, tmp_path):
     out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0))[0].outputs[0]
     first = tokens.index(eos)
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop" and out.stop_reason is None
+    (raw,) = llm.generate([prompt], pair)[0].outputs  # the default, raw_logprobs: the model's own distribution
+    assert raw.token_ids == drawn.token_ids and raw.logprobs[0][raw.token_ids[0]].logprob < math.log(0.5) - 0.1
     # vLLM's --generation-config auto: the file's sampling settings are the defaults (top_k 50 is
     # transformers' own default, not the model's choice; do_sample is not read)
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=12)

@@ -102,9 +102,11 @@ def test_vllm_flag_names():
     assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
     assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
     assert parse_args(["--trust-request-chat-template"]).trust_request_chat_template
+    assert parse_args([]).logprobs_mode == "raw_logprobs"
+    assert parse_args(["--logprobs-mode", "processed_logprobs"]).logprobs_mode == "processed_logprobs"
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
     assert args.allowed_origins == ["https://a.example"] and args.allow_credentials and args.allowed_methods == ["*"]
-    for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"],
+    for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
                   ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)

@@ -15,7 +15,7 @@ from jaxserve.sampling import SamplingRow, SamplingTensors, sample
 VOCAB = 12
 LOGITS = np.random.default_rng(0).normal(0.0, 1.5, size=VOCAB).astype(np.float32)
 ROWS = 4000
-_jit_sample = jax.jit(sample)
+_jit_sample = jax.jit(sample, static_argnames="logprobs_mode")
 
 
 def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int,
@@ -25,8 +25,8 @@ def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int]
     return SamplingTensors.from_rows(rows, num_rows, vocab, history_len=32)
 
 
-def _sample(logits, t):
-    out = _jit_sample(logits, t)
+def _sample(logits, t, logprobs_mode: str = "raw_logprobs"):
+    out = _jit_sample(logits, t, logprobs_mode)
     return out.tokens, out.logprobs
 
 
@@ -218,8 +218,9 @@ def test_logit_bias_and_min_tokens_masking():
 
 
 def test_top_logprobs_are_sorted_and_the_greedy_token_is_first():
+    """processed_logprobs: those of the distribution drawn from (here: tempered)."""
     params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(temperature=0.8, logprobs=5)]
-    out = _jit_sample(np.tile(LOGITS, (2, 1)), tensors(params, [1, 2], [0, 0], 2))
+    out = _jit_sample(np.tile(LOGITS, (2, 1)), tensors(params, [1, 2], [0, 0], 2), "processed_logprobs")
     top = np.asarray(out.top_logprobs)
     assert (np.diff(top, axis=1) <= 0).all()
     assert int(out.top_ids[0, 0]) == int(out.tokens[0]) == int(np.argmax(LOGITS))
@@ -230,16 +231,41 @@ def test_top_logprobs_are_sorted_and_the_greedy_token_is_first():
         int(out.tokens[1])], rtol=1e-5)
 
 
+def test_raw_logprobs_are_the_models_own_whatever_the_sampling_settings():
+    """vLLM's default logprobs_mode: the sampled token's logprob, its rank and the top k are those
+    of the logits' log-softmax (float64 reference), not of the penalised, tempered, cut or masked
+    distribution it was drawn from; the draw itself is the same in both modes."""
+    params = [SamplingParams(temperature=0.7, top_k=3, presence_penalty=1.5, logit_bias={5: 4.0}, seed=4, logprobs=5),
+              SamplingParams(temperature=0.0, allowed_token_ids=[3, 11], logprobs=2),
+              SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1, logprobs=0, seed=9)]
+    t = tensors(params, [4, 0, 9], [3, 3, 3], 3, histories=[[1, 2, 5]] * 3)
+    raw = _jit_sample(np.tile(LOGITS, (3, 1)), t, "raw_logprobs")
+    processed = _jit_sample(np.tile(LOGITS, (3, 1)), t, "processed_logprobs")
+    np.testing.assert_array_equal(raw.tokens, processed.tokens)
+    reference = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
+    for row, token in enumerate(np.asarray(raw.tokens).tolist()):
+        assert abs(float(raw.logprobs[row]) - reference[token]) < 1e-5
+        assert int(raw.ranks[row]) == 1 + int((reference > reference[token]).sum())
+        assert abs(float(processed.logprobs[row]) - reference[token]) > 1e-3  # the settings did change those
+    np.testing.assert_allclose(np.asarray(raw.top_logprobs[0]), np.sort(reference)[::-1][:raw.top_logprobs.shape[1]],
+                               rtol=1e-5)
+    assert np.asarray(raw.top_ids[0, :2]).tolist() == np.argsort(-reference)[:2].tolist()
+    assert np.isfinite(np.asarray(raw.top_logprobs[0])).all()  # nothing cut: top-k applies to the draw only
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        sample(LOGITS[None], t, "raw_logits")
+
+
 def test_allowed_token_ids_restrict_the_draw_and_the_argmax():
     """vLLM's `allowed_token_ids`: rows sample only from their set, each row its own, and the
-    logprobs are those of the distribution renormalised over it; rows without one are untouched."""
+    processed logprobs are those of the distribution renormalised over it; rows without one are untouched."""
     allowed = [1, 4, 9]
     assert set(draw(SamplingParams(temperature=1.0, allowed_token_ids=allowed))) == set(allowed)
     best = allowed[int(np.argmax(LOGITS[allowed]))]
     assert set(draw(SamplingParams(temperature=0.0, allowed_token_ids=allowed), rows=16)) == {best}
     params = [SamplingParams(temperature=0.0, allowed_token_ids=[2]), SamplingParams(temperature=0.0),
               SamplingParams(temperature=0.0, allowed_token_ids=[3, 11], logprobs=0)]
-    tokens, logprobs = _sample(np.tile(LOGITS, (3, 1)), tensors(params, [0, 0, 0], [0, 0, 0], 3))
+    tokens, logprobs = _sample(np.tile(LOGITS, (3, 1)), tensors(params, [0, 0, 0], [0, 0, 0], 3),
+                               "processed_logprobs")
     assert np.asarray(tokens).tolist() == [2, int(np.argmax(LOGITS)), [3, 11][int(np.argmax(LOGITS[[3, 11]]))]]
     pair = LOGITS[[3, 11]].astype(np.float64)
     assert abs(float(logprobs[2]) - (pair.max() - np.log(np.exp(pair).sum()))) < 1e-5
