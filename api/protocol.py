@@ -91,7 +91,6 @@ _NOT_YET = {
     "suffix": lambda v: bool(v),
     "logits_processors": lambda v: bool(v),
     "priority": lambda v: v not in (None, 0),
-    "spaces_between_special_tokens": lambda v: v is False,
 }
 
 
@@ -306,6 +305,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
         ignore_eos=_bool(body, "ignore_eos"),
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         logprobs=_logprobs(body, chat),
         prompt_logprobs=prompt_logprobs,

@@ -117,7 +117,8 @@ class OutputProcessor:
     def _process(self, seq: Sequence) -> SequenceOutput:
         state = self._states.get(seq.seq_id)
         if state is None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
+                                                 seq.params.spaces_between_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
         new_logprobs = seq.logprobs[state.num_tokens:]

@@ -70,6 +70,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
     skip_special_tokens: bool = True  # leave special tokens out of the text
+    spaces_between_special_tokens: bool = True  # the tokenizer's decode option (see Tokenizer.decode)
     detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)

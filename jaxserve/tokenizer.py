@@ -44,9 +44,13 @@ class Tokenizer:
         """Token ids of a prompt, with the special tokens the model expects (e.g. BOS) unless told not to."""
         return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of ids, special tokens (EOS, ...) left out unless told otherwise."""
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of ids, special tokens (EOS, ...) left out unless told otherwise. A tokenizer that
+        joins added tokens with spaces (transformers' Python ones) does so unless told otherwise;
+        the tokenizers library's never does, as vLLM finds too."""
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                              spaces_between_special_tokens=spaces_between_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -118,17 +122,19 @@ class IncrementalDetokenizer:
 
     PROMPT_CONTEXT = 5  # prompt tokens the window starts on
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.options = dict(skip_special_tokens=skip_special_tokens,
+                            spaces_between_special_tokens=spaces_between_special_tokens)
         self.ids = list(prompt_ids[-self.PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""  # every delta emitted so far
 
     def _pending(self) -> str:
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.options)
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.options)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
 
     def push(self, token_ids: list[int]) -> str:

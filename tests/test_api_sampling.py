@@ -247,6 +247,9 @@ def test_vllm_token_controls(served, client):
     eos = dict(max_tokens=3, temperature=0.0, logit_bias={str(IM_END_ID): 100})
     kept = completion(client, prompt="eos", **eos, extra_body={"ignore_eos": True, "skip_special_tokens": False})
     assert kept.choices[0].text == "<|im_end|>" * 3
+    joined = completion(client, prompt="eos", **eos, extra_body={"ignore_eos": True, "skip_special_tokens": False,
+                                                                 "spaces_between_special_tokens": False})
+    assert joined.choices[0].text == "<|im_end|>" * 3  # (the tokenizers library never spaces them, as vLLM finds)
     assert completion(client, prompt="eos", **eos, extra_body={"ignore_eos": True}).choices[0].text == ""
     cut = completion(client, prompt="a prompt cut to its end", max_tokens=1, echo=True,
                      extra_body={"truncate_prompt_tokens": 3})

@@ -114,3 +114,26 @@ def test_token_bytes_spell_the_text(tokenizer, text):
     ids = tokenizer.encode(text, add_special_tokens=False)
     spelled = b"".join(tokenizer.token_bytes(i) for i in ids).decode()
     assert spelled == text or spelled == " " + text  # SentencePiece marks the first word with a space
+
+
+def test_spaces_between_special_tokens_reach_the_tokenizers_decode(tmp_path):
+    """transformers' Python tokenizers put spaces between added tokens unless told not to
+    (`spaces_between_special_tokens`, vLLM's option); a stand-in for one shows the option reaches
+    every decode of the incremental detokenizer."""
+    real = byte_tokenizer(tmp_path)
+
+    class SpacingTokenizer:  # decodes as transformers' Python tokenizers do
+        added_tokens_decoder = real.hf.added_tokens_decoder
+
+        def decode(self, ids, skip_special_tokens, spaces_between_special_tokens):
+            parts = [real.hf.decode([i], skip_special_tokens=skip_special_tokens) for i in ids]
+            return (" " if spaces_between_special_tokens else "").join(p for p in parts if p)
+
+    tokenizer = Tokenizer.__new__(Tokenizer)
+    tokenizer.hf = SpacingTokenizer()
+    specials = [256, 257, 258]
+    for spaces, want in ((True, " <|begin_of_text|> <|end_of_text|> <|im_start|>"),
+                         (False, "<|begin_of_text|><|end_of_text|><|im_start|>")):
+        detok = IncrementalDetokenizer(tokenizer, [104], skip_special_tokens=False,
+                                       spaces_between_special_tokens=spaces)
+        assert "".join(detok.push([t]) for t in specials) + detok.flush() == want
