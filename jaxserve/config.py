@@ -204,7 +204,7 @@ class EngineConfig:
     kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
-    logprobs_mode: str = "raw_logprobs"  # what logprobs are of (sampling.LOGPROBS_MODES; vLLM's names)
+    logprobs_mode: str = "raw_logprobs"  # what logprobs are of (LOGPROBS_MODES, vLLM's names)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
