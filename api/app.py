@@ -32,6 +32,8 @@ from api.tool_parsers import ToolParser, parser_for_template
 from api.tools import ChoiceTools
 from jaxserve.async_engine import AsyncEngine, Update
 from jaxserve.beam_search import BeamSearchParams
+from jaxserve.engine import Logprob
+from jaxserve.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +181,13 @@ class _Choices:
         return prompt_logprobs(self.tokenizer, self.req.prompts[p], self.prompt_logprobs[p] or [])
 
 
+def _round_logprobs(token: int, candidates: dict[int, Logprob], k: int) -> TokenLogprobs:
+    """A beam search round's candidates as the sampler's logprobs of `token`: its own and the top k."""
+    top = sorted(candidates.items(), key=lambda item: item[1].rank)[:k]
+    chosen = candidates[token]
+    return chosen.logprob, chosen.rank, [t for t, _ in top], [lp.logprob for _, lp in top]
+
+
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy()) -> Quart:
@@ -263,16 +272,23 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         if log_requests:
             log.info("request %s: prompt tokens %s, %s", request_id, [len(ids) for ids in req.prompts],
                      req.beam or req.params)
-        run = beam_search if req.beam is not None else engine.generate
-        return [metrics.timed(run(f"{request_id}-{i}", ids, req.beam or req.params), req.params.n)
+        return [metrics.timed(beam_search(f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
+                              if req.beam is not None else engine.generate(f"{request_id}-{i}", ids, req.params),
+                              req.params.n)
                 for i, ids in enumerate(req.prompts)]
 
-    async def beam_search(request_id: str, ids: list[int], params: BeamSearchParams) -> AsyncIterator[Update]:
-        """The best beams, best first, as the n choices' one update each (once the search is over)."""
+    async def beam_search(request_id: str, ids: list[int], params: BeamSearchParams,
+                          logprobs: int | None) -> AsyncIterator[Update]:
+        """The best beams, best first, as the n choices' one update each (once the search is over).
+        With `logprobs` k, each token's are those of the round that chose it: its logprob and rank,
+        and the top k of the 2 x n candidates the round weighed (as vLLM's, at most 2 x n)."""
         result = await engine.beam_search(request_id, ids, params)
         for index, beam in enumerate(result.sequences):
             tokens = beam.tokens[len(ids):]
-            yield Update(index=index, text=beam.text, token_ids=tokens, logprobs=[], num_prompt_tokens=len(ids),
+            yield Update(index=index, text=beam.text, token_ids=tokens, num_prompt_tokens=len(ids),
+                         logprobs=[] if logprobs is None else [
+                             _round_logprobs(token, candidates, logprobs)
+                             for token, candidates in zip(tokens, beam.logprobs)],
                          num_cached_tokens=0, num_output_tokens=len(tokens), finish_reason=beam.finish_reason,
                          stop_reason=None)  # (an EOS, as a sampled one reports it)
 

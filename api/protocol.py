@@ -96,8 +96,7 @@ _NOT_YET = {
 
 # With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
 _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-                 "repetition_penalty": (1,), "min_tokens": (0,), "top_logprobs": (0,),
-                 "prompt_logprobs": (), "stop": ("", []), "stop_token_ids": ([],), "logit_bias": ({},),
+                 "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ("", []), "stop_token_ids": ([],), "logit_bias": ({},),
                  "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
                  "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
                  "structured_outputs": ()}
@@ -105,14 +104,14 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
 
 def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
     """vLLM's `use_beam_search` (with `length_penalty`): the request's n best beams become its n
-    choices. Sampling controls that beam search has no use for are a 400, not ignored."""
+    choices (logprobs: see `app.beam_search`). Sampling controls that beam search has no use for
+    are a 400, not ignored."""
     if not _bool(body, "use_beam_search"):
         if body.get("length_penalty") not in (None, 1):
             raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
         return req
-    logprobs = body.get("logprobs")  # (completions' 0 asks for the sampled tokens' own)
-    refused = (["logprobs"] if logprobs is not None and logprobs is not False else []) + [
-        name for name, neutral in _BEAM_NEUTRAL.items() if body.get(name) is not None and body[name] not in neutral]
+    refused = [name for name, neutral in _BEAM_NEUTRAL.items()
+               if body.get(name) is not None and body[name] not in neutral]
     if refused:
         raise APIError(f"'{refused[0]}' cannot be combined with 'use_beam_search'", param=refused[0])
     params = req.params

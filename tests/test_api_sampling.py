@@ -89,8 +89,21 @@ def test_beam_search_through_the_api_as_offline(served, client, offline):
                                            n=2, extra_body={"use_beam_search": True})
     assert {i: "".join(filter(None, parts)) for i, parts in streamed.items()} == {
         c.index: c.message.content for c in whole.choices}
-    for bad, param in (({"top_p": 0.5}, "top_p"), ({"logprobs": 0}, "logprobs"), ({"stop": ["a"]}, "stop"),
-                       ({"n": 11}, "n")):
+    # logprobs: those of the rounds that chose each token (the top k of the 2 x n candidates), as offline
+    scored = completion(client, prompt=prompt, max_tokens=6, n=3, logprobs=2,
+                        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_tokens_as_token_ids": True})
+    for choice, beam in zip(scored.choices, want[0].sequences):
+        assert choice.text == offline.tokenizer.decode(beam.tokens[3:])
+        for token, logprob, top, candidates in zip(beam.tokens[3:], choice.logprobs.token_logprobs,
+                                                   choice.logprobs.top_logprobs, beam.logprobs):
+            assert logprob == pytest.approx(candidates[token].logprob, abs=1e-5)
+            best = sorted(candidates.items(), key=lambda item: item[1].rank)[:2]
+            assert len(top) <= 3 and all(top[f"token_id:{t}"] == pytest.approx(lp.logprob, abs=1e-5) for t, lp in best)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2,
+                                          logprobs=True, top_logprobs=3, extra_body={"use_beam_search": True})
+    assert sum(len(c.logprobs.content) for c in chat.choices) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 3 for c in chat.choices for entry in c.logprobs.content)
+    for bad, param in (({"top_p": 0.5}, "top_p"), ({"stop": ["a"]}, "stop"), ({"n": 11}, "n")):
         refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "use_beam_search": True, **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
     refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "length_penalty": 2.0})
