@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="jaxserve: an OpenAI-compatible LLM server on JAX")
     p.add_argument("--model", default=None,
                    help=f"HF checkpoint directory or hub id (default: the built-in {DEFAULT_MODEL_NAME}, random weights)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model name clients send (default: --model); with several, any of them, and "
+                        "responses carry the first (as vLLM's)")
     p.add_argument("--tokenizer", default=None,
                    help="a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
     p.add_argument("--host", default="127.0.0.1")
@@ -188,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         follow(engine)
         return
     async_engine = AsyncEngine(engine, tokenizer)
-    limits = Limits(served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
+    names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
+    limits = Limits(served_model_name=names[0], other_model_names=tuple(names[1:]),
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,
                     sampling_defaults=engine.sampling_defaults,
                     trust_request_chat_template=args.trust_request_chat_template)

@@ -251,18 +251,18 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     async def prometheus():
         return Response(metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def model_card() -> dict:
-        return {"id": limits.served_model_name, "object": "model", "created": now(), "owned_by": "jaxserve",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": now(), "owned_by": "jaxserve",
                 "max_model_len": limits.max_model_len}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in limits.model_names]}
 
     @app.get("/v1/models/<path:model>")
     async def model(model: str):
         check_model({"model": model}, limits)
-        return model_card()
+        return model_card(model)
 
     @app.get("/version")
     async def version():

@@ -35,13 +35,18 @@ class APIError(Exception):
 
 @dataclasses.dataclass
 class Limits:
-    served_model_name: str
+    served_model_name: str  # the name responses carry
     max_model_len: int
     vocab_size: int
     # the model's sampling defaults (`Engine.sampling_defaults`): for the fields a request leaves out;
     # a default max_tokens also caps the request's own
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template: requests may pass their own
+    other_model_names: tuple[str, ...] = ()  # more names requests may use (vLLM's --served-model-name A B ...)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return self.served_model_name, *self.other_model_names
 
 
 @dataclasses.dataclass
@@ -334,8 +339,9 @@ def _response_options(body: dict) -> dict:
 
 def check_model(body: dict, limits: Limits) -> None:
     model = body.get("model")
-    if model is not None and model != limits.served_model_name:
-        raise APIError(f"The model '{model}' does not exist; this server serves '{limits.served_model_name}'",
+    if model is not None and model not in limits.model_names:
+        raise APIError(f"The model '{model}' does not exist; this server serves "
+                       f"{', '.join(repr(name) for name in limits.model_names)}",
                        status=404, param="model", code="model_not_found")
 
 

@@ -475,3 +475,21 @@ def test_a_requests_chat_template_only_where_trusted(served):
         assert bad.status_code == 400
 
     asyncio.run(check())
+
+
+def test_several_served_model_names(served):
+    """vLLM's `--served-model-name A B`: requests may name either; /v1/models lists both; answers
+    carry the first."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, other_model_names=("alias",)))
+
+    async def check():
+        test = app.test_client()
+        listed = await (await test.get("/v1/models")).get_json()
+        assert [card["id"] for card in listed["data"]] == [MODEL, "alias"]
+        assert (await (await test.get("/v1/models/alias")).get_json())["id"] == "alias"
+        answer = await test.post("/v1/completions", json={"model": "alias", "prompt": "a", "max_tokens": 1})
+        assert answer.status_code == 200 and (await answer.get_json())["model"] == MODEL
+        unknown = await test.post("/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 1})
+        assert unknown.status_code == 404 and "'alias'" in (await unknown.get_json())["error"]["message"]
+
+    asyncio.run(check())

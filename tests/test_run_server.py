@@ -102,6 +102,7 @@ def test_vllm_flag_names():
     assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
     assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
     assert parse_args(["--trust-request-chat-template"]).trust_request_chat_template
+    assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert parse_args([]).logprobs_mode == "raw_logprobs"
     assert parse_args(["--logprobs-mode", "processed_logprobs"]).logprobs_mode == "processed_logprobs"
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
