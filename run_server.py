@@ -34,6 +34,7 @@ from jaxserve.async_engine import AsyncEngine
 from jaxserve.config import DTYPES, LOGPROBS_MODES
 from jaxserve.engine import build_engine
 from jaxserve.sharding import initialize_distributed, is_leader
+from jaxserve.tokenizer import CONTENT_FORMATS
 
 log = logging.getLogger("jaxserve.server")
 # seconds between stats lines: vLLM's 10, or JAXSERVE_LOG_STATS_INTERVAL (as VLLM_LOG_STATS_INTERVAL)
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the sampling defaults of requests come from: auto (the model's "
                         "generation_config.json), vllm (none: vLLM's neutral defaults), or a directory holding one")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    p.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="how message content reaches the chat template: string (text parts joined), openai (a "
+                        "list of parts), or auto (openai where the template loops over a message's content)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests pass their own chat_template (default: such requests are a 400, as in vLLM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> None:
     limits = Limits(served_model_name=names[0], other_model_names=tuple(names[1:]),
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,
                     sampling_defaults=engine.sampling_defaults,
-                    trust_request_chat_template=args.trust_request_chat_template)
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    chat_template_content_format=args.chat_template_content_format)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,

@@ -17,9 +17,8 @@ from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from jaxserve.sampling import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS, SamplingParams
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
-from jaxserve.tokenizer import Tokenizer, template_options_error
+from jaxserve.tokenizer import Tokenizer, message_text, template_message, template_options_error
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 MAX_STOP = 4  # stop strings per request (OpenAI's bound)
 
 
@@ -43,6 +42,7 @@ class Limits:
     sampling_defaults: dict = dataclasses.field(default_factory=dict)
     trust_request_chat_template: bool = False  # vLLM's --trust-request-chat-template: requests may pass their own
     other_model_names: tuple[str, ...] = ()  # more names requests may use (vLLM's --served-model-name A B ...)
+    chat_template_content_format: str = "auto"  # how message content reaches the template (CONTENT_FORMATS)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -360,9 +360,11 @@ def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: st
         params.max_tokens = max(1, min(cap, limits.max_model_len - len(ids)))
     wanted = len(ids) + (params.max_tokens or 1)
     if wanted > limits.max_model_len:
-        what = f"{len(ids)} prompt tokens" + (f" + {params.max_tokens} max_tokens" if params.max_tokens else "")
+        what = (f"{len(ids)} prompt tokens + {params.max_tokens} max_tokens = {wanted}. Shorten the prompt or "
+                f"lower max_tokens." if params.max_tokens else
+                f"{len(ids)} prompt tokens, which leave no room for an output token. Shorten the prompt.")
         raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens, but the request "
-                       f"has {what} = {wanted}. Shorten the prompt or lower max_tokens.", param=param)
+                       f"has {what}", param=param)
     return ids
 
 
@@ -397,45 +399,6 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
              for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, **options), body,
                         limits)
-
-
-def _message_text(message: dict, i: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(f"messages[{i}].content: only text parts are supported", param="messages")
-            parts.append(part["text"])
-        return "\n".join(parts)
-    raise APIError(f"messages[{i}].content must be a string or a list of text parts", param="messages")
-
-
-def _template_message(m: dict, i: int) -> dict:
-    """A message as chat templates expect it: developer -> system, text content, tool-call arguments decoded."""
-    role = {"developer": "system", "function": "tool"}.get(m["role"], m["role"])  # the deprecated roles
-    out = {**{k: v for k, v in m.items() if k != "content"}, "role": role, "content": _message_text(m, i)}
-    calls = m.get("tool_calls")
-    if calls is not None:
-        if not isinstance(calls, list):
-            raise APIError(f"messages[{i}].tool_calls must be a list", param="messages")
-        decoded = []
-        for call in calls:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise APIError(f"messages[{i}].tool_calls entries need function.name", param="messages")
-            args = fn.get("arguments", "{}")
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except ValueError:
-                raise APIError(f"messages[{i}]: tool call arguments are not JSON", param="messages") from None
-            decoded.append({**call, "function": {**fn, "arguments": args}})
-        out["tool_calls"] = decoded
-    return out
 
 
 def _template_options(body: dict, limits: Limits) -> dict:
@@ -497,11 +460,11 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
     options = _template_options(body, limits)
-    rendered = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
-            raise APIError(f"messages[{i}] needs a 'role' among {', '.join(CHAT_ROLES)}", param="messages")
-        rendered.append(_template_message(m, i))
+    try:
+        content_format = tokenizer.content_format(options.get("chat_template"), limits.chat_template_content_format)
+        rendered = [template_message(m, f"messages[{i}]", content_format) for i, m in enumerate(messages)]
+    except ValueError as e:
+        raise APIError(str(e), param="messages") from e
     try:
         text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None, **options)
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
@@ -509,6 +472,6 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     # (vLLM's default: the template holds the special tokens it wants)
     ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
     last = rendered[-1]
-    echoed = last["content"] if echo and last["role"] == "assistant" else ""
+    echoed = message_text(last) if echo and last["role"] == "assistant" else ""
     return GenerationRequest([_check_ids(ids, limits, params, "messages")], [echoed], params, echo=echo,
                              tools=tools if tools is not None and tools.mode != "none" else None, **response)

@@ -53,7 +53,7 @@ class ToolParser:
         return min(hits, default=-1)
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """-> (content before the calls, as streamed; None if blank; the calls). Unparseable: (text, [])."""
+        """-> (content before the calls, as streamed; None if empty; the calls). Unparseable: (text, [])."""
         start = self.find_start(text)
         if start < 0:
             return text, []
@@ -63,8 +63,7 @@ class ToolParser:
             return text, []
         if not calls:
             return text, []
-        content = text[:start]
-        return (content if content.strip() else None), calls
+        return (text[:start] or None), calls
 
     def _calls(self, text: str) -> list[ToolCall]:
         raise NotImplementedError

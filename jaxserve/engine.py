@@ -35,7 +35,7 @@ from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence, TokenLogprobs
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, template_message
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,10 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS or length
     # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
     logprobs: list[dict[int, Logprob]] | None = None
+
+    def finished(self) -> bool:
+        """vLLM's: whether the sequence has ended."""
+        return self.finish_reason is not None
 
 
 @dataclasses.dataclass
@@ -316,17 +320,22 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"}) or a list of them,
-        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat`: the
-        assistant's turn opened, or the last message continued (`continue_final_message`); `tools`
-        (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The reply is
-        text: tool calls in it are not parsed here."""
+             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto"
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
+        server render them (`tokenizer.template_message`: text parts joined, or kept as parts where
+        the template reads them, see `chat_template_content_format`; tool-call arguments decoded):
+        the assistant's turn opened, or the last message continued (`continue_final_message`);
+        `tools` (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The
+        reply is text: tool calls in it are not parsed here."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        content_format = self.tokenizer.content_format(chat_template, chat_template_content_format)
         prompts = []
         for conversation in conversations:
             text = self.tokenizer.apply_chat_template(
-                conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                [template_message(m, f"messages[{i}]", content_format) for i, m in enumerate(conversation)],
+                tools=tools, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template,
                 template_kwargs=chat_template_kwargs)
             # The template already holds the special tokens it wants.

@@ -17,6 +17,7 @@ filtered distribution otherwise. Prompt logprobs (`prompt_logprobs`) are always 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -140,6 +141,15 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> SamplingParams:
+        """vLLM's: the fields given, None standing for the default."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
+    def clone(self) -> SamplingParams:
+        """vLLM's: an independent copy."""
+        return copy.deepcopy(self)
 
     def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
         """`bad_words_token_ids` from `encode` (text -> ids, no special tokens), as vLLM forms them:

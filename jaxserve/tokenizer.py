@@ -14,6 +14,62 @@ from pathlib import Path
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+_DEPRECATED_ROLES = {"developer": "system", "function": "tool"}
+# how a message's content reaches the template (vLLM's --chat-template-content-format): as text, as
+# OpenAI's list of parts, or whichever the template reads ("auto", `Tokenizer.content_format`)
+CONTENT_FORMATS = ("auto", "string", "openai")
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
+
+
+def _text_parts(message: dict, where: str) -> list[str] | None:
+    """The texts of a message's content: [the string], its text parts, or None for no content."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return None if content is None else [content]
+    if not isinstance(content, list):
+        raise ValueError(f"{where}.content must be a string or a list of text parts")
+    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+               for part in content):
+        raise ValueError(f"{where}.content: only text parts are supported")
+    return [part["text"] for part in content]
+
+
+def message_text(message: dict, where: str = "message") -> str:
+    """A message's content as text: the string, or its text parts joined by newlines (as vLLM joins them)."""
+    return "\n".join(_text_parts(message, where) or [])
+
+
+def template_message(message: dict, where: str = "message", content_format: str = "string") -> dict:
+    """An OpenAI chat message as templates expect it, as vLLM renders it: developer -> system,
+    function -> tool (the deprecated roles); the content as text ("string") or as a list of text
+    parts ("openai"); tool-call arguments decoded from their JSON. ValueError, naming `where`, for a
+    message that cannot be."""
+    if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+        raise ValueError(f"{where} needs a 'role' among {', '.join(CHAT_ROLES)}")
+    parts = _text_parts(message, where)
+    content = ([{"type": "text", "text": p} for p in parts or []] if content_format == "openai"
+               else "\n".join(parts or []))
+    out = {**message, "role": _DEPRECATED_ROLES.get(message["role"], message["role"]), "content": content}
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise ValueError(f"{where}.tool_calls must be a list")
+        decoded = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError(f"{where}.tool_calls entries need function.name")
+            args = fn.get("arguments", "{}")
+            try:
+                args = json.loads(args) if isinstance(args, str) else args
+            except ValueError:
+                raise ValueError(f"{where}: tool call arguments are not JSON") from None
+            decoded.append({**call, "function": {**fn, "arguments": args}})
+        out["tool_calls"] = decoded
+    return out
+
+
 # apply_chat_template's own arguments: not template variables a caller may pass
 TEMPLATE_ARGUMENTS = frozenset({"tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
                                 "messages", "conversation", "conversations"})
@@ -51,6 +107,18 @@ class Tokenizer:
         the tokenizers library's never does, as vLLM finds too."""
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
                               spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def content_format(self, chat_template: str | None = None, requested: str = "auto") -> str:
+        """"string" or "openai" (see CONTENT_FORMATS): `requested`, or for "auto" (vLLM's default)
+        "openai" where the template (`chat_template` or the model's) loops over a message's content."""
+        if requested not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                             f"got {requested!r}")
+        if requested != "auto":
+            return requested
+        template = chat_template or self.hf.chat_template or ""
+        source = "\n".join(template.values()) if isinstance(template, dict) else template
+        return "openai" if _LOOPS_OVER_CONTENT.search(source) else "string"
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -241,6 +241,8 @@ def test_too_long_prompt_names_both_lengths(served):
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert str(MAX_MODEL_LEN) in message and str(MAX_MODEL_LEN - 10) in message and str(MAX_MODEL_LEN + 10) in message
+    r = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * MAX_MODEL_LEN}]})
+    assert r.status_code == 400 and "leave no room for an output token" in r.json()["error"]["message"]
 
 
 def test_unknown_fields_are_ignored_and_content_parts_join(served):
@@ -473,6 +475,12 @@ def test_a_requests_chat_template_only_where_trusted(served):
         assert (await (await test.post("/tokenize", json=body)).get_json())["tokens"] == list(b"hi!!")
         bad = await test.post("/v1/chat/completions", json={**body, "chat_template": "{% if %}"})
         assert bad.status_code == 400
+        parts = {**body, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                    {"type": "text", "text": "b"}]}]}
+        looped = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+        for template, rendered in ((body["chat_template"], "a\nb!!"), (looped, "[a][b]")):  # "auto" content format
+            answer = await (await test.post("/tokenize", json={**parts, "chat_template": template})).get_json()
+            assert answer["tokens"] == list(rendered.encode())
 
     asyncio.run(check())
 

@@ -30,6 +30,7 @@ def test_prompt_forms_and_output_shape(default_llm):
     assert len(out.token_ids) == 6 and out.finish_reason == "length" and by_text[0].finished
     assert out.text == default_llm.tokenizer.decode(ids + out.token_ids)[len(default_llm.tokenizer.decode(ids)):]
     assert out.cumulative_logprob is None  # as vLLM's, without logprobs
+    assert out.finished() and by_text[0].outputs[0].finished()
     scored = default_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                           logprobs=0))[0].outputs[0]
     assert scored.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(scored.token_ids,
@@ -107,6 +108,24 @@ def test_chat_options_as_vllms(default_llm):
     assert out.prompt == "hi|get_weather|sunny"
     with pytest.raises(ValueError, match="continue_final_message"):
         default_llm.chat(messages, params, continue_final_message=True)  # with add_generation_prompt
+
+    # messages as the server renders them (vLLM's): text parts joined, or kept as parts where the
+    # template loops over them; tool-call arguments decoded; the deprecated roles renamed
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    as_text = ("{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+               "{% for c in m.get('tool_calls', []) %}{{ c['function']['arguments'] | tojson }}{% endfor %};{% endfor %}")
+    out = default_llm.chat(parts, params, chat_template=as_text)[0]
+    assert out.prompt == 'system:a\nb;assistant:{"x": 1};tool:ok;'
+    as_parts = "{% for m in messages %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endfor %}"
+    assert default_llm.chat(parts, params, chat_template=as_parts)[0].prompt == "[a][b][ok]"  # "auto": parts
+    indexed = "{{ messages[0]['content'][1]['text'] }}"  # reads parts without a loop: "auto" says "string"
+    assert default_llm.chat(parts, params, chat_template=indexed, chat_template_content_format="openai"
+                            )[0].prompt == "b"
+    with pytest.raises(ValueError, match="text parts"):
+        default_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 
 
 @pytest.mark.parametrize("prompt_len", [9, 17])  # last prompt token mid-page (copy-on-write) and page-aligned

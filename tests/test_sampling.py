@@ -169,6 +169,12 @@ def test_sampling_params_validation():
                 dict(max_tokens=0), dict(stop_token_ids=[-1]), dict(seed="x")):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+    # vLLM's constructors: None for the default; an independent copy
+    assert SamplingParams.from_optional(temperature=None, top_k=5, stop=None) == SamplingParams(top_k=5)
+    params = SamplingParams(stop=["x"], logit_bias={3: 1.0})
+    copied = params.clone()
+    copied.stop.append("y")
+    assert copied == SamplingParams(stop=["x", "y"], logit_bias={3: 1.0}) and params.stop == ["x"]
 
 
 def numpy_penalties(logits, history, num_prompt, presence, frequency, repetition):

@@ -22,6 +22,7 @@ CASES = {
     ],
     "llama3_json": [
         (json.dumps({"name": "weather", "parameters": WEATHER}), None, [("weather", WEATHER)]),
+        ("\n" + json.dumps({"name": "weather", "parameters": WEATHER}), "\n", [("weather", WEATHER)]),
         ("<|python_tag|>" + json.dumps({"name": "weather", "parameters": WEATHER}) + "; "
          + json.dumps({"name": "time", "parameters": TIME}), None, [("weather", WEATHER), ("time", TIME)]),
         ('{"name": "weather", "parameters": {"city": "Par', "MALFORMED", []),
