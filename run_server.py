@@ -37,8 +37,6 @@ from jaxserve.sharding import initialize_distributed, is_leader
 from jaxserve.tokenizer import CONTENT_FORMATS
 
 log = logging.getLogger("jaxserve.server")
-# seconds between stats lines: vLLM's 10, or JAXSERVE_LOG_STATS_INTERVAL (as VLLM_LOG_STATS_INTERVAL)
-STATS_INTERVAL_S = float(os.environ.get("JAXSERVE_LOG_STATS_INTERVAL", 10.0))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None,
                    help=f"HF checkpoint directory or hub id (default: the built-in {DEFAULT_MODEL_NAME}, random weights)")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model name clients send (default: --model); with several, any of them, and "
-                        "responses carry the first (as vLLM's)")
+                   help="the model name clients send (default: --model); with several, any of them (answers "
+                        "carry the one asked for, the first where none is; as vLLM's)")
     p.add_argument("--tokenizer", default=None,
                    help="a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
     p.add_argument("--host", default="127.0.0.1")
@@ -99,8 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
                    help='serve tool_choice "auto" (default: on; off, such requests are a 400)')
     p.add_argument("--disable-log-stats", action="store_true",
-                   help=f"no stats line (throughput, running and waiting sequences, KV cache use, prefix cache "
-                        f"hit rate) every {STATS_INTERVAL_S:g} s while busy")
+                   help="no stats line (throughput, running and waiting sequences, KV cache use, prefix cache "
+                        "hit rate) every --log-stats-interval seconds while busy")
+    p.add_argument("--log-stats-interval", type=float, default=10.0,
+                   help="seconds between stats lines (default: 10, vLLM's)")
     p.add_argument("--allowed-origins", type=_json_list, default=["*"],
                    help='CORS: the origins whose web pages may call the API, a JSON list (default: ["*"], any)')
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help='CORS: allowed methods (default: ["*"])')
@@ -108,15 +108,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow the browser's credentials")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
-    p.add_argument("--ssl-ca-certs", default=None,
-                   help="HTTPS: a CA certificate file; clients must then present a certificate it signed")
+    p.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates client certificates are checked with")
+    p.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[int(m) for m in ssl.VerifyMode],
+                   help="HTTPS: whether clients must present a certificate, as Python's ssl module numbers it: "
+                        "0 no (default), 1 optional, 2 required")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines: jaxserve runs no code from a checkpoint either way")
     args = p.parse_args(argv)
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         p.error("--ssl-keyfile and --ssl-certfile go together")
-    if args.ssl_ca_certs and not args.ssl_certfile:
-        p.error("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        p.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
+    if args.log_stats_interval <= 0:
+        p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
     return args
 
 
@@ -146,8 +150,8 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     config.loglevel = args.log_level.upper()
     config.graceful_timeout = 5.0
     config.keyfile, config.certfile, config.ca_certs = args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs
-    if args.ssl_ca_certs:
-        config.verify_mode = ssl.CERT_REQUIRED
+    if args.ssl_certfile:
+        config.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -162,8 +166,13 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     async def log_stats():
         stats = StatsLog(engine)
         while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
-            if line := stats.line():
+            await asyncio.sleep(args.log_stats_interval)
+            try:
+                line = stats.line()
+            except Exception:  # the stats line must not fail silently, nor take the server down
+                log.exception("the stats line failed; no more stats lines")
+                return
+            if line:
                 log.info("%s", line)
 
     tasks = [asyncio.create_task(watch_engine())]

@@ -309,7 +309,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     async def run(req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
         admit(req)
         head = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": now(),
-                "model": limits.served_model_name}
+                "model": req.model}
         if req.stream:
             return Response(stream(req, request_id, chat, head), content_type="text/event-stream",
                             headers={"Cache-Control": "no-cache"})
@@ -398,7 +398,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         body = await json_body()
         req = parse_chat(chat_request(body), limits, tokenizer)
         admit(req)
-        builder = ResponseBuilder(new_id("resp", "_"), body, limits.served_model_name, req.params.temperature,
+        builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                                   req.params.top_p, logprobs=req.params.logprobs is not None)
         if req.stream:
             return Response(respond_streamed(req, builder), content_type="text/event-stream",

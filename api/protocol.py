@@ -34,7 +34,7 @@ class APIError(Exception):
 
 @dataclasses.dataclass
 class Limits:
-    served_model_name: str  # the name responses carry
+    served_model_name: str  # the name answers carry where a request names none
     max_model_len: int
     vocab_size: int
     # the model's sampling defaults (`Engine.sampling_defaults`): for the fields a request leaves out;
@@ -63,6 +63,7 @@ class GenerationRequest:
     tools: ToolRequest | None = None  # chat: tool calls to parse or force ("none" is left out)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>"
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
+    model: str = ""  # the served name the answer carries (`check_model`)
 
 
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
@@ -101,7 +102,8 @@ _NOT_YET = {
 
 # With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
 _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
-                 "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ("", []), "stop_token_ids": ([],), "logit_bias": ({},),
+                 "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ("", []),
+                 "stop_token_ids": ([],), "logit_bias": ({},),
                  "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
                  "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
                  "structured_outputs": ()}
@@ -337,12 +339,15 @@ def _response_options(body: dict) -> dict:
                 tokens_as_ids=_bool(body, "return_tokens_as_token_ids"))
 
 
-def check_model(body: dict, limits: Limits) -> None:
+def check_model(body: dict, limits: Limits) -> str:
+    """404 unless the request names a served model (or none) -> the name its answer carries: its own,
+    as vLLM answers, or the first served name."""
     model = body.get("model")
     if model is not None and model not in limits.model_names:
         raise APIError(f"The model '{model}' does not exist; this server serves "
                        f"{', '.join(repr(name) for name in limits.model_names)}",
                        status=404, param="model", code="model_not_found")
+    return limits.served_model_name if model is None else model
 
 
 def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str) -> list[int]:
@@ -375,7 +380,7 @@ def _is_ids(value) -> bool:
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
     gives the prompt alone: OpenAI's way to score a text."""
-    check_model(body, limits)
+    model = check_model(body, limits)
     echo = _bool(body, "echo")
     prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and \
         body.get("max_completion_tokens") is None
@@ -397,8 +402,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                       params, "prompt") for p in prompt]
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
-    return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, **options), body,
-                        limits)
+    return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
+                                          **options), body, limits)
 
 
 def _template_options(body: dict, limits: Limits) -> dict:
@@ -433,7 +438,7 @@ def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRe
 
 
 def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
-    check_model(body, limits)
+    model = check_model(body, limits)
     echo = _bool(body, "echo")  # vLLM's: the reply starts with the assistant message it continues
     if echo and _bool(body, "logprobs"):
         raise APIError("'echo' with 'logprobs' on chat is not supported by this server yet", param="echo")
@@ -456,7 +461,8 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", True))
-        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text], params, **response)
+        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text], params, model=model,
+                                 **response)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
     options = _template_options(body, limits)
@@ -474,4 +480,5 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     last = rendered[-1]
     echoed = message_text(last) if echo and last["role"] == "assistant" else ""
     return GenerationRequest([_check_ids(ids, limits, params, "messages")], [echoed], params, echo=echo,
-                             tools=tools if tools is not None and tools.mode != "none" else None, **response)
+                             tools=tools if tools is not None and tools.mode != "none" else None, model=model,
+                             **response)

@@ -31,7 +31,8 @@ class BeamSearchParams:
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False  # EOS is then a token like any other
-    temperature: float = 0.0  # 0: the model's distribution; else beams are scored under the tempered one
+    temperature: float = 0.0  # of each round's one sampled token; candidates are scored by the logprobs
+    # of the engine's logprobs_mode (raw_logprobs, the default: the model's distribution, as vLLM's)
     length_penalty: float = 1.0  # the exponent of the length a score divides by
     include_stop_str_in_output: bool = False  # (vLLM's field; beam search has no stop strings)
 

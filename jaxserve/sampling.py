@@ -71,7 +71,7 @@ class SamplingParams:
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
     skip_special_tokens: bool = True  # leave special tokens out of the text
-    spaces_between_special_tokens: bool = True  # the tokenizer's decode option (see Tokenizer.decode)
+    spaces_between_special_tokens: bool = True  # False: added tokens in a row join without spaces (vLLM's)
     detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
@@ -313,7 +313,7 @@ class SamplingTensors:
 @flax.struct.dataclass
 class SampleOutput:
     tokens: jax.Array  # i32[B]
-    logprobs: jax.Array  # f32[B] of each token (raw_logprobs: 0 where no row asked for logprobs)
+    logprobs: jax.Array  # f32[B] of each token (raw_logprobs: all 0 when no row asks for logprobs)
     ranks: jax.Array  # i32[B] 1 + how many tokens are likelier than it (0 where no row asked for logprobs)
     top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[B, K]
@@ -438,20 +438,17 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
     threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-    def normaliser():
-        return jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-
-    log_norm = normaliser() if processed else None  # (else only a draw needs it)
 
     def draw():
         keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-        return _inverse_cdf(jnp.exp(kept - (log_norm if processed else normaliser())),
-                            jax.vmap(jax.random.uniform)(keys))
+        log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
+        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     if not processed:
         return _model_logprobs(raw_logits, tokens, t, k)
+    log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
     chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
     logprobs = chosen[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
@@ -461,8 +458,8 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
 
 def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
     """The sampled tokens' logprobs, ranks and the top k under the model's own distribution (the
-    log-softmax of the logits as they come); computed only when some row asks for logprobs (zeros
-    otherwise)."""
+    log-softmax of the logits as they come); computed only when some row asks for logprobs (else
+    logprobs and ranks 0, top logprobs -inf)."""
     num_rows = logits.shape[0]
 
     def no_top():

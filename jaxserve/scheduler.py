@@ -189,7 +189,7 @@ class Scheduler:
                     seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
-            if self.config.enable_prefix_caching and not seq.num_preemptions:
+            if self.config.enable_prefix_caching and not (seq.num_preemptions or seq.owes_prompt_logprobs):
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING

@@ -14,12 +14,31 @@ from pathlib import Path
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 _DEPRECATED_ROLES = {"developer": "system", "function": "tool"}
 # how a message's content reaches the template (vLLM's --chat-template-content-format): as text, as
 # OpenAI's list of parts, or whichever the template reads ("auto", `Tokenizer.content_format`)
 CONTENT_FORMATS = ("auto", "string", "openai")
-_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[\w.\[\]'\"]*content\b")
+
+
+def loops_over_content(template: str) -> bool:
+    """Whether a chat template has a `for` loop over a message's content (`m.content`, `m['content']`,
+    through filters, tests, slices or an `or` default), as vLLM's "auto" content format looks for."""
+    from jinja2 import Environment, TemplateSyntaxError, nodes
+
+    def is_content(node) -> bool:
+        if isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                            and isinstance(node.arg, nodes.Slice)):
+            return node.node is not None and is_content(node.node)
+        if isinstance(node, nodes.Or):
+            return is_content(node.left)
+        return (isinstance(node, nodes.Getattr) and node.attr == "content") or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content")
+
+    try:
+        tree = Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except TemplateSyntaxError:
+        return False
+    return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
 
 
 def _text_parts(message: dict, where: str) -> list[str] | None:
@@ -42,11 +61,12 @@ def message_text(message: dict, where: str = "message") -> str:
 
 def template_message(message: dict, where: str = "message", content_format: str = "string") -> dict:
     """An OpenAI chat message as templates expect it, as vLLM renders it: developer -> system,
-    function -> tool (the deprecated roles); the content as text ("string") or as a list of text
-    parts ("openai"); tool-call arguments decoded from their JSON. ValueError, naming `where`, for a
-    message that cannot be."""
-    if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-        raise ValueError(f"{where} needs a 'role' among {', '.join(CHAT_ROLES)}")
+    function -> tool (the deprecated roles), other roles as they are (a template's own, such as
+    Llama 3's "ipython"); the content as text ("string") or as a list of text parts ("openai");
+    tool-call arguments decoded from their JSON. ValueError, naming `where`, for a message that
+    cannot be."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+        raise ValueError(f"{where} needs a 'role' (system, user, assistant, tool, or a role of the chat template)")
     parts = _text_parts(message, where)
     content = ([{"type": "text", "text": p} for p in parts or []] if content_format == "openai"
                else "\n".join(parts or []))
@@ -94,19 +114,22 @@ class Tokenizer:
         if chat_template is not None:
             self.hf.chat_template = chat_template
         self._token_bytes: dict[int, bytes] = {}
+        self._added: dict[int, str] | None = None  # added token id -> its text (`added_content`)
         self._byte_decoder = _byte_decoder(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, with the special tokens the model expects (e.g. BOS) unless told not to."""
         return list(self.hf(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True,
-               spaces_between_special_tokens: bool = True) -> str:
-        """Text of ids, special tokens (EOS, ...) left out unless told otherwise. A tokenizer that
-        joins added tokens with spaces (transformers' Python ones) does so unless told otherwise;
-        the tokenizers library's never does, as vLLM finds too."""
-        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens,
-                              spaces_between_special_tokens=spaces_between_special_tokens)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ids, special tokens (EOS, ...) left out unless told otherwise."""
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def added_content(self, token_id: int) -> str | None:
+        """An added token's own text (special tokens, chat markers, ...); None for a vocabulary piece."""
+        if self._added is None:
+            self._added = {i: token.content for i, token in self.hf.added_tokens_decoder.items()}
+        return self._added.get(token_id)
 
     def content_format(self, chat_template: str | None = None, requested: str = "auto") -> str:
         """"string" or "openai" (see CONTENT_FORMATS): `requested`, or for "auto" (vLLM's default)
@@ -118,7 +141,7 @@ class Tokenizer:
             return requested
         template = chat_template or self.hf.chat_template or ""
         source = "\n".join(template.values()) if isinstance(template, dict) else template
-        return "openai" if _LOOPS_OVER_CONTENT.search(source) else "string"
+        return "openai" if loops_over_content(source) else "string"
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -186,6 +209,9 @@ class IncrementalDetokenizer:
     ("▁word") is kept and a byte-level token is decoded in context. A delta that
     ends in U+FFFD (a multi-byte character split across tokens) is held back
     until the character is complete; `flush` releases what is left at the end.
+    Without `spaces_between_special_tokens` (and with special tokens kept), an added
+    token right after another is its own text, whatever space the tokenizer's decode
+    would put between them (vLLM's rule).
     """
 
     PROMPT_CONTEXT = 5  # prompt tokens the window starts on
@@ -193,20 +219,36 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True,
                  spaces_between_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.options = dict(skip_special_tokens=skip_special_tokens,
-                            spaces_between_special_tokens=spaces_between_special_tokens)
+        self.skip_special_tokens = skip_special_tokens
+        self.joins_added_tokens = not (skip_special_tokens or spaces_between_special_tokens)
+        self.after_added = False  # (joins_added_tokens) the last token was an added one
         self.ids = list(prompt_ids[-self.PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""  # every delta emitted so far
 
     def _pending(self) -> str:
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], **self.options)
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], **self.options)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
 
     def push(self, token_ids: list[int]) -> str:
         """Add generated ids; -> the new text that is certain (may be "")."""
+        if self.joins_added_tokens:
+            return "".join(self._push_joined(token) for token in token_ids)
+        return self._push(token_ids)
+
+    def _push_joined(self, token: int) -> str:
+        added = self.tokenizer.added_content(token)
+        after_added, self.after_added = self.after_added, added is not None
+        if added is None or not after_added:
+            return self._push([token])
+        self.ids.append(token)  # (nothing is held back after an added token)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += added
+        return added
+
+    def _push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
         delta = self._pending()
         if not delta or delta.endswith(REPLACEMENT_CHAR):

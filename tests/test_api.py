@@ -204,7 +204,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ["a", [1, 2]]}, 400, "prompt"),  # strings and token ids mixed
     ("/v1/completions", {}, 400, "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": 7, "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True}, 400,
@@ -486,8 +486,8 @@ def test_a_requests_chat_template_only_where_trusted(served):
 
 
 def test_several_served_model_names(served):
-    """vLLM's `--served-model-name A B`: requests may name either; /v1/models lists both; answers
-    carry the first."""
+    """vLLM's `--served-model-name A B`: requests may name either, and answers carry the name asked
+    for (the first where a request names none); /v1/models lists both."""
     app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, other_model_names=("alias",)))
 
     async def check():
@@ -496,7 +496,9 @@ def test_several_served_model_names(served):
         assert [card["id"] for card in listed["data"]] == [MODEL, "alias"]
         assert (await (await test.get("/v1/models/alias")).get_json())["id"] == "alias"
         answer = await test.post("/v1/completions", json={"model": "alias", "prompt": "a", "max_tokens": 1})
-        assert answer.status_code == 200 and (await answer.get_json())["model"] == MODEL
+        assert answer.status_code == 200 and (await answer.get_json())["model"] == "alias"
+        unnamed = await test.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1})
+        assert (await unnamed.get_json())["model"] == MODEL
         unknown = await test.post("/v1/completions", json={"model": "other", "prompt": "a", "max_tokens": 1})
         assert unknown.status_code == 404 and "'alias'" in (await unknown.get_json())["error"]["message"]
 

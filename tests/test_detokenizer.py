@@ -116,24 +116,25 @@ def test_token_bytes_spell_the_text(tokenizer, text):
     assert spelled == text or spelled == " " + text  # SentencePiece marks the first word with a space
 
 
-def test_spaces_between_special_tokens_reach_the_tokenizers_decode(tmp_path):
-    """transformers' Python tokenizers put spaces between added tokens unless told not to
-    (`spaces_between_special_tokens`, vLLM's option); a stand-in for one shows the option reaches
-    every decode of the incremental detokenizer."""
+def test_added_tokens_in_a_row_are_joined_without_spaces_between_special_tokens(tmp_path):
+    """vLLM's `spaces_between_special_tokens=False` (with special tokens kept): an added token right
+    after another is its own text, even where the tokenizer's decode (here a stand-in that spaces
+    them, as transformers' Python tokenizers did) puts a space between them; other text is as decoded."""
     real = byte_tokenizer(tmp_path)
 
-    class SpacingTokenizer:  # decodes as transformers' Python tokenizers do
+    class SpacingTokenizer:
         added_tokens_decoder = real.hf.added_tokens_decoder
 
-        def decode(self, ids, skip_special_tokens, spaces_between_special_tokens):
-            parts = [real.hf.decode([i], skip_special_tokens=skip_special_tokens) for i in ids]
-            return (" " if spaces_between_special_tokens else "").join(p for p in parts if p)
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(part for i in ids if (part := real.hf.decode([i], skip_special_tokens=skip_special_tokens)))
 
     tokenizer = Tokenizer.__new__(Tokenizer)
-    tokenizer.hf = SpacingTokenizer()
-    specials = [256, 257, 258]
-    for spaces, want in ((True, " <|begin_of_text|> <|end_of_text|> <|im_start|>"),
-                         (False, "<|begin_of_text|><|end_of_text|><|im_start|>")):
+    tokenizer.hf, tokenizer._added = SpacingTokenizer(), None
+    output = [256, 257, 104, 258, 259]  # two added tokens, "h", two added tokens
+    for spaces, want in ((True, " <|begin_of_text|> <|end_of_text|> h <|im_start|> <|im_end|>"),
+                         (False, " <|begin_of_text|><|end_of_text|> h <|im_start|><|im_end|>")):
         detok = IncrementalDetokenizer(tokenizer, [104], skip_special_tokens=False,
                                        spaces_between_special_tokens=spaces)
-        assert "".join(detok.push([t]) for t in specials) + detok.flush() == want
+        assert "".join(detok.push([t]) for t in output) + detok.flush() == want
+    joined = IncrementalDetokenizer(tokenizer, [104], skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert joined.push(output) == want  # several tokens in one push

@@ -12,6 +12,7 @@ from conftest import SMALL_ENGINE
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, SamplingParams
 from jaxserve.scheduler import _FORK_SEED_STRIDE
+from jaxserve.tokenizer import loops_over_content
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +125,10 @@ def test_chat_options_as_vllms(default_llm):
     indexed = "{{ messages[0]['content'][1]['text'] }}"  # reads parts without a loop: "auto" says "string"
     assert default_llm.chat(parts, params, chat_template=indexed, chat_template_content_format="openai"
                             )[0].prompt == "b"
+    custom = default_llm.chat([{"role": "ipython", "content": "42"}], params, chat_template=as_text)[0]
+    assert custom.prompt == "ipython:42;"  # a template's own role, as vLLM passes it
+    assert loops_over_content("{% for m in messages %}{% for p in (m.content or []) | list %}{% endfor %}{% endfor %}")
+    assert not loops_over_content("{% for m in messages %}{% for l in m['content'].split(',') %}{% endfor %}{% endfor %}")
     with pytest.raises(ValueError, match="text parts"):
         default_llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
 

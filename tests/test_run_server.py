@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import ssl
 import subprocess
@@ -38,9 +37,9 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
-         "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01", *flags],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAXSERVE_LOG_STATS_INTERVAL": "0.2"})
+         "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01",
+         "--log-stats-interval", "0.2", *flags],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k"}
     try:
@@ -108,6 +107,7 @@ def test_vllm_flag_names():
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
     assert args.allowed_origins == ["https://a.example"] and args.allow_credentials and args.allowed_methods == ["*"]
     for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
-                  ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"]):
+                  ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"], ["--log-stats-interval", "0"],
+                  ["--ssl-cert-reqs", "3"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)
