@@ -70,8 +70,8 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     value = body.get(name)
     if value is None:
         return default
-    if integer and isinstance(value, float) and value.is_integer():
-        value = int(value)  # 5.0 is 5, as vLLM's request models read it
+    if integer:
+        value = _whole(value)
     kind = int if integer else (int, float)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise APIError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
@@ -79,6 +79,19 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     if (isinstance(value, float) and not math.isfinite(value)) or out_of_range:
         raise APIError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
     return value
+
+
+def _whole(value):
+    """A whole-number float as the integer it stands for (5.0 is 5, as vLLM's request models read it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _ids(value) -> list[int] | None:
+    """A list of token ids (whole-number floats read as integers); None where `value` is not one."""
+    if not isinstance(value, list):
+        return None
+    ids = [_whole(t) for t in value]
+    return ids if all(isinstance(t, int) and not isinstance(t, bool) for t in ids) else None
 
 
 def _bool(body: dict, name: str, default: bool = False) -> bool:
@@ -144,9 +157,8 @@ def _stop(body: dict) -> list[str]:
 
 
 def _token_ids(body: dict, name: str, limits: Limits) -> list[int]:
-    value = body.get(name) or []
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                              and 0 <= t < limits.vocab_size for t in value):
+    value = _ids(body.get(name) or [])
+    if value is None or not all(0 <= t < limits.vocab_size for t in value):
         raise APIError(f"'{name}' must be a list of token ids in [0, {limits.vocab_size})", param=name)
     return value
 
@@ -373,16 +385,12 @@ def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: st
     return ids
 
 
-def _is_ids(value) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
     gives the prompt alone: OpenAI's way to score a text."""
     model = check_model(body, limits)
     echo = _bool(body, "echo")
-    prompt_only = echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0 and \
+    prompt_only = echo and type(_whole(body.get("max_tokens"))) is int and body["max_tokens"] == 0 and \
         body.get("max_completion_tokens") is None
     if prompt_only:  # the one token sampled is dropped: nothing may make it a stop
         body = {**body, "max_tokens": 1, "min_tokens": 0, "stop": None, "stop_token_ids": None, "ignore_eos": True}
@@ -391,10 +399,12 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
         params.prompt_logprobs = params.logprobs
     prompt = body.get("prompt")
-    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
-        prompt = [prompt]
+    if isinstance(prompt, str) or _ids(prompt):
+        prompt = [_ids(prompt) or prompt]
+    elif isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
+        prompt = [_ids(p) for p in prompt]  # (None where one is not a list of ids)
     if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
-                                                          or all(_is_ids(p) for p in prompt)):
+                                                          or all(isinstance(p, list) for p in prompt)):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
     special = _bool(body, "add_special_tokens", True)

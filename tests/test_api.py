@@ -54,6 +54,10 @@ def test_completion_prompt_forms(served, client):
         assert r2.choices[0].text == r.choices[0].text
         assert [c.index for c in r2.choices] == list(range(len(r2.choices)))
     assert r2.usage.prompt_tokens == len(ids) + len(b"a time") and r2.usage.completion_tokens == 24
+    as_ints = {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [97, 98]}
+    as_floats = {**as_ints, "prompt": [float(t) for t in ids], "max_tokens": 12.0, "stop_token_ids": [97.0, 98.0]}
+    ints, floats = post(served, "/v1/completions", as_ints), post(served, "/v1/completions", as_floats)
+    assert floats.status_code == 200 and floats.json()["choices"] == ints.json()["choices"]  # whole floats: ints
     raw = post(served, "/v1/chat/completions", {"prompt": "Once upon", "max_tokens": 12, "temperature": 0,
                                                 "ignore_eos": True})
     assert raw.status_code == 200 and raw.json()["choices"][0]["message"]["content"] == r.choices[0].text
