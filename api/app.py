@@ -203,6 +203,12 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     metrics = Metrics(engine)
     cors.install(app)  # its preflight answer comes before the API key check
 
+    def stream_error_status(e: Exception) -> int:
+        """The status of an error met after a stream's 200 (a request the engine refused: 400), counted."""
+        status = 400 if isinstance(e, ValueError) else 500
+        metrics.errors.labels(str(status)).inc()
+        return status
+
     def error_response(e: APIError):
         metrics.errors.labels(str(e.status)).inc()
         return e.body(), e.status
@@ -353,9 +359,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 if update.finish_reason is not None:
                     yield chunk(c, finish_reason=choices.finish_reason(c), stop_reason=update.stop_reason)
         except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
-            status = 400 if isinstance(e, ValueError) else 500
-            metrics.errors.labels(str(status)).inc()
-            yield sse(APIError(str(e), status=status).body())
+            yield sse(APIError(str(e), status=stream_error_status(e)).body())
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": choices.usage()})
         yield "data: [DONE]\n\n"
@@ -388,8 +392,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             async for event in respond(req, builder):
                 yield event
         except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
-            status = 400 if isinstance(e, ValueError) else 500
-            metrics.errors.labels(str(status)).inc()
+            status = stream_error_status(e)
             for event in builder.failed(str(e), "invalid_request_error" if status == 400 else "server_error"):
                 yield event
 

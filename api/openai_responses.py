@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 from api.protocol import APIError
 from api.responses import new_id, now, sse
+from jaxserve.tokenizer import message_text
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NOT_SERVED = {  # request fields that need what this server does not keep or run
@@ -29,18 +30,15 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _text(content, where: str) -> str:
-    """A message's content: a string, or text parts (joined with newlines)."""
-    if isinstance(content, str):
-        return content
+    """A message's content as the chat path reads it (`tokenizer.message_text`), with the Responses
+    API's names for text parts."""
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") in _TEXT_PARTS and isinstance(part.get("text"), str)):
-                raise APIError(f"{where}.content: only text parts ({', '.join(_TEXT_PARTS)}) are supported",
-                               param="input")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise APIError(f"{where}.content must be a string or a list of text parts", param="input")
+        content = [{**part, "type": "text"} if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else part
+                   for part in content]
+    try:
+        return message_text({"content": content}, where)
+    except ValueError as e:
+        raise APIError(f"{e} ({', '.join(_TEXT_PARTS)})", param="input") from e
 
 
 def _messages(body: dict) -> list[dict]:
