@@ -31,7 +31,7 @@ from api.protocol import Limits
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
-from jaxserve.config import DTYPES, LOGPROBS_MODES
+from jaxserve.config import DTYPES, LOGPROBS_MODES, MAX_LOGPROBS, VLLM_NO_EFFECT
 from jaxserve.engine import build_engine
 from jaxserve.sharding import initialize_distributed, is_leader
 from jaxserve.tokenizer import CONTENT_FORMATS
@@ -80,6 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--generation-config", default="auto",
                    help="where the sampling defaults of requests come from: auto (the model's "
                         "generation_config.json), vllm (none: vLLM's neutral defaults), or a directory holding one")
+    p.add_argument("--override-generation-config", type=_json_dict, default=None,
+                   help='JSON: generation-config fields over the model\'s, e.g. \'{"temperature": 0.5}\'')
+    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                   help=f"the most logprobs a request may ask for (default and at most: {MAX_LOGPROBS})")
+    for name, action in (("enforce_eager", "store_true"), ("enable_chunked_prefill", argparse.BooleanOptionalAction),
+                         ("disable_custom_all_reduce", "store_true"), ("swap_space", "store")):
+        p.add_argument("--" + name.replace("_", "-"), action=action, help=f"vLLM's; no effect: {VLLM_NO_EFFECT[name]}")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     p.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
                    help="how message content reaches the chat template: string (text parts joined), openai (a "
@@ -124,14 +131,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _json_list(value: str) -> list[str]:
-    try:
-        items = json.loads(value)
-    except ValueError:
-        items = None
-    if not (isinstance(items, list) and all(isinstance(v, str) for v in items)):
-        raise argparse.ArgumentTypeError(f'expected a JSON list of strings such as \'["*"]\', got {value!r}')
-    return items
+def _json_flag(what: str, ok):
+    """An argparse type: the flag's value read as JSON, which `ok` must accept."""
+    def parse(value: str):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            parsed = None
+        if not ok(parsed):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value!r}")
+        return parsed
+    return parse
+
+
+_json_list = _json_flag("""a JSON list of strings such as '["*"]'""",
+                        lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v))
+_json_dict = _json_flag("a JSON object", lambda v: isinstance(v, dict))
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -198,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size, seed=args.seed,
         tensor_parallel_size=args.tensor_parallel_size, enable_prefix_caching=args.enable_prefix_caching,
-        logprobs_mode=args.logprobs_mode)
+        logprobs_mode=args.logprobs_mode, max_logprobs=args.max_logprobs,
+        override_generation_config=args.override_generation_config)
     if not is_leader():
         follow(engine)
         return

@@ -13,6 +13,7 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.engine",
     "CompletionOutput": "jaxserve.engine",
     "SamplingParams": "jaxserve.sampling",
+    "RequestOutputKind": "jaxserve.sampling",
     "BeamSearchParams": "jaxserve.beam_search",
     "StructuredOutputsParams": "jaxserve.structured",
 }

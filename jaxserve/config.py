@@ -126,21 +126,28 @@ GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": 
 HF_GENERATION_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}  # not a choice
 
 
-def sampling_defaults(model_dir: str | Path, generation_config: str = "auto") -> dict:
+def sampling_defaults(model_dir: str | Path, generation_config: str = "auto", overrides: dict | None = None) -> dict:
     """The sampling settings a request gets for the fields it leaves out, as vLLM's
     `--generation-config`: "auto" reads the model's generation_config.json, a directory reads the
     one there, "vllm" none. Only temperature, top_p, top_k, min_p, repetition_penalty and
     max_new_tokens (as max_tokens: a cap on every request's) are taken, and only where they differ
     from transformers' own defaults (as vLLM reads the file: `top_k` 50 is no choice of the model's;
-    `do_sample` is not read)."""
-    if generation_config == "vllm":
-        return {}
-    path = Path(model_dir if generation_config == "auto" else generation_config) / "generation_config.json"
-    if generation_config != "auto" and not path.is_file():
-        raise FileNotFoundError(f"generation_config={generation_config!r}: {path} not found")
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    return {ours: config[name] for name, ours in GENERATION_DEFAULTS.items()
-            if config.get(name) is not None and config[name] != HF_GENERATION_DEFAULTS.get(name)}
+    `do_sample` is not read). `overrides` (vLLM's `override_generation_config`): fields of the
+    same names, taken over the file's."""
+    unknown = sorted(set(overrides or {}) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(map(repr, unknown))} not among the fields "
+                         f"read, {', '.join(GENERATION_DEFAULTS)}")
+    config = {}
+    if generation_config != "vllm":
+        path = Path(model_dir if generation_config == "auto" else generation_config) / "generation_config.json"
+        if generation_config != "auto" and not path.is_file():
+            raise FileNotFoundError(f"generation_config={generation_config!r}: {path} not found")
+        config = json.loads(path.read_text()) if path.is_file() else {}
+        config = {name: value for name, value in config.items()
+                  if value is not None and value != HF_GENERATION_DEFAULTS.get(name)}
+    config.update(overrides or {})
+    return {ours: config[name] for name, ours in GENERATION_DEFAULTS.items() if name in config}
 
 
 def _eos_ids(model_dir: Path, hf: dict) -> tuple[int, ...]:
@@ -174,6 +181,7 @@ DTYPES = ("float32", "bfloat16")  # what weights, activations and the KV cache c
 # what sampled tokens' logprobs are of (vLLM's --logprobs-mode; see sampling.sample): the model's own
 # distribution, or the one the token is drawn from
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+MAX_LOGPROBS = 20  # top logprobs the sampler computes per token (OpenAI's bound; vLLM's default max_logprobs)
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 
 
@@ -205,6 +213,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
     enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
     logprobs_mode: str = "raw_logprobs"  # what logprobs are of (LOGPROBS_MODES, vLLM's names)
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -214,6 +223,9 @@ class EngineConfig:
                              + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler computes the top "
+                             f"{MAX_LOGPROBS} per token), got {self.max_logprobs}")
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
@@ -288,3 +300,63 @@ class EngineConfig:
     def step_buckets(self) -> list[tuple[int, int, int]]:
         """Every step shape compiled: (tokens, sequences, page-table width)."""
         return [(t, s, p) for t in self.token_buckets for s in self.seqs_buckets(t) for p in self.page_buckets]
+
+
+# vLLM's engine options that its scripts and command lines pass and that change nothing in
+# jaxserve, with why; `LLM` and run_server.py take them (`check_vllm_options`).
+VLLM_NO_EFFECT = {
+    "enforce_eager": "there are no CUDA graphs to turn off: XLA compiles every step shape at start-up",
+    "enable_chunked_prefill": "prompts are always prefilled in chunks of max_num_batched_tokens (the outputs are the same)",
+    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
+    "disable_custom_all_reduce": "XLA picks the collectives",
+    "distributed_executor_backend": "the offline LLM runs in one process",
+    "disable_log_stats": "the offline LLM logs no stats",
+    "download_dir": "models are local directories: nothing is downloaded",
+    "hf_token": "models are local directories: nothing is downloaded",
+    "served_model_name": "the offline LLM serves no API",
+    "compilation_config": "XLA compiles the steps; there is no torch.compile",
+    "max_seq_len_to_capture": "there are no CUDA graphs to capture",
+    "async_scheduling": "the next step is always launched before the previous step's tokens are processed",
+    "allowed_local_media_path": "the models take text only",
+    "max_loras": "LoRA adapters are not supported (enable_lora)",
+    "max_lora_rank": "LoRA adapters are not supported (enable_lora)",
+}
+# vLLM's engine options that jaxserve takes only at the values that leave them off: name -> (those
+# values, why); any other value is a ValueError.
+VLLM_OFF_ONLY = {
+    "quantization": ((None,), "quantized weights are not supported"),
+    "revision": ((None, "main"), "models are local directories, without hub revisions"),
+    "tokenizer_revision": ((None, "main"), "models are local directories, without hub revisions"),
+    "code_revision": ((None, "main"), "models are local directories, without hub revisions"),
+    "tokenizer_mode": (("auto", "hf"), "jaxserve reads the Hugging Face tokenizer of the model"),
+    "skip_tokenizer_init": ((False,), "prompts and outputs go through the model's tokenizer"),
+    "load_format": (("auto", "safetensors"), "weights are read from safetensors files"),
+    "hf_overrides": ((None, {}), "the model's config.json is read as it is"),
+    "pipeline_parallel_size": ((1,), "pipeline parallelism is not supported (tensor_parallel_size splits the model)"),
+    "data_parallel_size": ((1,), "data parallelism is not supported (run one server per replica)"),
+    "enable_lora": ((False,), "LoRA adapters are not supported"),
+    "cpu_offload_gb": ((0,), "weights are not offloaded to host memory"),
+    "kv_cache_memory_bytes": ((None,), "size the KV cache with num_pages or gpu_memory_utilization"),
+    "speculative_config": ((None,), "speculative decoding is not supported"),
+    "kv_transfer_config": ((None,), "KV cache transfer is not supported"),
+    "task": (("auto", "generate"), "jaxserve generates text only"),
+    "runner": (("auto", "generate"), "jaxserve generates text only"),
+    "convert": (("auto", "none"), "jaxserve generates text only"),
+    "mm_processor_kwargs": ((None, {}), "the models take text only"),
+    "limit_mm_per_prompt": ((None, {}), "the models take text only"),
+    "logits_processors": ((None, []), "custom logits processors are not supported"),
+    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),
+}
+
+
+def check_vllm_options(options: dict) -> None:
+    """Take vLLM's engine options that change nothing here (VLLM_NO_EFFECT, VLLM_OFF_ONLY at their
+    off values); ValueError for one at a value jaxserve cannot honour, TypeError for a name that
+    is not vLLM's either (as Python's own for an unknown keyword)."""
+    for name, value in options.items():
+        if name in VLLM_OFF_ONLY:
+            allowed, why = VLLM_OFF_ONLY[name]
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not supported: {why}")
+        elif name not in VLLM_NO_EFFECT:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from checkpoints import load_params, resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype, sampling_defaults
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, check_vllm_options, resolve_dtype, sampling_defaults
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
@@ -57,6 +57,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS or length
     # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
     logprobs: list[dict[int, Logprob]] | None = None
+    lora_request: None = None  # vLLM's; no LoRA adapters here
 
     def finished(self) -> bool:
         """vLLM's: whether the sequence has ended."""
@@ -74,6 +75,14 @@ class RequestOutput:
     # when SamplingParams.prompt_logprobs is set: None for the first prompt token, then per prompt token
     # {token id: Logprob} for it and the top k, under the model's distribution
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # vLLM's fields for what jaxserve does not have: LoRA adapters, encoder-decoder models, KV
+    # transfer, multimodal inputs; and `metrics`, which vLLM's LLM leaves None too (its stats are off)
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
+    kv_transfer_params: None = None
+    metrics: None = None
+    multi_modal_placeholders: dict = dataclasses.field(default_factory=dict)
 
 
 def compilation_cache() -> ExecutableCache:
@@ -149,6 +158,9 @@ class Engine:
         if bad:
             raise ValueError(f"token ids {bad[:5]} in stop_token_ids, logit_bias or allowed_token_ids are outside "
                              f"the vocabulary [0, {vocab})")
+        for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
+            if value is not None and value > self.config.max_logprobs:
+                raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
@@ -223,16 +235,18 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 def build_engine(model: str | None, *, chat_template: str | None = None, max_model_len: int | None = None,
                  num_pages: int | None = None, kv_cache_memory_fraction: float | None = None, dtype: str = "auto",
-                 generation_config: str = "auto", tokenizer: str | None = None,
-                 **engine_options) -> tuple[Engine, Tokenizer]:
+                 generation_config: str = "auto", override_generation_config: dict | None = None,
+                 tokenizer: str | None = None, **engine_options) -> tuple[Engine, Tokenizer]:
     """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB.
     `dtype` "auto" is the checkpoint's own (`resolve_dtype`); `generation_config` says where the
-    requests' sampling defaults come from (`sampling_defaults`); `tokenizer` is a directory (or hub
+    requests' sampling defaults come from (`sampling_defaults`, with `override_generation_config`
+    over them); `tokenizer` is a directory (or hub
     id) to read the tokenizer and chat template from instead of the model's."""
     model_dir = resolve_model(model)
     model_config = ModelConfig.from_hf(model_dir)
-    defaults = sampling_defaults(model_dir, generation_config)
+    defaults = sampling_defaults(model_dir, generation_config, override_generation_config)
+    SamplingParams(**defaults)  # a bad default is an error now, not in every request
     if defaults:
         log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
                     "--generation-config vllm for none)", defaults)
@@ -264,7 +278,8 @@ class LLM:
                  kv_cache_memory_fraction: float | None = None, gpu_memory_utilization: float | None = None,
                  seed: int = 0, tensor_parallel_size: int = 1, enable_prefix_caching: bool = True,
                  generation_config: str = "auto", tokenizer: str | None = None, trust_remote_code: bool = False,
-                 logprobs_mode: str = "raw_logprobs"):
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = MAX_LOGPROBS,
+                 override_generation_config: dict | None = None, **vllm_options):
         """vLLM's arguments under vLLM's names: `block_size` is `page_size` (tokens per KV page, 16 if
         neither is given), `gpu_memory_utilization` is `kv_cache_memory_fraction` (the share of
         device memory, host RAM on CPU, for weights and KV cache together). `dtype` "auto" is the
@@ -272,8 +287,12 @@ class LLM:
         a directory) gives `get_default_sampling_params` (`config.sampling_defaults`); `tokenizer`
         (a directory) replaces the model's tokenizer. `logprobs_mode` (vLLM's): "raw_logprobs", the
         model's own distribution, or "processed_logprobs", the one each token is drawn from.
+        `max_logprobs`: the most logprobs a request may ask for (at most 20).
+        `override_generation_config` (vLLM's): generation-config fields over the model's.
         `trust_remote_code` is accepted for vLLM's scripts: jaxserve runs no code from a checkpoint
-        either way."""
+        either way. vLLM's other engine options are taken where they change nothing here, and
+        refused where they would (`config.check_vllm_options`)."""
+        check_vllm_options(vllm_options)
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
         self.engine, self.tokenizer = build_engine(
@@ -283,7 +302,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             page_size=_either("page_size", page_size, "block_size", block_size) or 16, seed=seed,
             tensor_parallel_size=tensor_parallel_size, enable_prefix_caching=enable_prefix_caching,
-            generation_config=generation_config, tokenizer=tokenizer, logprobs_mode=logprobs_mode)
+            generation_config=generation_config, tokenizer=tokenizer, logprobs_mode=logprobs_mode,
+            max_logprobs=max_logprobs, override_generation_config=override_generation_config)
         self._request_ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -293,9 +313,13 @@ class LLM:
 
     def generate(self, prompts: PromptInput | list[PromptInput],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
-        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come."""
+        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come.
+        vLLM's `lora_request` and `priority` are taken at None (and priorities of 0: scheduling
+        is first come, first served)."""
+        _check_unsupported(lora_request=lora_request, priority=priority)
         prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else \
             [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -320,15 +344,16 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto"
-             ) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
+             lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
         rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
         server render them (`tokenizer.template_message`: text parts joined, or kept as parts where
         the template reads them, see `chat_template_content_format`; tool-call arguments decoded):
         the assistant's turn opened, or the last message continued (`continue_final_message`);
         `tools` (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The
-        reply is text: tool calls in it are not parsed here."""
+        reply is text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
+        _check_unsupported(lora_request=lora_request)
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         content_format = self.tokenizer.content_format(chat_template, chat_template_content_format)
         prompts = []
@@ -343,9 +368,10 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: PromptInput | list[PromptInput], params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt, best
-        first (see `jaxserve.beam_search`). Prompts as for `generate`."""
+        first (see `jaxserve.beam_search`). Prompts and `lora_request` as for `generate`."""
+        _check_unsupported(lora_request=lora_request)
         return beam_search(self, _prompt_list(prompts), params, use_tqdm)
 
     def get_tokenizer(self):
@@ -400,6 +426,16 @@ def _either(name, value, alias, alias_value):
     if value is not None and alias_value is not None and value != alias_value:
         raise ValueError(f"{name}={value} and {alias}={alias_value} are one setting: give one of them")
     return alias_value if value is None else value
+
+
+def _check_unsupported(lora_request=None, priority: list[int] | None = None) -> None:
+    """vLLM's per-request LoRA adapters and priorities, which jaxserve does not have: None, or
+    priorities of 0 (vLLM's message where priority scheduling is off)."""
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported: lora_request must be None")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError(f"got priority {next(p for p in priority if p != 0)} but priority scheduling is not "
+                         "enabled: requests are scheduled first come, first served")
 
 
 def _prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 from collections.abc import Callable
 
@@ -27,17 +28,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.config import LOGPROBS_MODES
+from jaxserve.config import LOGPROBS_MODES, MAX_LOGPROBS
 from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
-MAX_LOGPROBS = 20  # top logprobs returned per token (OpenAI's bound)
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
 MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
-MAX_N = 16  # sequences per request
+MAX_N = 16384  # sequences per request (vLLM's default bound)
+MAX_STOP = 64  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
 MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
 CANDIDATES = 64  # largest logits a row's top-k / top-p threshold is read from without sorting the vocab
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each output of a streamed request holds. `LLM.generate` returns the finished
+    outputs whatever the kind (as vLLM's does); the server streams deltas."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new
+    FINAL_ONLY = 2  # only the finished output
 
 
 @dataclasses.dataclass
@@ -74,6 +84,12 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # False: added tokens in a row join without spaces (vLLM's)
     detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
+    skip_reading_prefix_cache: bool | None = None  # True: compute the whole prompt, reusing no cached pages
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's (see RequestOutputKind)
+    # vLLM's: logprobs in one flat container instead of a dict per token; jaxserve's list of dicts
+    # reads the same way (logprobs[i][token_id]) either way
+    flat_logprobs: bool = False
+    extra_args: dict | None = None  # vLLM's: kept on the request for the caller; no built-in sampling reads it
     # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
     bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
                                                              compare=False)
@@ -123,8 +139,9 @@ class SamplingParams:
               "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
         check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         check(self.detokenize or not self.stop, "stop strings need detokenize=True (the text they are found in)")
-        check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
-              f"stop must be non-empty strings of at most {MAX_STOP_CHARS} characters, got {self.stop!r}")
+        check(len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+              f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters, "
+              f"got {self.stop!r}")
         check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
@@ -137,6 +154,10 @@ class SamplingParams:
         check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
             self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
               f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens!r}")
+        check(isinstance(self.output_kind, RequestOutputKind),
+              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        check(self.extra_args is None or isinstance(self.extra_args, dict),
+              f"extra_args must be a dict, got {self.extra_args!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),

@@ -189,7 +189,7 @@ class Scheduler:
                     seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
-            if self.config.enable_prefix_caching and not (seq.num_preemptions or seq.owes_prompt_logprobs):
+            if self.config.enable_prefix_caching and seq.reads_prefix_cache and not seq.num_preemptions:
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
@@ -202,7 +202,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence that holds no pages on the cached pages of its longest known prefix
         (full pages only, leaving at least one token to compute). -> whether any matched."""
-        if not self.config.enable_prefix_caching or seq.page_ids or seq.owes_prompt_logprobs:
+        if not self.config.enable_prefix_caching or seq.page_ids or not seq.reads_prefix_cache:
             return False
         size = self.allocator.page_size
         prefix_hash = None

@@ -68,6 +68,12 @@ class Sequence:
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether it may start on the prefix cache's pages: not while it owes prompt logprobs,
+        nor where the request says `skip_reading_prefix_cache`."""
+        return not (self.owes_prompt_logprobs or self.params.skip_reading_prefix_cache)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

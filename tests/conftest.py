@@ -6,8 +6,6 @@ import openai
 import pytest
 from server import ENGINE, MAX_MODEL_LEN, MODEL, Server, free_port
 
-from hf_models import build_hf_model, save_hf_model
-
 # Engine settings for tests: 2 token buckets x 2 page buckets keep warm-up short,
 # and the 32-token budget forces prefill into chunks.
 SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, page_size=16)
@@ -18,7 +16,10 @@ CROWDED_ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
-    """name -> (torch model, directory with its HF checkpoint); built once per session."""
+    """name -> (torch model, directory with its HF checkpoint); built once per session. torch is
+    imported here, by the tests that use it, so the rest run where torch is not installed."""
+    from hf_models import build_hf_model, save_hf_model
+
     cache = {}
 
     def get(name: str):

@@ -7,6 +7,7 @@ it), so a row a kernel forgets to write fails the comparison instead of passing 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 
@@ -21,6 +22,9 @@ from kernels import cache_dtype, paged_attention
 from kernels.paged_attention.reference import to_cache
 
 KERNELS = {"tpu": ("tpu", "tpu_custom_call"), "gpu": ("cuda", "__gpu$xla.gpu.triton")}  # platform, custom call
+# The GPU the Triton kernel is lowered for from this CPU: newer JAX reads the target's compute
+# capability from the abstract mesh's device instead of from a local GPU.
+TARGETS = {"tpu": None, "gpu": jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="gpu")}
 
 
 def ragged_batch(rng, seqs, *, num_kv_heads, group, head_dim=32, page_size=8, width=8, rows=8, num_tokens=64,
@@ -119,9 +123,11 @@ def test_kernel_lowers_for_its_platform(kernel, dtype, kv_dtype):
                                                             ([(100, 12), (3, 4)], 1, 8, 128, 16)):
         q, k, v, *rest = ragged_batch(rng, seqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                                       num_tokens=num_tokens, page_size=16, width=16)
-        k, v = (jnp.asarray(rng.normal(size=k.shape), kv_dtype) for _ in range(2))
+        q, k, v = q.astype(dtype), *(jnp.asarray(rng.normal(size=k.shape), kv_dtype) for _ in range(2))
         fn = jax.jit(functools.partial(paged_attention, sm_scale=0.1, sliding_window=32, impl=kernel))
-        text = fn.trace(q.astype(dtype), k, v, *rest).lower(lowering_platforms=(platform,)).as_text()
+        target = TARGETS[kernel] and jax.sharding.AbstractMesh((1,), ("x",), abstract_device=TARGETS[kernel])
+        with jax.sharding.use_abstract_mesh(target) if target else contextlib.nullcontext():
+            text = fn.trace(q, k, v, *rest).lower(lowering_platforms=(platform,)).as_text()
         assert custom_call in set(re.findall(r"custom_call @([\w$.]+)", text)), platform
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -10,7 +11,7 @@ import pytest
 from conftest import SMALL_ENGINE
 
 from checkpoints.default_model import write_byte_tokenizer
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, RequestOutputKind, SamplingParams
 from jaxserve.scheduler import _FORK_SEED_STRIDE
 from jaxserve.tokenizer import loops_over_content
 
@@ -144,6 +145,8 @@ def test_n_greedy_choices_equal_the_single_choice(default_llm, prompt_len):
     assert sched.num_prompt_tokens_computed - before == prompt_len - 1 + 4  # the prompt was prefilled once
     assert [o.index for o in multi.outputs] == [0, 1, 2, 3]
     assert all(o.token_ids == single.outputs[0].token_ids for o in multi.outputs)
+    (many,) = default_llm.generate([prompt], SamplingParams(n=20, **greedy))  # more than max_num_seqs (8)
+    assert [o.token_ids for o in many.outputs] == [single.outputs[0].token_ids] * 20
     sampled = default_llm.generate([prompt], SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=5))[0]
     assert len({tuple(o.token_ids) for o in sampled.outputs}) > 1  # siblings draw with their own keys
     # sibling k samples with seed 5 + k * stride: alone, that seed gives the same tokens, so the
@@ -201,6 +204,10 @@ def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_
     before = sched.num_prompt_tokens_computed
     other = default_llm.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0]  # diverges inside page 3
     assert other.num_cached_tokens == 32 and sched.num_prompt_tokens_computed - before == 45 - 32
+    before = sched.num_prompt_tokens_computed
+    skipped = default_llm.generate([shared + [7, 8, 9]], dataclasses.replace(greedy, skip_reading_prefix_cache=True))
+    assert skipped[0].num_cached_tokens == 0 and sched.num_prompt_tokens_computed - before == 53
+    assert skipped[0].outputs[0].token_ids == first.outputs[0].token_ids
     uncached = LLM(**SMALL_ENGINE, enable_prefix_caching=False)
     assert uncached.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0].outputs[0].token_ids == \
         other.outputs[0].token_ids
@@ -301,3 +308,45 @@ def test_detokenize_false_gives_token_ids_alone(default_llm):
                                              for lp in entry.values())
     with pytest.raises(ValueError, match="detokenize"):
         SamplingParams(stop=["x"], detokenize=False)
+
+
+def test_vllm_engine_options_and_request_arguments(default_llm):
+    """vLLM's engine options and per-request arguments: taken where they change nothing here,
+    a ValueError that names what is not supported where they would."""
+    llm = LLM(**SMALL_ENGINE, enforce_eager=True, disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
+              distributed_executor_backend="mp", quantization=None, revision=None, task="generate",
+              enable_lora=False, max_logprobs=3, override_generation_config={"temperature": 0.0, "max_new_tokens": 5})
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    (out,) = llm.generate("hello", lora_request=None, priority=[0], use_tqdm=False)
+    want = default_llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 5
+    assert (out.lora_request, out.metrics, out.encoder_prompt, out.outputs[0].lora_request) == (None,) * 4
+    with pytest.raises(ValueError, match="more than max_logprobs"):
+        llm.generate("hello", SamplingParams(logprobs=4))
+    for options, match in ((dict(quantization="awq"), "quantization='awq' is not supported"),
+                           (dict(enable_lora=True), "LoRA"), (dict(pipeline_parallel_size=2), "pipeline"),
+                           (dict(task="embed"), "text only"), (dict(max_logprobs=21), "max_logprobs"),
+                           (dict(override_generation_config={"do_sample": True}), "do_sample")):
+        with pytest.raises(ValueError, match=match):
+            LLM(**SMALL_ENGINE, **options)
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(no_such_option=1)
+    with pytest.raises(ValueError, match="LoRA"):
+        default_llm.generate("x", lora_request=object())
+    with pytest.raises(ValueError, match="priority scheduling"):
+        default_llm.generate(["x", "y"], priority=[0, 1])
+
+
+def test_vllm_sampling_fields(default_llm):
+    """vLLM's SamplingParams fields that shape how outputs are delivered: generate returns the
+    finished outputs whatever `output_kind` is, and the same logprobs with `flat_logprobs`."""
+    base = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    want = default_llm.generate("kinds", base, use_tqdm=False)[0].outputs[0]
+    for kind in RequestOutputKind:
+        params = dataclasses.replace(base, output_kind=kind, flat_logprobs=True, extra_args={"tag": 1})
+        got = default_llm.generate("kinds", params, use_tqdm=False)[0].outputs[0]
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs and got.finished()
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
+    with pytest.raises(ValueError, match="extra_args"):
+        SamplingParams(extra_args=[1])

@@ -38,7 +38,8 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
         [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
          "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01",
-         "--log-stats-interval", "0.2", *flags],
+         "--log-stats-interval", "0.2", "--max-logprobs", "3", "--enforce-eager", "--swap-space", "4",
+         "--override-generation-config", '{"max_new_tokens": 7}', *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k"}
@@ -56,6 +57,10 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.json()["usage"]["prompt_tokens"] == len("[user] hi\n[assistant] ")  # the --chat-template
         assert client.get(url + "/v1/models").status_code == 401
+        r = client.post(url + "/v1/completions", headers=auth, json={"prompt": "x", "ignore_eos": True})
+        assert r.json()["usage"]["completion_tokens"] == 7  # --override-generation-config's max_new_tokens
+        r = client.post(url + "/v1/completions", headers=auth, json={"prompt": "x", "logprobs": 4})
+        assert r.status_code == 400 and "max_logprobs (3)" in r.json()["error"]["message"]
         if https:
             with pytest.raises(httpx.TransportError):  # TLS or nothing
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
@@ -106,7 +111,10 @@ def test_vllm_flag_names():
     assert parse_args(["--logprobs-mode", "processed_logprobs"]).logprobs_mode == "processed_logprobs"
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
     assert args.allowed_origins == ["https://a.example"] and args.allow_credentials and args.allowed_methods == ["*"]
-    for wrong in (["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
+    args = parse_args(["--enable-chunked-prefill", "--disable-custom-all-reduce", "--max-logprobs", "5",
+                       "--override-generation-config", '{"temperature": 0.5}'])
+    assert args.max_logprobs == 5 and args.override_generation_config == {"temperature": 0.5}
+    for wrong in (["--override-generation-config", "[1]"], ["--kv-cache-dtype", "fp8"], ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
                   ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"], ["--log-stats-interval", "0"],
                   ["--ssl-cert-reqs", "3"]):
         with pytest.raises(SystemExit):
