@@ -81,7 +81,38 @@ def _compact(schema: dict) -> str:
     a weak model could spend its whole budget on) unless the schema says otherwise."""
     if not isinstance(schema, dict):
         raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-    return json.dumps({"x-guidance": {"whitespace_flexible": False}, **schema})
+    return json.dumps({"x-guidance": {"whitespace_flexible": False}, **closed(schema)})
+
+
+# Where a JSON schema holds schemas: one, a list of them, a map of names to them.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema, close: bool = True):
+    """The schema with `"additionalProperties": false` on every object schema that lists its
+    `properties` and says nothing of others: the keys generated are the schema's own, as with
+    vLLM's default grammar backend (xgrammar) and OpenAI's strict mode (llguidance alone would
+    allow any other key). The members of an `allOf` stay open, each to the others' keys."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [closed(s, close=False) for s in out["allOf"]]
+    if close and "properties" in out and "allOf" not in out and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _grammar_of(c: Constraint, llguidance) -> str:

@@ -27,6 +27,10 @@ SCHEMA = {
     "required": ["name", "age", "role", "address", "tags"],
     "additionalProperties": False,
 }
+# As clients send it: no word on other keys, which vLLM's grammars and OpenAI's strict mode forbid.
+OPEN_SCHEMA = {**{k: v for k, v in SCHEMA.items() if k != "additionalProperties"}, "properties": {
+    **SCHEMA["properties"], "address": {k: v for k, v in SCHEMA["properties"]["address"].items()
+                                        if k != "additionalProperties"}}}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -43,7 +47,7 @@ def test_json_schema_over_twenty_seeds(served):
     async def one(client, seed):
         r = await client.chat.completions.create(
             model=MODEL, messages=ASK, max_tokens=240, temperature=1.0, seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": OPEN_SCHEMA,
                                                                     "strict": True}})
         return r.choices[0]
 
@@ -54,6 +58,38 @@ def test_json_schema_over_twenty_seeds(served):
     for choice in asyncio.run(main()):
         assert choice.finish_reason == "stop", choice.message.content
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_object_schemas_allow_only_their_own_keys():
+    """An object schema that lists its properties is closed to other keys (nested ones too, and
+    the objects in $defs), as vLLM's default backend and OpenAI's strict mode make it; one that
+    lists none, or says otherwise, stays open, and so do the parts of an allOf."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    from checkpoints import resolve_model
+    from jaxserve.structured import Constraint
+
+    hf = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    tokenizer = llguidance.hf.from_tokenizer(hf)
+
+    def accepts(schema, text):
+        matcher = llguidance.LLMatcher(tokenizer, Constraint("json_schema", json.dumps(schema)).grammar())
+        ids = hf.encode(text, add_special_tokens=False)
+        return matcher.validate_tokens(ids) == len(ids)
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {"$ref": "#/$defs/o"},
+                                               "free": {"type": "object"}, "open": {
+                                                   "type": "object", "properties": {"x": {"type": "integer"}},
+                                                   "additionalProperties": {"type": "integer"}}},
+              "required": ["a"], "$defs": {"o": {"type": "object", "properties": {"x": {"type": "string"}}}}}
+    assert accepts(schema, '{"a":1,"o":{"x":"q"},"free":{"k":1},"open":{"x":1,"y":2}}')
+    for extra in ('{"a":1,"b":2}', '{"a":1,"o":{"x":"q","y":1}}'):
+        assert not accepts(schema, extra)
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}}]}
+    assert accepts(both, '{"a":1,"b":2}')
 
 
 def test_json_object_parses_when_it_stops(client):
