@@ -351,7 +351,9 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                 c = choices.choice_index(i, update)
                 text, logprobs = choices.add(c, update)
                 if chat:
-                    ds = choices.deltas(c, text, update.finish_reason is not None) or ([{}] if logprobs else [])
+                    # a token whose text is held back still brings its logprobs (with no content, as vLLM's)
+                    ds = choices.deltas(c, text, update.finish_reason is not None) or (
+                        [{"content": ""}] if logprobs else [])
                     for k, delta in enumerate(ds):
                         yield chunk(c, delta, logprobs=logprobs if k == 0 else None)
                 elif text or (logprobs and logprobs["tokens"]):
@@ -419,13 +421,16 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
         check_model(body, limits)
         if "messages" in body:
             rendering = {k: body[k] for k in ("messages", "tools", "add_generation_prompt", "continue_final_message",
-                                              "chat_template", "chat_template_kwargs") if k in body}
+                                              "chat_template", "chat_template_kwargs", "add_special_tokens",
+                                              "reasoning_effort")
+                         if k in body}
             ids = parse_chat({**rendering, "max_tokens": 1}, limits, tokenizer).prompts[0]
         elif isinstance(body.get("prompt"), str):
             ids = tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True) is True)
         else:
             raise APIError("send 'prompt' (a string) or 'messages'", param="prompt")
-        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": None}
+        strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.get("return_token_strs") is True else None
+        return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize():

@@ -26,19 +26,12 @@ _NOT_SERVED = {  # request fields that need what this server does not keep or ru
     "background": "background responses are not available",
     "max_tool_calls": "a bound on built-in tool calls has nothing to bound: only function tools are served",
 }
-_TEXT_PARTS = ("input_text", "output_text", "text")
-
-
 def _text(content, where: str) -> str:
-    """A message's content as the chat path reads it (`tokenizer.message_text`), with the Responses
-    API's names for text parts."""
-    if isinstance(content, list):
-        content = [{**part, "type": "text"} if isinstance(part, dict) and part.get("type") in _TEXT_PARTS else part
-                   for part in content]
+    """A message's content as the chat path reads it (`tokenizer.message_text`)."""
     try:
         return message_text({"content": content}, where)
     except ValueError as e:
-        raise APIError(f"{e} ({', '.join(_TEXT_PARTS)})", param="input") from e
+        raise APIError(str(e), param="input") from e
 
 
 def _messages(body: dict) -> list[dict]:
@@ -130,13 +123,17 @@ def chat_request(body: dict) -> dict:
             raise APIError(f"'{name}' is not supported: {why}", param=name)
     if body.get("truncation") not in (None, "disabled"):
         raise APIError("'truncation' must be 'disabled': input that does not fit is a 400", param="truncation")
-    reasoning = body.get("reasoning")
-    if isinstance(reasoning, dict) and any(v is not None for v in reasoning.values()):
-        raise APIError("'reasoning' is not supported: the served model has no reasoning settings", param="reasoning")
+    reasoning = body.get("reasoning") or {}
+    if not isinstance(reasoning, dict):
+        raise APIError("'reasoning' must be an object", param="reasoning")
+    if any(reasoning.get(name) is not None for name in reasoning if name != "effort"):
+        raise APIError("'reasoning' may only set 'effort': reasoning summaries are not available", param="reasoning")
     include = body.get("include") or []
     if not isinstance(include, list) or any(entry != LOGPROBS_INCLUDE for entry in include):
         raise APIError(f"'include' may only hold {LOGPROBS_INCLUDE!r}", param="include")
     chat = {"messages": _messages(body), **_tools(body), **_response_format(body)}
+    if reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = reasoning["effort"]
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
                          ("user", "user")):
@@ -168,7 +165,8 @@ class ResponseBuilder:
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "max_tool_calls": None, "model": model, "output": self.output,
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": None, "service_tier": "default", "store": False, "temperature": temperature,
+            "reasoning": {"effort": body["reasoning"].get("effort"), "summary": None} if body.get("reasoning") else None,
+            "service_tier": "default", "store": False, "temperature": temperature,
             "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"), "top_p": top_p,
             "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},

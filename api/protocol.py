@@ -213,7 +213,7 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     if chat:
         wanted = _bool(body, "logprobs")
         top = _number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
-        if top is not None and not wanted:
+        if top and not wanted:  # 0 asks for nothing: vLLM takes it alone
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return (top or 0) if wanted else None
     return _number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
@@ -415,10 +415,14 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                                           **options), body, limits)
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's
+
+
 def _template_options(body: dict, limits: Limits) -> dict:
     """vLLM's extras for rendering the messages: `add_generation_prompt` (default true),
     `continue_final_message` (default false), `chat_template_kwargs` (more template variables), and
-    `chat_template` (the request's own, where the server trusts requests' templates)."""
+    `chat_template` (the request's own, where the server trusts requests' templates); OpenAI's
+    `reasoning_effort`, which the template gets as a variable of that name."""
     out = {}
     template = body.get("chat_template")
     if template is not None:
@@ -435,6 +439,11 @@ def _template_options(body: dict, limits: Limits) -> dict:
     out["template_kwargs"] = body.get("chat_template_kwargs")
     if out["template_kwargs"] is not None and not isinstance(out["template_kwargs"], dict):
         raise APIError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # a template variable, as in vLLM (gpt-oss's templates read it)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(f"'reasoning_effort' must be one of {', '.join(REASONING_EFFORTS)}", param="reasoning_effort")
+        out["template_kwargs"] = {"reasoning_effort": effort, **(out["template_kwargs"] or {})}
     error = template_options_error(out["add_generation_prompt"], out["continue_final_message"],
                                    out["template_kwargs"])
     if error:

@@ -41,6 +41,11 @@ def loops_over_content(template: str) -> bool:
     return any(is_content(loop.iter) for loop in tree.find_all(nodes.For))
 
 
+# Content parts that are text, as vLLM reads them -> the key holding the text: OpenAI's "text",
+# the Responses API's "input_text" and "output_text", an assistant's "refusal".
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _text_parts(message: dict, where: str) -> list[str] | None:
     """The texts of a message's content: [the string], its text parts, or None for no content."""
     content = message.get("content")
@@ -48,10 +53,10 @@ def _text_parts(message: dict, where: str) -> list[str] | None:
         return None if content is None else [content]
     if not isinstance(content, list):
         raise ValueError(f"{where}.content must be a string or a list of text parts")
-    if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-               for part in content):
-        raise ValueError(f"{where}.content: only text parts are supported")
-    return [part["text"] for part in content]
+    texts = [part.get(TEXT_PARTS.get(part.get("type"))) if isinstance(part, dict) else None for part in content]
+    if not all(isinstance(text, str) for text in texts):
+        raise ValueError(f"{where}.content: only text parts are supported ({', '.join(TEXT_PARTS)})")
+    return texts
 
 
 def message_text(message: dict, where: str = "message") -> str:

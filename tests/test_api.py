@@ -389,7 +389,8 @@ def test_responses_api_logprobs_tools_and_errors(served, client):
     function_call item (streamed as argument deltas), function_call and function_call_output
     items as input, and 400s for what the server does not keep or run."""
     r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=6, temperature=0.0, top_logprobs=2,
-                                include=["message.output_text.logprobs"])
+                                include=["message.output_text.logprobs"], reasoning={"effort": "low"})
+    assert r.reasoning.effort == "low"  # (the chat template's reasoning_effort, as chat's)
     logprobs = r.output[0].content[0].logprobs
     assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
     tools = [{"type": "function", "name": "get_weather", "parameters": {
@@ -412,7 +413,8 @@ def test_responses_api_logprobs_tools_and_errors(served, client):
     for bad, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                        ({"tools": [{"type": "web_search"}]}, "tools"),
                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-                       ({"include": ["reasoning.encrypted_content"]}, "include")):
+                       ({"include": ["reasoning.encrypted_content"]}, "include"),
+                       ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning")):
         refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
 
@@ -485,6 +487,14 @@ def test_a_requests_chat_template_only_where_trusted(served):
         for template, rendered in ((body["chat_template"], "a\nb!!"), (looped, "[a][b]")):  # "auto" content format
             answer = await (await test.post("/tokenize", json={**parts, "chat_template": template})).get_json()
             assert answer["tokens"] == list(rendered.encode())
+        # vLLM's other text parts; reasoning_effort reaches the template as a variable
+        mixed = {**body, "messages": [{"role": "user", "content": [{"type": "input_text", "text": "a"}]},
+                                      {"role": "assistant", "content": [{"type": "refusal", "refusal": "b"}]}],
+                 "chat_template": "{% for m in messages %}{{ m['content'] }};{% endfor %}{{ reasoning_effort }}",
+                 "reasoning_effort": "low"}
+        assert (await (await test.post("/tokenize", json=mixed)).get_json())["tokens"] == list(b"a;b;low")
+        wrong = await test.post("/v1/chat/completions", json={**mixed, "reasoning_effort": "extreme"})
+        assert wrong.status_code == 400 and (await wrong.get_json())["error"]["param"] == "reasoning_effort"
 
     asyncio.run(check())
 

@@ -140,6 +140,9 @@ def test_chat_logprobs_shape(client):
                                                  max_tokens=6, logprobs=True, top_logprobs=3, stream=True, **GREEDY))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
+    alone = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           top_logprobs=0, **GREEDY)  # asks for nothing: vLLM takes it
+    assert alone.choices[0].logprobs is None
 
 
 def test_logprobs_of_characters_split_over_byte_tokens(client):
@@ -150,6 +153,11 @@ def test_logprobs_of_characters_split_over_byte_tokens(client):
     content = r.choices[0].logprobs.content
     assert r.choices[0].message.content == "é😀x" and len(content) > 3  # some tokens hold part of a character
     assert b"".join(bytes(e.bytes) for e in content).decode() == "é😀x"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=20, logprobs=True, stream=True,
+                                                 extra_body={"guided_regex": "é😀x"}))
+    held = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs and not c.choices[0].delta.content]
+    assert held and all(choice.delta.content == "" for choice in held)  # content "", as vLLM's
     r = completion(client, prompt="hi", max_tokens=20, logprobs=1, extra_body={"guided_regex": "é😀x"})
     assert r.choices[0].text == "é😀x" and r.choices[0].logprobs.text_offset[-1] == 2  # "x" is the third character
 
@@ -366,6 +374,9 @@ def test_tokenize_and_detokenize(served):
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] == MAX_MODEL_LEN
+    assert body["token_strs"] is None
+    named = post(served, "/tokenize", {"prompt": "hi", "return_token_strs": True}).json()  # vLLM's
+    assert named["token_strs"] == served[1].tokenizer.hf.convert_ids_to_tokens(named["tokens"]) == ["h", "i"]
     chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] == len(served[1].tokenizer.encode(
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
