@@ -115,13 +115,47 @@ def closed(schema, close: bool = True):
     return out
 
 
+# Perl classes as ASCII sets, as vLLM's default grammar backend (xgrammar) and JSON schema's
+# patterns read them; llguidance's regexes read them as Unicode classes (\d matching "٣").
+_ASCII_CLASSES = {"d": "0-9", "w": "a-zA-Z0-9_", "s": " \\t\\n\\r\\f\\v"}
+
+
+def ascii_classes(regex: str) -> str:
+    r"""The regex with \d, \w, \s (and \D, \W, \S outside brackets) as the ASCII sets they stand
+    for; nested brackets ([a[b]], [[:digit:]]) are followed, escaped characters kept."""
+    out, i, depth = [], 0, 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            e = regex[i + 1]
+            if e in _ASCII_CLASSES:
+                out.append(_ASCII_CLASSES[e] if depth else f"[{_ASCII_CLASSES[e]}]")
+            elif e.lower() in _ASCII_CLASSES and not depth:
+                out.append(f"[^{_ASCII_CLASSES[e.lower()]}]")
+            else:
+                out.append(regex[i:i + 2])
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+        if c == "[":
+            depth += 1
+            for opening in ("^", "]"):  # a negation; then a "]" that is a member ("[]a]", "[^]a]"), not the end
+                if regex.startswith(opening, i):
+                    out.append(opening)
+                    i += 1
+        elif c == "]" and depth:
+            depth -= 1
+    return "".join(out)
+
+
 def _grammar_of(c: Constraint, llguidance) -> str:
     if c.kind == "json_schema":
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_compact(json.loads(c.value)))
     elif c.kind == "json_object":
         grammar = llguidance.LLMatcher.grammar_from_json_schema(_compact({"type": "object"}))
     elif c.kind == "regex":
-        grammar = llguidance.LLMatcher.grammar_from_regex(c.value)
+        grammar = llguidance.LLMatcher.grammar_from_regex(ascii_classes(c.value))
     elif c.kind == "choice":
         grammar = llguidance.grammar_from("choice", list(c.value))
     elif c.kind == "grammar":

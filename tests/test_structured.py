@@ -4,12 +4,16 @@ default model: whatever validity the output has comes from the constraint."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 
 import jsonschema
 import openai
 from server import MODEL
+
+from checkpoints import resolve_model
+from jaxserve.structured import Constraint
 
 SCHEMA = {
     "type": "object",
@@ -60,36 +64,51 @@ def test_json_schema_over_twenty_seeds(served):
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
+@functools.cache
+def _matching():
+    """(llguidance's tokenizer, the HF one) of the built-in model, to check texts against grammars."""
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    return llguidance.hf.from_tokenizer(hf), hf
+
+
+def accepts(kind: str, value, text: str) -> bool:
+    """Whether the constraint's grammar takes every token of `text`."""
+    import llguidance
+
+    tokenizer, hf = _matching()
+    matcher = llguidance.LLMatcher(tokenizer, Constraint(kind, value).grammar())
+    ids = hf.encode(text, add_special_tokens=False)
+    return matcher.validate_tokens(ids) == len(ids)
+
+
 def test_object_schemas_allow_only_their_own_keys():
     """An object schema that lists its properties is closed to other keys (nested ones too, and
     the objects in $defs), as vLLM's default backend and OpenAI's strict mode make it; one that
     lists none, or says otherwise, stays open, and so do the parts of an allOf."""
-    import llguidance
-    import llguidance.hf
-    from transformers import AutoTokenizer
-
-    from checkpoints import resolve_model
-    from jaxserve.structured import Constraint
-
-    hf = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    tokenizer = llguidance.hf.from_tokenizer(hf)
-
-    def accepts(schema, text):
-        matcher = llguidance.LLMatcher(tokenizer, Constraint("json_schema", json.dumps(schema)).grammar())
-        ids = hf.encode(text, add_special_tokens=False)
-        return matcher.validate_tokens(ids) == len(ids)
-
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "o": {"$ref": "#/$defs/o"},
                                                "free": {"type": "object"}, "open": {
                                                    "type": "object", "properties": {"x": {"type": "integer"}},
                                                    "additionalProperties": {"type": "integer"}}},
               "required": ["a"], "$defs": {"o": {"type": "object", "properties": {"x": {"type": "string"}}}}}
-    assert accepts(schema, '{"a":1,"o":{"x":"q"},"free":{"k":1},"open":{"x":1,"y":2}}')
+    assert accepts("json_schema", json.dumps(schema), '{"a":1,"o":{"x":"q"},"free":{"k":1},"open":{"x":1,"y":2}}')
     for extra in ('{"a":1,"b":2}', '{"a":1,"o":{"x":"q","y":1}}'):
-        assert not accepts(schema, extra)
+        assert not accepts("json_schema", json.dumps(schema), extra)
     both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}},
                       {"type": "object", "properties": {"b": {"type": "integer"}}}]}
-    assert accepts(both, '{"a":1,"b":2}')
+    assert accepts("json_schema", json.dumps(both), '{"a":1,"b":2}')
+
+
+def test_regex_classes_are_ascii():
+    """\\d, \\w and \\s in a regex are ASCII sets, as in vLLM's default backend and in JSON
+    schema patterns: no Arabic-Indic digit for \\d, no é for \\w, no no-break space for \\s."""
+    for regex, ascii_text, other in ((r"\d", "5", "٣"), (r"[\d]", "5", "٣"), (r"\w", "a", "é"),
+                                     (r"\s", " ", "\u00a0"), (r"\D", "é", "5"), (r"[^\d]", "٣", "5")):
+        assert accepts("regex", regex, ascii_text) and not accepts("regex", regex, other), regex
+    assert accepts("regex", r"\\d", "\\d") and accepts("regex", r"[]\d]+", "]5")
+    assert not accepts("json_schema", json.dumps({"type": "string", "pattern": r"^\d$"}), '"٣"')
 
 
 def test_json_object_parses_when_it_stops(client):
