@@ -379,15 +379,25 @@ class LLM:
         return self.tokenizer.hf
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        text = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt["prompt"]
+            if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
+                raise ValueError("multi_modal_data is not supported: the models take text only")
+            if "prompt_token_ids" not in prompt and "prompt" not in prompt:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            text = prompt.get("prompt")
+            if "prompt_token_ids" not in prompt:
+                prompt = text
+                if not isinstance(prompt, str):
+                    raise ValueError(f"'prompt' must be a string, got {type(prompt).__name__}")
+            else:
+                prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if _is_token_ids(prompt):
+            return text, [int(t) for t in prompt]
+        raise ValueError("a prompt must be a string, a list of token ids (integers) or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {type(prompt).__name__}")
 
     def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
         outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
@@ -438,10 +448,17 @@ def _check_unsupported(lora_request=None, priority: list[int] | None = None) -> 
                          "enabled: requests are scheduled first come, first served")
 
 
+def _is_token_ids(value) -> bool:
+    """A list, tuple or 1-D array of integers (Python's or numpy's), as token ids."""
+    return ((isinstance(value, (list, tuple)) or (isinstance(value, np.ndarray) and value.ndim == 1))
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value))
+
+
 def _prompt_list(prompts: PromptInput | list[PromptInput]) -> list[PromptInput]:
-    """One prompt (a string, a dict, a list of token ids) as a list of one; a list of them as is."""
-    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
-    return [prompts] if single else prompts
+    """One prompt (a string, a dict, token ids) as a list of one; a list or tuple of them as a list."""
+    if isinstance(prompts, (list, tuple)) and not (len(prompts) and _is_token_ids(prompts)):
+        return list(prompts)
+    return [prompts]
 
 
 def _choices(seq: Sequence) -> list[Sequence]:

@@ -7,6 +7,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 from conftest import SMALL_ENGINE
 
@@ -33,6 +34,14 @@ def test_prompt_forms_and_output_shape(default_llm):
     assert out.text == default_llm.tokenizer.decode(ids + out.token_ids)[len(default_llm.tokenizer.decode(ids)):]
     assert out.cumulative_logprob is None  # as vLLM's, without logprobs
     assert out.finished() and by_text[0].outputs[0].finished()
+    # numpy's integers, tuples and arrays are token ids too; a dict may hold both forms
+    by_numpy = default_llm.generate([np.asarray(ids), {"prompt": "hello", "prompt_token_ids": tuple(np.int64(t) for t in ids)}],
+                                    greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in by_numpy] == [out.token_ids] * 2 and by_numpy[1].prompt == "hello"
+    for wrong, match in ((123, "a prompt must be"), ([[1.5, 2]], "a prompt must be"), ({"text": "x"}, "'prompt' or"),
+                         ({"prompt": "x", "multi_modal_data": {"image": "y"}}, "text only")):
+        with pytest.raises(ValueError, match=match):
+            default_llm.generate(wrong, greedy, use_tqdm=False)
     scored = default_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                           logprobs=0))[0].outputs[0]
     assert scored.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(scored.token_ids,
