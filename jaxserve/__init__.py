@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutputKind": "jaxserve.sampling",
     "BeamSearchParams": "jaxserve.beam_search",
     "StructuredOutputsParams": "jaxserve.structured",
+    "GuidedDecodingParams": "jaxserve.structured",
 }
 __all__ = list(_EXPORTS)
 

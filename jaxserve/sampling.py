@@ -80,6 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name of `structured_outputs`
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens in a row join without spaces (vLLM's)
     detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
@@ -106,6 +107,10 @@ class SamplingParams:
         def is_num(v):
             return isinstance(v, (int, float)) and not isinstance(v, bool)
 
+        if self.guided_decoding is not None:
+            check(self.structured_outputs in (None, self.guided_decoding),
+                  "give structured_outputs or guided_decoding (its older name), not both")
+            self.structured_outputs = self.guided_decoding
         if self.structured_outputs is not None:
             derived = self.structured_outputs.constraint()
             check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")

@@ -60,8 +60,18 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # vLLM's backend switches, which describe what jaxserve does anyway: JSON without free
+    # whitespace (`_compact`), objects closed to keys they do not list (`closed`), one backend
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None  # vLLM's; not supported (None only)
+    structural_tag: str | None = None  # vLLM's; not supported (None only)
 
     def constraint(self) -> Constraint:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"structured_outputs.{name} is not supported")
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, name) not in (None, False)]
         if len(given) != 1:
@@ -74,6 +84,9 @@ class StructuredOutputsParams:
         if self.json_object:
             return Constraint("json_object")
         return Constraint("regex", self.regex) if self.regex is not None else Constraint("grammar", self.grammar)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's older name
 
 
 def _compact(schema: dict) -> str:

@@ -294,16 +294,20 @@ def test_structured_outputs_offline_as_vllms(default_llm):
     the choice or regex and the sequence stops once it is complete; exactly one kind per request."""
     import re
 
-    from jaxserve import StructuredOutputsParams
+    from jaxserve import GuidedDecodingParams, StructuredOutputsParams
 
     choice, regex = default_llm.generate(["a", "b"], [
         SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
-        SamplingParams(max_tokens=20, seed=1, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,6}"))],
+        # vLLM's older names, and its backend switches (what jaxserve does anyway)
+        SamplingParams(max_tokens=20, seed=1, guided_decoding=GuidedDecodingParams(
+            regex="[a-z]{3,6}", disable_any_whitespace=True, disable_additional_properties=True))],
         use_tqdm=False)
     assert choice.outputs[0].text in ("yes", "no") and choice.outputs[0].finish_reason == "stop"
     assert re.fullmatch("[a-z]{3,6}", regex.outputs[0].text) and regex.outputs[0].finish_reason == "stop"
-    with pytest.raises(ValueError, match="exactly one"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(regex="a", choice=["a"]))
+    for wrong, match in ((StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
+                         (StructuredOutputsParams(regex="a", whitespace_pattern=" "), "whitespace_pattern")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(structured_outputs=wrong)
 
 
 def test_detokenize_false_gives_token_ids_alone(default_llm):
