@@ -14,8 +14,9 @@ import json
 import math
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from jaxserve.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP, MAX_STOP_CHARS,
-                               SamplingParams)
+from jaxserve.config import MAX_LOGPROBS
+from jaxserve.sampling_params import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS,
+                                      SamplingParams)
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer, message_text, template_message, template_options_error

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine import Engine, Logprob, logprob_entries
 from jaxserve.output import SequenceOutput
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
 

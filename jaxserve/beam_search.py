@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from jaxserve.sampling import MAX_LOGPROBS, SamplingParams
+from jaxserve.config import MAX_LOGPROBS
+from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxserve.engine import LLM, Logprob, PromptInput

@@ -31,7 +31,8 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Runner
-from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput, SamplingParams
+from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence, TokenLogprobs

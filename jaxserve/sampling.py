@@ -1,4 +1,4 @@
-"""Sampling settings of a request, and the one batched sampler that applies them.
+"""The one batched sampler that applies every request's sampling settings (`SamplingParams`).
 
 Every per-request setting becomes a row of an array (`SamplingTensors`), so a
 single compiled `sample` serves any mix of greedy and random rows, penalties,
@@ -17,9 +17,7 @@ filtered distribution otherwise. Prompt logprobs (`prompt_logprobs`) are always 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import enum
 import functools
 from collections.abc import Callable
 
@@ -29,204 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LOGPROBS_MODES, MAX_LOGPROBS
-from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.structured import mask_width
 
 GREEDY_TEMPERATURE = 1e-5  # at or below this, a row takes the argmax (vLLM's rule)
-MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
 MAX_SUPPRESSED = 32  # EOS + stop token ids masked while min_tokens is not reached
-MAX_N = 16384  # sequences per request (vLLM's default bound)
-MAX_STOP = 64  # stop strings per request: each is looked for after every token
-MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
-MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
 CANDIDATES = 64  # largest logits a row's top-k / top-p threshold is read from without sorting the vocab
-
-
-class RequestOutputKind(enum.Enum):
-    """vLLM's: what each output of a streamed request holds. `LLM.generate` returns the finished
-    outputs whatever the kind (as vLLM's does); the server streams deltas."""
-
-    CUMULATIVE = 0  # everything generated so far
-    DELTA = 1  # only what is new
-    FINAL_ONLY = 2  # only the finished output
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    """vLLM-compatible sampling settings of one request."""
-
-    n: int = 1  # sequences (choices) per prompt, 1..MAX_N; the prompt is prefilled once
-    max_tokens: int | None = 16  # None: up to max_model_len
-    min_tokens: int = 0  # EOS and stop token ids are masked until this many tokens are out
-    temperature: float = 1.0  # 0: greedy
-    top_k: int = -1  # -1 or 0: off; 1: greedy
-    top_p: float = 1.0  # nucleus mass, in (0, 1]
-    min_p: float = 0.0  # drop tokens with prob < min_p * max prob, in [0, 1]
-    presence_penalty: float = 0.0  # OpenAI: minus this for tokens already generated, in [-2, 2]
-    frequency_penalty: float = 0.0  # OpenAI: minus this times the count of generated occurrences, in [-2, 2]
-    repetition_penalty: float = 1.0  # HF: divide positive / multiply negative logits of prompt+output tokens
-    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)  # token id -> bias in [-100, 100]
-    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
-    # vLLM's: the output never ends in one of these words, as tokenized with and without a leading
-    # space: a word's last token is masked wherever the tokens before it were just generated
-    bad_words: list[str] = dataclasses.field(default_factory=list)
-    seed: int | None = None  # None: drawn from the engine's seed
-    stop: list[str] = dataclasses.field(default_factory=list)  # finish at the first occurrence of one
-    stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False  # keep going past EOS (until max_tokens)
-    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
-    # None: none; k: each prompt token's logprob (after the first) and the top k, under the model's own
-    # distribution (no sampling settings applied), as vLLM's; the prompt is then computed whole
-    prompt_logprobs: int | None = None
-    constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
-    structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
-    guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name of `structured_outputs`
-    skip_special_tokens: bool = True  # leave special tokens out of the text
-    spaces_between_special_tokens: bool = True  # False: added tokens in a row join without spaces (vLLM's)
-    detokenize: bool = True  # False: no text (token ids only; logprobs' decoded_token None), as vLLM's
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: max_model_len)
-    skip_reading_prefix_cache: bool | None = None  # True: compute the whole prompt, reusing no cached pages
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # vLLM's (see RequestOutputKind)
-    # vLLM's: logprobs in one flat container instead of a dict per token; jaxserve's list of dicts
-    # reads the same way (logprobs[i][token_id]) either way
-    flat_logprobs: bool = False
-    extra_args: dict | None = None  # vLLM's: kept on the request for the caller; no built-in sampling reads it
-    # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
-    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
-                                                             compare=False)
-    _allowed_mask: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
-
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        if self.guided_decoding is not None:
-            check(self.structured_outputs in (None, self.guided_decoding),
-                  "give structured_outputs or guided_decoding (its older name), not both")
-            self.structured_outputs = self.guided_decoding
-        if self.structured_outputs is not None:
-            derived = self.structured_outputs.constraint()
-            check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")
-            self.constraint = derived
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
-        if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(is_num(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        check(is_int(self.top_k) and self.top_k >= -1,
-              f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            check(is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
-        check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
-              "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(self.detokenize or not self.stop, "stop strings need detokenize=True (the text they are found in)")
-        check(len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
-              f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters, "
-              f"got {self.stop!r}")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
-              and len(self.bad_words) <= MAX_BAD_WORDS,
-              f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} characters, "
-              f"got {self.bad_words!r}")
-        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
-            is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-              f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
-            self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
-              f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens!r}")
-        check(isinstance(self.output_kind, RequestOutputKind),
-              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        check(self.extra_args is None or isinstance(self.extra_args, dict),
-              f"extra_args must be a dict, got {self.extra_args!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-
-    @classmethod
-    def from_optional(cls, **kwargs) -> SamplingParams:
-        """vLLM's: the fields given, None standing for the default."""
-        return cls(**{name: value for name, value in kwargs.items() if value is not None})
-
-    def clone(self) -> SamplingParams:
-        """vLLM's: an independent copy."""
-        return copy.deepcopy(self)
-
-    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
-        """`bad_words_token_ids` from `encode` (text -> ids, no special tokens), as vLLM forms them:
-        each word without its leading spaces, and with one space before it where that gives other
-        tokens of the same count (a word-initial token)."""
-        forms = []
-        for word in self.bad_words:
-            bare = encode(word.lstrip())
-            if not bare:
-                raise ValueError(f"bad word {word!r} has no tokens")
-            spaced = encode(" " + word.lstrip())
-            forms.append(bare)
-            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                forms.append(spaced)
-        self.bad_words_token_ids = forms
-
-    def allowed_mask(self, vocab_size: int) -> np.ndarray | None:
-        """`allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row), made once per
-        request; None where any token is allowed."""
-        if self.allowed_token_ids is None:
-            return None
-        if self._allowed_mask is None or self._allowed_mask.shape[0] != mask_width(vocab_size):
-            ids = np.asarray([t for t in self.allowed_token_ids if t < vocab_size], np.int64)
-            mask = np.zeros(mask_width(vocab_size), np.uint32)
-            np.bitwise_or.at(mask, ids // 32, (1 << (ids % 32)).astype(np.uint32))
-            self._allowed_mask = mask.view(np.int32)
-        return self._allowed_mask
-
-    def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
-        """The bad words' last tokens that the next token must not be: those whose words' other
-        tokens end the output so far (`token_ids` = prompt + output)."""
-        out = []
-        for ids in self.bad_words_token_ids:
-            before = len(ids) - 1
-            if before <= len(token_ids) - num_prompt_tokens and token_ids[len(token_ids) - before:] == ids[:-1]:
-                out.append(ids[-1])
-        return out
-
-    @property
-    def needs_last_tokens(self) -> bool:
-        """Whether the tokens it may sample depend on the last ones (a bad word of several tokens)."""
-        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
-
-    def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
-        """The prompt as it is run: its last `truncate_prompt_tokens` tokens, when set."""
-        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        return list(prompt_token_ids[-keep:]) if keep else list(prompt_token_ids)
-
-    @property
-    def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclasses.dataclass

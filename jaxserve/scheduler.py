@@ -48,7 +48,8 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
-from jaxserve.sampling import PromptLogprobs, SamplingParams
+from jaxserve.sampling import PromptLogprobs
+from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxserve.sampling import SamplingParams
+from jaxserve.sampling_params import SamplingParams
 
 
 # A token's logprobs: (its logprob, its rank (1 = most likely), the top ids, their logprobs)
