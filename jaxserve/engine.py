@@ -31,8 +31,8 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.inputs import PromptType
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
-from jaxserve.runner import Runner
-from jaxserve.sampling import MAX_SUPPRESSED, SampleOutput
+from jaxserve.runner import Launched, Runner
+from jaxserve.sampling import MAX_SUPPRESSED
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
@@ -115,7 +115,7 @@ class Engine:
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
-        self._in_flight: tuple[ScheduledBatch, SampleOutput] | None = None  # launched, not yet finished
+        self._in_flight: tuple[ScheduledBatch, Launched] | None = None  # launched, not yet finished
         if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
             self.runner.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
