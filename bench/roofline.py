@@ -2,7 +2,9 @@
 
     python bench/roofline.py [--threads 2]
 
-Bandwidth: a 1 GiB array copied (bytes read + written per second), best of numpy, PyTorch and XLA.
+Bandwidth: a 1 GiB array copied (bytes read + written per second), best of numpy, PyTorch and XLA;
+and read only (the same array summed, bytes read per second), best of PyTorch and XLA: what a decode
+step does with the weights, and below the copy rate on this machine.
 Matmul rate: square 2048 products, best of PyTorch and XLA, per dtype. Then the same products at
 bench-125m's decode shapes (tokens x 768 @ 768 x 2048 and the 768 x 32000 head), per library and dtype:
 the study behind jaxserve's choice of dtype on CPU.
@@ -43,7 +45,8 @@ def torch_matmul(m: int, k: int, n: int, dtype: str):
 
 
 def measure(threads: int = 2) -> dict:
-    """{'bandwidth': bytes/s, 'flops': {dtype: FLOP/s}, 'decode': [(shape, {impl-dtype: FLOP/s})]}."""
+    """{'bandwidth': bytes/s copied, 'read_bandwidth': bytes/s read, 'flops': {dtype: FLOP/s},
+    'decode': [(shape, {impl-dtype: FLOP/s})]}."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -58,6 +61,9 @@ def measure(threads: int = 2) -> dict:
     copies = {"numpy": lambda: np.copyto(b, a), "torch": lambda: tb.copy_(ta),
               "xla": lambda: xcopy(xa).block_until_ready()}
     bandwidth = max(2 * 4 * size / best_time(fn, 3) for fn in copies.values())
+    xsum = jax.jit(jnp.sum)
+    reads = {"torch": lambda: ta.sum().item(), "xla": lambda: xsum(xa).block_until_ready()}
+    read_bandwidth = max(4 * size / best_time(fn, 3) for fn in reads.values())
     del a, b, ta, tb, xa
 
     def rate(impl, m, k, n, dtype) -> float:
@@ -70,11 +76,12 @@ def measure(threads: int = 2) -> dict:
         decode.append(((m, k, n), {f"{name}-{dtype}": rate(impl, m, k, n, dtype)
                                    for name, impl in (("xla", xla_matmul), ("torch", torch_matmul))
                                    for dtype in ("float32", "bfloat16")}))
-    return dict(bandwidth=bandwidth, flops=flops, decode=decode)
+    return dict(bandwidth=bandwidth, read_bandwidth=read_bandwidth, flops=flops, decode=decode)
 
 
 def report(limits: dict) -> str:
     lines = [f"- memory bandwidth (copy, read + write): {limits['bandwidth'] / 1e9:.1f} GB/s",
+             f"- memory bandwidth (read only): {limits['read_bandwidth'] / 1e9:.1f} GB/s",
              *(f"- matmul 2048^3 {dtype}: {rate / 1e9:.0f} GFLOP/s" for dtype, rate in limits["flops"].items()),
              "", "| product (M x K @ K x N) | " + " | ".join(limits["decode"][0][1]) + " |",
              "| --- |" + " --- |" * len(limits["decode"][0][1])]

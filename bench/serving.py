@@ -68,13 +68,15 @@ def transformers_generate(model: Path, dtype: str, offset: int) -> dict:
 
 
 def bounds(limits: dict, config: dict, itemsize: int, dtype: str) -> dict:
-    """Decode tokens/s bounds: bandwidth (every weight but the embedding read once per step) and
-    compute (2 FLOPs per weight and token, embedding excluded)."""
+    """Decode tokens/s bounds: bandwidth (every weight but the embedding read once per step, at the
+    copy rate; `read`: at the read-only rate) and compute (2 FLOPs per weight and token, embedding
+    excluded)."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     layers, inter = config["num_hidden_layers"], config["intermediate_size"]
     kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
     matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + hidden * vocab
     return dict(bandwidth=limits["bandwidth"] / (matmul_params * itemsize),
+                read=limits["read_bandwidth"] / (matmul_params * itemsize),
                 compute=limits["flops"][dtype] / (2 * matmul_params), params=matmul_params)
 
 
@@ -153,9 +155,10 @@ def render(results: dict, startups: dict, limits: dict, config: dict, runs: int,
     pairs = [("jaxserve float32", "llama.cpp f32", "float32", 4), ("jaxserve bfloat16", "llama.cpp f16", "bfloat16", 2)]
     lines += ["", "Ratios, same run (W1/W2: jaxserve tok/s over the peer's; W3 TTFT: the peer's p50 over "
               "jaxserve's, so > 1 is better for jaxserve everywhere), and jaxserve against the bounds "
-              "(W1 decode / bandwidth bound, W2 tok/s / compute bound):", "",
+              "(W1 decode / bandwidth bound at the copy rate, and at the read-only rate; the peer's W1 against "
+              "the first; W2 tok/s / compute bound):", "",
               "| run | pair | W1 decode | W2 tok/s | W2 vs transformers generate | W3 TTFT p50 | W1 / bandwidth bound | "
-              "W2 / compute bound |", "| --- |" + " --- |" * 7]
+              "W1 / read bound | peer W1 / bandwidth bound | W2 / compute bound |", "| --- |" + " --- |" * 9]
     for run_index in range(1, runs + 1):
         for ours, peer, dtype, itemsize in pairs:
             if (run_index, ours) not in results or (run_index, peer) not in results:
@@ -169,6 +172,8 @@ def render(results: dict, startups: dict, limits: dict, config: dict, runs: int,
                 f"{a['W2']['output_tok_s'] / b['W2']['output_tok_s']:.2f} | {vs_hf} | "
                 f"{b['W3']['ttft_p50'] / a['W3']['ttft_p50']:.2f} | "
                 f"{a['W1']['decode_tok_s'] / bound['bandwidth']:.0%} of {bound['bandwidth']:.0f} | "
+                f"{a['W1']['decode_tok_s'] / bound['read']:.0%} of {bound['read']:.0f} | "
+                f"{b['W1']['decode_tok_s'] / bound['bandwidth']:.0%} | "
                 f"{a['W2']['output_tok_s'] / bound['compute']:.0%} of {bound['compute']:.0f} |")
     lines += ["", "Start-up to ready (s): " + ", ".join(f"run {r} {n}: {s:.1f}" for (r, n), s in startups.items())]
     return "\n".join(lines)

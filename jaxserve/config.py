@@ -9,6 +9,7 @@ that every jitted step is padded to.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -278,7 +279,7 @@ class EngineConfig:
     def max_pages_per_seq(self) -> int:
         return math.ceil(self.max_model_len / self.page_size)
 
-    @property
+    @functools.cached_property  # (read twice a step)
     def token_buckets(self) -> tuple[int, ...]:
         """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
         4, then powers of two from 16. Below 16 tokens a step costs about the same whatever its size
@@ -287,7 +288,7 @@ class EngineConfig:
         small = min(self.min_token_bucket, top)
         return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top)) if small < b < top)}))
 
-    @property
+    @functools.cached_property  # (read twice a step)
     def page_buckets(self) -> tuple[int, ...]:
         """Padded page-table widths (pages per sequence), in steps of 4x:
         a wider table costs only attention over masked positions."""

@@ -160,9 +160,9 @@ class SampleOutput:
     def unpacked(words: np.ndarray, k: int) -> SampleOutput:
         """`packed` on the host: the fields as numpy views of `words`."""
         b = words.size // (3 + 2 * k)
-        tokens, logprobs, ranks, top_ids, top_logprobs = np.split(words, [b, 2 * b, 3 * b, 3 * b + b * k])
-        return SampleOutput(tokens=tokens, logprobs=logprobs.view(np.float32), ranks=ranks,
-                            top_ids=top_ids.reshape(b, k), top_logprobs=top_logprobs.view(np.float32).reshape(b, k))
+        return SampleOutput(tokens=words[:b], logprobs=words[b:2 * b].view(np.float32), ranks=words[2 * b:3 * b],
+                            top_ids=words[3 * b:3 * b + b * k].reshape(b, k),
+                            top_logprobs=words[3 * b + b * k:].view(np.float32).reshape(b, k))
 
 
 @flax.struct.dataclass
