@@ -108,4 +108,4 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="bench")
     args = parser.parse_args()
     for r in run(args.url, args.workloads.split(","), args.model):
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+        print(json.dumps({k: round(float(v), 4) if isinstance(v, float) else v for k, v in r.items()}))
