@@ -3,12 +3,15 @@ the CPU kernels' fallback without a compiler."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import KERNEL_MAX_ROWS, TARGET, WIDEN_TARGET, implementation, matmul_t
+from kernels.matmul import KERNEL_MAX_ROWS, TARGET, WIDEN_TARGET, implementation, matmul_t, native_bf16, row_limit
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -21,9 +24,12 @@ def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
     # take 3 rows of x against a float32 w, 2 against a bfloat16 one); the panel form (16 rows and
     # more): one whole panel, a remainder of one row, several panels and work items; in: with and
     # without a tail past the 8 lanes (16 values for bfloat16 weights); out: a tile's remainders,
-    # and more than one work item's block of weight rows (64 in the dot form, 96 in the panel form)
+    # and more than one work item's block of weight rows (64 in the dot form, 96 in the panel form).
+    # Where the CPU has bfloat16 instructions, bfloat16 x and w of an even `in` take pair panels
+    # from 16 rows on (2 panels x 12 rows of w per tile): 33 rows end in a lone panel of one row;
+    # an odd `in` (20 x 13) keeps the widening panel form.
     for rows, d_in, d_out in [(1, 96, 7), (2, 13, 64), (7, 40, 129), (5, 24, 9), (16, 40, 200), (33, 768, 70),
-                              (200, 24, 5)]:
+                              (200, 24, 5), (20, 13, 100)]:
         x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
         w = jnp.asarray(rng.standard_normal((d_out, d_in)), w_dtype)
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)
@@ -37,31 +43,36 @@ def _ffi_targets(eqns) -> list[str]:
     return [e.params["target_name"] for e in eqns if e.primitive.name == "ffi_call"]
 
 
-@pytest.mark.parametrize("w_dtype", ["float32", "bfloat16"])
-def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(w_dtype):
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                             ("float32", "bfloat16")])
+def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(x_dtype, w_dtype):
     """Past KERNEL_MAX_ROWS rows, XLA's dot runs, on float32 operands (a bfloat16 weight widened
     first, by the kernel's widening call): XLA:CPU's float32 products beat the kernel there, its
-    bfloat16 ones do not."""
+    bfloat16 ones do not. Where the CPU has bfloat16 instructions, bfloat16 x and w stay in the
+    kernel at any row count."""
     w = jnp.ones((8, 16), w_dtype)
-    limit = KERNEL_MAX_ROWS[w.dtype]
-    for rows, kernel in ((limit, True), (limit + 1, False)):
-        eqns = jax.make_jaxpr(lambda x: matmul_t(x, w))(jnp.ones((rows, 16), w_dtype)).eqns
+    limit = row_limit(x_dtype, w_dtype)
+    native = x_dtype == w_dtype == "bfloat16" and native_bf16()
+    assert limit == (math.inf if native else KERNEL_MAX_ROWS[w.dtype])
+    for rows, kernel in ((4096, True),) if native else ((limit, True), (limit + 1, False)):
+        eqns = jax.make_jaxpr(lambda x: matmul_t(x, w))(jnp.ones((rows, 16), x_dtype)).eqns
         widened = not kernel and w_dtype == "bfloat16"
         assert _ffi_targets(eqns) == [TARGET] * kernel + [WIDEN_TARGET] * widened, rows
         dots = [e for e in eqns if e.primitive.name == "dot_general"]
         assert len(dots) == (not kernel) and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.standard_normal((limit + 1, 40)), w_dtype)
+    x = jnp.asarray(rng.standard_normal((4096 if native else limit + 1, 40)), x_dtype)
     w = jnp.asarray(rng.standard_normal((9, 40)), w_dtype)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-    tol = 2e-5 if w_dtype == "float32" else 2**-8
+    tol = 2e-5 if x_dtype == "float32" else 2**-8
     np.testing.assert_allclose(np.asarray(jax.jit(matmul_t)(x, w), np.float64), want, rtol=tol, atol=tol * np.sqrt(40))
 
 
 def test_bfloat16_weights_are_widened_layer_by_layer():
     """Past the row limit each bfloat16 weight is widened only once its layer's input exists, so the
     float32 copies of a chain of layers are not all live at once (a plain convert was run for every
-    layer at the start of the step: 306 MB of temporaries in a 512-token bench-125m step)."""
+    layer at the start of the step: 306 MB of temporaries in a 512-token bench-125m step). (x in
+    float32: bfloat16 x is never widened where the CPU has bfloat16 instructions.)"""
     rows, d, layers = KERNEL_MAX_ROWS[jnp.dtype(jnp.bfloat16)] + 1, 256, 12
     rng = np.random.default_rng(3)
     ws = [jnp.asarray(rng.standard_normal((d, d)) / 16, jnp.bfloat16) for _ in range(layers)]
@@ -73,13 +84,19 @@ def test_bfloat16_weights_are_widened_layer_by_layer():
             outs.append(x)
         return outs
 
-    x = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, d)), jnp.float32)
     compiled = jax.jit(chain).lower(x, ws).compile()
     widened_bytes = layers * d * d * 4
     assert compiled.memory_analysis().temp_size_in_bytes < widened_bytes / 3  # (about 3 float32 [rows, d] buffers)
     for x, w, got in zip([x, *compiled(x, ws)], ws, compiled(x, ws)):  # each layer against its input
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=2**-8 * np.sqrt(d))
+
+
+def test_the_kernel_multiplies_bfloat16_natively_where_the_cpu_can():
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split() if cpuinfo.exists() else []
+    assert native_bf16() == ("avx512_bf16" in flags)
 
 
 def test_matmul_t_keeps_leading_dimensions():
@@ -103,6 +120,7 @@ def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     build._register.cache_clear()
+    build._library.cache_clear()
     try:
         assert resolve() == "xla"
         assert "falls back to its XLA implementation" in caplog.text
@@ -110,3 +128,4 @@ def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch
             resolve("cpu")
     finally:
         build._register.cache_clear()
+        build._library.cache_clear()

@@ -3,8 +3,9 @@
 `register(source, symbol, target)` compiles one kernel's `.cc` (which includes `common.h`) with
 `CXX` (else g++) against the FFI headers that ship with jaxlib, into `~/.cache/jaxserve/kernels`,
 keyed by the sources, jaxlib's version, the compiler, the flags and the CPU (it is built for this
-CPU with -march=native), loads it and registers its handler as an XLA:CPU custom call. Without a
-compiler, or when the build fails, it returns False and the caller keeps its XLA implementation.
+CPU with -march=native), loads it and registers its handler as an XLA:CPU custom call
+(`library(source)`: the loaded library itself). Without a compiler, or when the build fails, it
+returns False (None) and the caller keeps its XLA implementation.
 """
 
 from __future__ import annotations
@@ -46,13 +47,28 @@ def register(source: Path, symbol: str, target: str) -> bool:
         return _register(source, symbol, target)
 
 
+def library(source: Path) -> ctypes.CDLL | None:
+    """`source` built (once per machine) and loaded (once per process); None where it cannot be built."""
+    with _building:
+        return _library(source)
+
+
 @functools.cache
 def _register(source: Path, symbol: str, target: str) -> bool:
+    lib = _library(source)
+    if lib is None:
+        return False
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return True
+
+
+@functools.cache
+def _library(source: Path) -> ctypes.CDLL | None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     name = f"{source.parent.name}/{source.name}"
     if compiler is None:
         log.warning("no C++ compiler found (set CXX): %s falls back to its XLA implementation", name)
-        return False
+        return None
     from checkpoints.default_model import cache_root  # (not at import: checkpoints imports the model, which imports kernels)
 
     key = hashlib.sha256(repr((source.read_bytes(), COMMON.read_bytes(), jaxlib.__version__, compiler, FLAGS,
@@ -71,8 +87,6 @@ def _register(source: Path, symbol: str, target: str) -> bool:
         if failure is not None:
             log.warning("building %s failed (%s): it falls back to its XLA implementation\n%s", name,
                         " ".join(command), failure)
-            return False
+            return None
         partial.replace(path)  # atomic: a concurrent build's reader sees the whole library or none
-    handler = getattr(ctypes.cdll.LoadLibrary(str(path)), symbol)
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    return ctypes.cdll.LoadLibrary(str(path))

@@ -33,11 +33,21 @@
 // decode products (bench/matmul_layout.py) ran 1.1-1.5x faster this way at 16 to 64 rows of
 // float32, 1.0-1.2x in bfloat16 (bench/RESULTS.md, "Products of 16 rows and more"). Under 16 rows
 // a panel would be mostly zeros, and the dot form runs as fast or faster.
+//
+// Where the CPU multiplies bfloat16 itself (AVX512_BF16: `vdpbf16ps` multiplies 16 pairs of
+// bfloat16 values and adds both products of each pair to a float32 lane), bfloat16 x against a
+// bfloat16 w (an even K) takes Bf16PanelTile instead: x packed into panels of 16 rows whose lane r
+// holds row r's pair (k, k + 1) as one 32-bit word, w never widened (each tile broadcasts one pair
+// of a row of w per k pair), 2 panels x 12 rows of w per tile (24 of the 32 AVX-512 registers).
+// Each instruction does 32 multiply-adds, four times a float32 FMA on 8 lanes; the products are
+// exact in float32 as before, only the order of the sums changes.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -278,6 +288,82 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+#if defined(__AVX512BF16__)
+constexpr int kPairPanels = 2;     // panels of one bfloat16 panel tile
+constexpr int kPairTileCols = 12;  // w rows of one bfloat16 panel tile
+constexpr int64_t kPairRowsOfW = 96;
+
+// Panels of a bfloat16 x [rows, k_len] (k_len even) for vdpbf16ps: panel p holds rows 16p to
+// 16p + 15 as out[p][k / 2][0:16], each the row's values k and k + 1 as one 32-bit word (the first
+// in the low half, as in memory); rows past the last one are zeros.
+void PackPairPanels(const uint16_t* x, int64_t rows, int64_t k_len, uint32_t* out) {
+  const int64_t pairs = k_len / 2;
+  for (int64_t r = 0; r < CeilDiv(rows, kPanelRows) * kPanelRows; ++r) {
+    uint32_t* dst = out + r / kPanelRows * kPanelRows * pairs + r % kPanelRows;
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t word = 0;
+      if (r < rows) std::memcpy(&word, x + r * k_len + 2 * p, sizeof(word));
+      dst[p * kPanelRows] = word;
+    }
+  }
+}
+
+// c[i][j][0:16] = sum_k panels[i][k][0:16] w[j * ldw + k] for i < MP, j < NR: MP panels of x
+// (panel_words apart) against NR rows of a bfloat16 w, one pair of k per step.
+template <int MP, int NR>
+void PairPanelTile(const uint32_t* panels, int64_t panel_words, const uint16_t* w, int64_t ldw, int64_t pairs,
+                   float* c) {
+  __m512 acc[MP][NR];
+  for (int i = 0; i < MP; ++i) {
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh xs[MP];
+    for (int i = 0; i < MP; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(panels + i * panel_words + p * kPanelRows);
+    for (int j = 0; j < NR; ++j) {
+      uint32_t word;
+      std::memcpy(&word, w + j * ldw + 2 * p, sizeof(word));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int i = 0; i < MP; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xs[i], b);
+    }
+  }
+  for (int i = 0; i < MP; ++i) {
+    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(c + (i * kPairTileCols + j) * kPanelRows, acc[i][j]);
+  }
+}
+
+template <int MP, int... NR>
+constexpr auto PairPanelTiles(std::integer_sequence<int, NR...>) {
+  return std::array{&PairPanelTile<MP, NR + 1>...};
+}
+
+// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16.
+// Tile t takes rows n0 + t + c * stride of w, c < kPairTileCols (see the top of the file).
+void PairPanelBlock(const uint32_t* panels, const uint16_t* w, float* y, int64_t n_len, int64_t k_len, int64_t m0,
+                    int64_t m1, int64_t n0, int64_t n1) {
+  static constexpr auto kOne = PairPanelTiles<1>(std::make_integer_sequence<int, kPairTileCols>());
+  static constexpr auto kTwo = PairPanelTiles<2>(std::make_integer_sequence<int, kPairTileCols>());
+  const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
+  const int64_t stride = CeilDiv(n1 - n0, kPairTileCols);
+  float c[kPairPanels * kPairTileCols * kPanelRows];
+  for (int64_t t = 0; t < stride; ++t) {
+    const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
+    for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
+      const int64_t panels_here = m1 - m > kPanelRows ? 2 : 1;
+      (panels_here == 2 ? kTwo : kOne)[cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len,
+                                                  stride * k_len, pairs, c);
+      for (int64_t i = 0; i < panels_here; ++i) {
+        for (int64_t j = 0; j < cols; ++j) {
+          for (int64_t r = 0; r < std::min(kPanelRows, m1 - m - i * kPanelRows); ++r) {
+            y[(m + i * kPanelRows + r) * n_len + n + j * stride] = c[(i * kPairTileCols + j) * kPanelRows + r];
+          }
+        }
+      }
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 // fn(m0, m1, n0, n1, scratch) for every block of y [m_len, n_len]: rows_of_x rows of x times about
 // rows_of_w rows of w (a multiple of tile_cols), as work items shared with XLA's threads
 // (ParallelFor). Where x is one block (decode), the blocks of w are resized so that the items
@@ -323,6 +409,18 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
   std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
   float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
 
+#if defined(__AVX512BF16__)
+  if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {
+    std::vector<uint32_t> pairs(CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2);
+    PackPairPanels(x_bits, m_len, k_len, pairs.data());
+    const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
+        std::max<int64_t>(1, kBytesOfX / (2 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
+    ForEachBlock(pool, m_len, n_len, rows_of_x, kPairRowsOfW, kPairTileCols,
+                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+      PairPanelBlock(pairs.data(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+    });
+  } else
+#endif
   if (m_len >= kPanelMinRows) {
     x_wide.resize((m_len + kPanelRows - 1) / kPanelRows * kPanelRows * k_len);
     if (x_bf16) {
@@ -410,3 +508,12 @@ static auto TwoOperandsOneResult() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT, TwoOperandsOneResult());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter, TwoOperandsOneResult());
+
+// 1 where bfloat16 products run on the CPU's bfloat16 instructions (PairPanelTile), else 0.
+extern "C" int JaxserveMatmulNativeBf16() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
