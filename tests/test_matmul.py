@@ -26,10 +26,10 @@ def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
     # without a tail past the 8 lanes (16 values for bfloat16 weights); out: a tile's remainders,
     # and more than one work item's block of weight rows (64 in the dot form, 96 in the panel form).
     # Where the CPU has bfloat16 instructions, bfloat16 x and w of an even `in` take pair panels
-    # from 16 rows on (2 panels x 12 rows of w per tile): 33 rows end in a lone panel of one row;
-    # an odd `in` (20 x 13) keeps the widening panel form.
+    # from 16 rows on, 3 panels x 8 rows of w per tile: tiles of 1 panel (16 rows), of 3 whose last
+    # has one row (33), of 2 (80 = 3 + 2 panels); an odd `in` (20 x 13) keeps the widening form.
     for rows, d_in, d_out in [(1, 96, 7), (2, 13, 64), (7, 40, 129), (5, 24, 9), (16, 40, 200), (33, 768, 70),
-                              (200, 24, 5), (20, 13, 100)]:
+                              (200, 24, 5), (80, 64, 30), (20, 13, 100)]:
         x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
         w = jnp.asarray(rng.standard_normal((d_out, d_in)), w_dtype)
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)

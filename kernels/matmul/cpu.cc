@@ -36,11 +36,14 @@
 //
 // Where the CPU multiplies bfloat16 itself (AVX512_BF16: `vdpbf16ps` multiplies 16 pairs of
 // bfloat16 values and adds both products of each pair to a float32 lane), bfloat16 x against a
-// bfloat16 w (an even K) takes Bf16PanelTile instead: x packed into panels of 16 rows whose lane r
+// bfloat16 w (an even K) takes PairPanelTile instead: x packed into panels of 16 rows whose lane r
 // holds row r's pair (k, k + 1) as one 32-bit word, w never widened (each tile broadcasts one pair
-// of a row of w per k pair), 2 panels x 12 rows of w per tile (24 of the 32 AVX-512 registers).
-// Each instruction does 32 multiply-adds, four times a float32 FMA on 8 lanes; the products are
-// exact in float32 as before, only the order of the sums changes.
+// of a row of w per k pair), 3 panels x 8 rows of w per tile (24 accumulators of the 32 AVX-512
+// registers). Each instruction does 32 multiply-adds, four times a float32 FMA on 8 lanes; the
+// products are exact in float32 as before, only the order of the sums changes. bench-125m's
+// decode products ran 1.5-2.0x faster than the widening panel form at 16 to 512 rows, and prefill
+// chunks past 256 rows 1.5x faster than widening w for XLA's float32 dot (bench/RESULTS.md,
+// "Products on the CPU's bfloat16 instructions"); 2 x 12 and 4 x 6 tiles ran within 10 % of 3 x 8.
 
 #include <algorithm>
 #include <array>
@@ -289,8 +292,8 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 #if defined(__AVX512BF16__)
-constexpr int kPairPanels = 2;     // panels of one bfloat16 panel tile
-constexpr int kPairTileCols = 12;  // w rows of one bfloat16 panel tile
+constexpr int kPairPanels = 3;     // panels of one bfloat16 panel tile
+constexpr int kPairTileCols = 8;  // w rows of one bfloat16 panel tile
 constexpr int64_t kPairRowsOfW = 96;
 
 // Panels of a bfloat16 x [rows, k_len] (k_len even) for vdpbf16ps: panel p holds rows 16p to
@@ -341,17 +344,18 @@ constexpr auto PairPanelTiles(std::integer_sequence<int, NR...>) {
 // Tile t takes rows n0 + t + c * stride of w, c < kPairTileCols (see the top of the file).
 void PairPanelBlock(const uint32_t* panels, const uint16_t* w, float* y, int64_t n_len, int64_t k_len, int64_t m0,
                     int64_t m1, int64_t n0, int64_t n1) {
-  static constexpr auto kOne = PairPanelTiles<1>(std::make_integer_sequence<int, kPairTileCols>());
-  static constexpr auto kTwo = PairPanelTiles<2>(std::make_integer_sequence<int, kPairTileCols>());
+  static_assert(kPairPanels == 3, "one row of kTiles per panel count");
+  static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
+  static constexpr std::array kTiles{PairPanelTiles<1>(kCols), PairPanelTiles<2>(kCols), PairPanelTiles<3>(kCols)};
   const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
   const int64_t stride = CeilDiv(n1 - n0, kPairTileCols);
   float c[kPairPanels * kPairTileCols * kPanelRows];
   for (int64_t t = 0; t < stride; ++t) {
     const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
     for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
-      const int64_t panels_here = m1 - m > kPanelRows ? 2 : 1;
-      (panels_here == 2 ? kTwo : kOne)[cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len,
-                                                  stride * k_len, pairs, c);
+      const int64_t panels_here = std::min<int64_t>(kPairPanels, CeilDiv(m1 - m, kPanelRows));
+      kTiles[panels_here - 1][cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len,
+                                        stride * k_len, pairs, c);
       for (int64_t i = 0; i < panels_here; ++i) {
         for (int64_t j = 0; j < cols; ++j) {
           for (int64_t r = 0; r < std::min(kPanelRows, m1 - m - i * kPanelRows); ++r) {
