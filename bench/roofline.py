@@ -4,7 +4,8 @@
 
 Bandwidth: a 1 GiB array copied (bytes read + written per second), best of numpy, PyTorch and XLA;
 and read only (the same array summed, bytes read per second), best of PyTorch and XLA: what a decode
-step does with the weights, and below the copy rate on this machine.
+step does with the weights (the copy rate counts the bytes read and written, not the cache lines a
+write first reads, so it is the lower of the two).
 Matmul rate: square 2048 products, best of PyTorch and XLA, per dtype. Then the same products at
 bench-125m's decode shapes (tokens x 768 @ 768 x 2048 and the 768 x 32000 head), per library and dtype:
 the study behind jaxserve's choice of dtype on CPU.
