@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import ROOT, free_port, server  # noqa: E402
 from loadgen import NEW_TOKENS, prompts  # noqa: E402
 from make_model import DEFAULT_DIR, make  # noqa: E402
+from serving import jaxserve_cmd  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 
@@ -85,11 +85,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
 
 def through_server(model_dir: Path, dtype: str, runs: int) -> None:
     port = free_port()
-    cmd = [sys.executable, "run_server.py", "--model", str(model_dir), "--served-model-name", "bench", "--dtype", dtype,
-           "--kv-cache-dtype", "bfloat16", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64",
-           "--max-num-batched-tokens", "512", "--log-level", "warning"]
-    with server(cmd, port) as (url, _):
-        pid = int(subprocess.run(["pgrep", "-f", "--", f"run_server.py.*--port {port}"], capture_output=True, text=True).stdout.split()[0])
+    with server(jaxserve_cmd(model_dir, dtype, port), port) as (url, _):
+        found = subprocess.run(["pgrep", "-f", "--", f"run_server.py.*--port {port}"], capture_output=True, text=True)
+        pid = int(found.stdout.split()[0])
         for _ in range(runs):
             before, children = thread_cpu(pid), resource.getrusage(resource.RUSAGE_CHILDREN)
             wall = time.perf_counter()
@@ -100,10 +98,10 @@ def through_server(model_dir: Path, dtype: str, runs: int) -> None:
             tokens = 2 * NEW_TOKENS  # loadgen's warm-up request and W1's
             per_thread = collections.Counter({k: v - before.get(k, 0) for k, v in after.items()})
             decode = json.loads(result.stdout.strip().splitlines()[-1])["decode_tok_s"]
+            client_cpu = client.ru_utime + client.ru_stime - children.ru_utime - children.ru_stime
             print(f"W1 decode {decode:.1f} tok/s; CPU ms per token: " + ", ".join(
                 f"{name} {1e3 * s / tokens:.2f}" for name, s in per_thread.most_common() if s > 0)
-                + f", client process {1e3 * (client.ru_utime + client.ru_stime - children.ru_utime - children.ru_stime) / tokens:.2f}"
-                + f" (wall {wall:.1f} s)", flush=True)
+                + f", client process {1e3 * client_cpu / tokens:.2f} (wall {wall:.1f} s)", flush=True)
 
 
 def main() -> None:
