@@ -41,7 +41,7 @@
 // of a row of w per k pair), 3 panels x 8 rows of w per tile (24 accumulators of the 32 AVX-512
 // registers). Each instruction does 32 multiply-adds, four times a float32 FMA on 8 lanes; the
 // products are exact in float32 as before, only the order of the sums changes. bench-125m's
-// decode products ran 1.5-2.0x faster than the widening panel form at 16 to 512 rows, and prefill
+// decode products ran 1.7-2.1x faster than the widening panel form at 16 to 512 rows, and prefill
 // chunks past 256 rows 1.5x faster than widening w for XLA's float32 dot (bench/RESULTS.md,
 // "Products on the CPU's bfloat16 instructions"). Under 16 rows the dot form runs on them too
 // (PairTile: 32 values of k of a row of x and of w per instruction, as they lie in memory, no
@@ -296,7 +296,7 @@ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #if defined(__AVX512BF16__)
 constexpr int kPairPanels = 3;     // panels of one bfloat16 panel tile
 constexpr int kPairTileCols = 8;  // w rows of one bfloat16 panel tile
-constexpr int64_t kPairRowsOfW = 96;
+constexpr int64_t kPairRowsOfW = 96;  // w rows per work item, about (ForEachBlock)
 
 // Panels of a bfloat16 x [rows, k_len] (k_len even) for vdpbf16ps: panel p holds rows 16p to
 // 16p + 15 as out[p][k / 2][0:16], each the row's values k and k + 1 as one 32-bit word (the first
