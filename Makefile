@@ -1,6 +1,7 @@
 # `make serve` installs the server into .venv and serves the built-in model;
 # `make test` installs the test extras too and runs the default suite;
 # `make test-all` also runs the tests marked slow;
+# `make docs` writes docs/cli.md from the code (a test fails when it is stale);
 # `make bench` runs the serving benchmark against llama.cpp and transformers (bench/serving.py)
 # and writes bench/RESULTS.md (the first run builds llama-server: about 15 min on 2 cores).
 PYTHON ?= python3
@@ -8,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test test-all bench clean
+.PHONY: serve test test-all bench docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +38,9 @@ $(VENV)/.installed-bench: pyproject.toml | $(PY)
 
 bench: $(VENV)/.installed-bench
 	cd bench && ../$(PY) serving.py --runs 2 --write $(ARGS)
+
+docs: $(VENV)/.installed
+	$(PY) -c 'import run_server; run_server.CLI_REFERENCE.write_text(run_server.cli_reference())'
 
 clean:
 	rm -rf $(VENV) .pytest_cache

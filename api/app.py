@@ -33,7 +33,7 @@ from api.responses import new_id, now, sse
 from api.tool_parsers import ToolParser, parser_for_template
 from jaxserve.async_engine import AsyncEngine, Update
 from jaxserve.beam_search import BeamSearchParams
-from jaxserve.engine import Logprob
+from jaxserve.outputs import Logprob
 from jaxserve.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)

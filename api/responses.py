@@ -8,7 +8,7 @@ import math
 import time
 import uuid
 
-from jaxserve.engine import logprob_entries
+from jaxserve.outputs import logprob_entries
 from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
 

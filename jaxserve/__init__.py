@@ -2,17 +2,18 @@
 
 `from jaxserve import LLM, SamplingParams` is the offline API. The names are
 resolved lazily so that `checkpoints` (which needs `jaxserve.config`) and
-`jaxserve.engine` (which needs `checkpoints`) can import each other's modules.
+`jaxserve.llm` (which needs `checkpoints`) can import each other's modules.
 """
 
 import importlib
 
 _EXPORTS = {
-    "LLM": "jaxserve.engine",
+    "LLM": "jaxserve.llm",
     "Engine": "jaxserve.engine",
-    "RequestOutput": "jaxserve.engine",
-    "CompletionOutput": "jaxserve.engine",
-    "Logprob": "jaxserve.engine",
+    "EngineConfig": "jaxserve.config",
+    "RequestOutput": "jaxserve.outputs",
+    "CompletionOutput": "jaxserve.outputs",
+    "Logprob": "jaxserve.outputs",
     "TextPrompt": "jaxserve.inputs",
     "TokensPrompt": "jaxserve.inputs",
     "SamplingParams": "jaxserve.sampling_params",

@@ -18,7 +18,8 @@ import threading
 from collections.abc import AsyncIterator
 
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
-from jaxserve.engine import Engine, Logprob, logprob_entries
+from jaxserve.engine import Engine
+from jaxserve.outputs import Logprob, logprob_entries
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import TokenLogprobs

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from jaxserve.config import MAX_LOGPROBS
+from jaxserve.inputs import PromptType, tokenize_prompt
 from jaxserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxserve.engine import LLM, Logprob
-    from jaxserve.inputs import PromptType
+    from jaxserve.llm import LLM
+    from jaxserve.outputs import Logprob
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round reads 2 x beam_width candidates per beam
 
@@ -120,7 +121,7 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
     """`search` with each round run by `LLM.generate`; a beam's text is that of all its tokens,
     prompt included (as vLLM's `LLM.beam_search`)."""
     engine = llm.engine
-    run = search([llm._tokenize(p)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
+    run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
                  engine.config.max_model_len)
     step = round_params(params)
     with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:

@@ -8,12 +8,16 @@ that every jitted step is padded to.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import json
 import logging
 import math
 from pathlib import Path
+
+from jaxserve import settings
+from jaxserve.settings import json_object, json_or_text, optional_text, setting
 
 log = logging.getLogger("jaxserve.config")
 
@@ -210,25 +214,51 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Serving limits. `resolve` fills the model-dependent defaults."""
+    """Every engine setting, declared once (`settings.setting`): run_server.py's engine flags and
+    `LLM`'s keyword arguments are made from these fields. As given, the model-dependent ones may
+    be open ("auto" dtypes, no max_model_len or num_pages); `resolve` fills them for a model."""
 
-    max_model_len: int  # prompt + generated tokens per sequence
-    max_num_seqs: int = 64  # sequences per step
-    max_num_batched_tokens: int = 512  # tokens per step (the token budget)
-    page_size: int = 16  # tokens per KV page
-    num_pages: int = 0  # KV pages in the cache, including the null page 0
-    dtype: str = "float32"  # weights and activations (DTYPES)
-    kv_cache_dtype: str = "auto"  # the KV cache's values: "auto" (= dtype) or one of DTYPES
-    seed: int = 0  # draws the seeds of requests that set none
-    min_token_bucket: int = 1  # smallest padded step size (see token_buckets)
-    kv_cache_bytes: int = 2 << 30  # budget for the default num_pages
-    tensor_parallel_size: int = 1  # devices the weights and KV pages are split over
-    enable_prefix_caching: bool = True  # reuse the KV pages of earlier prompts with the same prefix
-    logprobs_mode: str = "raw_logprobs"  # what logprobs are of (LOGPROBS_MODES, vLLM's names)
-    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs a request may ask for (vLLM's)
+    model: str | None = setting(
+        None, "HF checkpoint directory or hub id (default: the built-in jaxserve-tiny, random weights)")
+    tokenizer: str | None = setting(
+        None, "a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
+    dtype: str = setting("auto", "weights and activations (default: auto, the checkpoint's own; float16 and half "
+                         "run as bfloat16, float is float32)", choices=("auto", *DTYPES, *DTYPE_ALIASES), compiled=True)
+    kv_cache_dtype: str = setting("auto", "the KV cache's values (default: auto, the same as --dtype)",
+                                  choices=("auto", *DTYPES), compiled=True)
+    max_model_len: int | None = setting(None, "prompt + output tokens (default: the model's)", type=int,
+                                        compiled=True)
+    max_num_seqs: int = setting(64, "sequences per step", compiled=True)
+    max_num_batched_tokens: int = setting(512, "tokens per step (the token budget)", compiled=True)
+    page_size: int = setting(16, "tokens per KV page", flags=("--block-size",), aliases=("block_size",),
+                             compiled=True)
+    num_pages: int | None = setting(None, "KV pages, the null page 0 included (default: enough for max-num-seqs, "
+                                    "<= 2 GiB)", type=int, compiled=True)
+    kv_cache_memory_fraction: float | None = setting(
+        None, "size the KV cache from this fraction of device memory (host RAM on CPU), weights deducted",
+        flags=("--gpu-memory-utilization",), aliases=("gpu_memory_utilization",), type=float)
+    seed: int = setting(0, "seeds the requests that set none")
+    logprobs_mode: str = setting(
+        "raw_logprobs", "what logprobs are of: raw_logprobs, the model's own distribution (vLLM's default), or "
+        "processed_logprobs, the one the token is drawn from (after penalties, temperature, top-k/p)",
+        choices=LOGPROBS_MODES, compiled=True)
+    tensor_parallel_size: int = setting(
+        1, "devices to split weights and KV cache over (multi-host: all devices of all processes)", flags=("-tp",),
+        compiled=True)
+    enable_prefix_caching: bool = setting(
+        True, "reuse the KV pages of earlier prompts with the same prefix (default: on)", negatable=True)
+    generation_config: str = setting(
+        "auto", "where the sampling defaults of requests come from: auto (the model's generation_config.json), "
+        "vllm (none: vLLM's neutral defaults), or a directory holding one")
+    override_generation_config: dict | None = setting(
+        None, 'JSON: generation-config fields over the model\'s, e.g. \'{"temperature": 0.5}\'', type=json_object)
+    max_logprobs: int = setting(MAX_LOGPROBS, "the most logprobs a request may ask for "
+                                f"(default and at most: {MAX_LOGPROBS})")
+    min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
+    kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
+        if self.dtype not in ("auto", *DTYPES, *DTYPE_ALIASES):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got {self.dtype!r}")
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
@@ -241,34 +271,46 @@ class EngineConfig:
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
 
     @classmethod
-    def resolve(cls, model: ModelConfig, *, max_model_len: int | None = None, num_pages: int | None = None,
-                **kwargs) -> EngineConfig:
-        """Defaults: max_model_len = the model's, capped at DEFAULT_MAX_MODEL_LEN; pages for
-        max_num_seqs full-length sequences, capped at `kv_cache_bytes`."""
-        if max_model_len is None:
-            max_model_len = min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    def from_options(cls, **options) -> EngineConfig:
+        """From keyword options as `LLM` takes them: the fields under their names or vLLM's
+        (`setting` aliases: block_size, gpu_memory_utilization), None for a default, and vLLM's
+        other engine options where they change nothing here (`check_vllm_options`)."""
+        values, others = settings.options_to_fields(cls, options)
+        check_vllm_options(others)
+        return cls(**values)
+
+    def resolve(self, model: ModelConfig, **given) -> EngineConfig:
+        """This config with `given` fields replaced and the model-dependent defaults filled:
+        max_model_len = the model's, capped at DEFAULT_MAX_MODEL_LEN; pages for max_num_seqs
+        full-length sequences, capped at `kv_cache_bytes`; a concrete `kv_cache_dtype`. The
+        dtype must be concrete by now (`resolve_dtype`: it reads the checkpoint)."""
+        cfg = dataclasses.replace(self, **given)
+        if cfg.dtype not in DTYPES:
+            raise ValueError(f"resolve the dtype {cfg.dtype!r} first (resolve_dtype)")
+        max_model_len = cfg.max_model_len or min(model.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > model.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{model.max_position_embeddings}; pass a smaller max_model_len"
             )
-        cfg = cls(max_model_len=max_model_len, **kwargs)
-        if not num_pages:
-            page_bytes = (2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim
-                          * ITEMSIZE[cfg.kv_dtype])
-            fit = cfg.kv_cache_bytes // page_bytes
-            if fit < 1 + cfg.max_pages_per_seq:
-                raise ValueError(
-                    f"one {max_model_len}-token sequence needs {cfg.max_pages_per_seq} KV pages of {page_bytes} bytes "
-                    f"but kv_cache_bytes={cfg.kv_cache_bytes} holds {fit}; lower max_model_len or set num_pages")
-            num_pages = min(1 + cfg.max_num_seqs * cfg.max_pages_per_seq, fit)
-        return dataclasses.replace(cfg, num_pages=num_pages, kv_cache_dtype=cfg.kv_dtype)
+        cfg = dataclasses.replace(cfg, max_model_len=max_model_len, kv_cache_dtype=cfg.kv_dtype)
+        if cfg.num_pages:
+            return cfg
+        page_bytes = 2 * model.num_layers * cfg.page_size * model.num_kv_heads * model.head_dim * ITEMSIZE[cfg.kv_dtype]
+        fit = cfg.kv_cache_bytes // page_bytes
+        if fit < 1 + cfg.max_pages_per_seq:
+            raise ValueError(
+                f"one {max_model_len}-token sequence needs {cfg.max_pages_per_seq} KV pages of {page_bytes} bytes "
+                f"but kv_cache_bytes={cfg.kv_cache_bytes} holds {fit}; lower max_model_len or set num_pages")
+        return dataclasses.replace(cfg, num_pages=min(1 + cfg.max_num_seqs * cfg.max_pages_per_seq, fit))
 
     @property
     def kv_dtype(self) -> str:
@@ -314,61 +356,93 @@ class EngineConfig:
         return [(t, s, p) for t in self.token_buckets for s in self.seqs_buckets(t) for p in self.page_buckets]
 
 
-# vLLM's engine options that its scripts and command lines pass and that change nothing in
-# jaxserve, with why; `LLM` and run_server.py take them (`check_vllm_options`).
-VLLM_NO_EFFECT = {
-    "enforce_eager": "there are no CUDA graphs to turn off: XLA compiles every step shape at start-up",
-    "enable_chunked_prefill": "prompts are always prefilled in chunks of max_num_batched_tokens (the outputs are the same)",
-    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
-    "disable_custom_all_reduce": "XLA picks the collectives",
-    "distributed_executor_backend": "jaxserve runs one process per host, with no worker processes",
-    "disable_log_stats": "the offline LLM logs no stats",
-    "download_dir": "hub models go to Hugging Face's own cache (HF_HOME)",
-    "hf_token": "hub models are fetched with Hugging Face's own login (HF_TOKEN)",
-    "served_model_name": "the offline LLM serves no API",
-    "compilation_config": "XLA compiles the steps; there is no torch.compile",
-    "max_seq_len_to_capture": "there are no CUDA graphs to capture",
-    "async_scheduling": "the next step is always launched before the previous step's tokens are processed",
-    "allowed_local_media_path": "the models take text only",
-    "max_loras": "LoRA adapters are not supported (enable_lora)",
-    "max_lora_rank": "LoRA adapters are not supported (enable_lora)",
+@dataclasses.dataclass(frozen=True)
+class VllmOption:
+    """An engine option of vLLM's that its scripts and command lines pass and that jaxserve takes
+    without an engine setting of its own: one that changes nothing here (`allowed` None), or one
+    taken only at the values that leave it off (any other value is a ValueError). `LLM` takes it as
+    a keyword, run_server.py as a flag read as `cli` says (argparse's keywords; None: no flag,
+    where the server has a flag of that name with a meaning of its own)."""
+
+    why: str
+    allowed: tuple | None = None
+    cli: dict | None = dataclasses.field(default_factory=dict)
+    flags: tuple[str, ...] = ()  # more option strings than --name
+    default: object = None  # the flag's value when it is left out
+
+
+_SWITCH, _ON_OFF = dict(action="store_true"), dict(action=argparse.BooleanOptionalAction)
+_INT, _FLOAT, _JSON, _TEXT = dict(type=int), dict(type=float), dict(type=json_or_text), dict(type=optional_text)
+_NO_REVISIONS = "models are local directories, without hub revisions"
+_TEXT_ONLY = "the models take text only"
+_GENERATE_ONLY = "jaxserve generates text only"
+_NO_LORA = "LoRA adapters are not supported"
+VLLM_OPTIONS = {
+    "enforce_eager": VllmOption("there are no CUDA graphs to turn off: XLA compiles every step shape at start-up",
+                                cli=_SWITCH),
+    "enable_chunked_prefill": VllmOption("prompts are always prefilled in chunks of max_num_batched_tokens (the "
+                                         "outputs are the same)", cli=_ON_OFF),
+    "swap_space": VllmOption("preempted sequences are recomputed, never swapped to host memory", cli=_FLOAT),
+    "disable_custom_all_reduce": VllmOption("XLA picks the collectives", cli=_SWITCH),
+    "distributed_executor_backend": VllmOption("jaxserve runs one process per host, with no worker processes",
+                                               cli=_TEXT),
+    "disable_log_stats": VllmOption("the offline LLM logs no stats", cli=None),
+    "download_dir": VllmOption("hub models go to Hugging Face's own cache (HF_HOME)", cli=_TEXT),
+    "hf_token": VllmOption("hub models are fetched with Hugging Face's own login (HF_TOKEN)", cli=_TEXT),
+    "served_model_name": VllmOption("the offline LLM serves no API", cli=None),
+    "compilation_config": VllmOption("XLA compiles the steps; there is no torch.compile", cli=_JSON, flags=("-O",)),
+    "max_seq_len_to_capture": VllmOption("there are no CUDA graphs to capture", cli=_INT),
+    "async_scheduling": VllmOption("the next step is always launched before the previous step's tokens are "
+                                   "processed", cli=_SWITCH),
+    "allowed_local_media_path": VllmOption(_TEXT_ONLY, cli=_TEXT),
+    "max_loras": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
+    "max_lora_rank": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
+    "trust_remote_code": VllmOption("jaxserve runs no code from a checkpoint either way", cli=_SWITCH, default=False),
+    "quantization": VllmOption("quantized weights are not supported", (None,), _TEXT, ("-q",)),
+    "revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
+    "tokenizer_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
+    "code_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
+    "tokenizer_mode": VllmOption("jaxserve reads the Hugging Face tokenizer of the model", ("auto", "hf"), _TEXT),
+    "skip_tokenizer_init": VllmOption("prompts and outputs go through the model's tokenizer", (False,), _SWITCH),
+    "load_format": VllmOption("weights are read from safetensors files", ("auto", "safetensors"), _TEXT),
+    "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),
+    "pipeline_parallel_size": VllmOption("pipeline parallelism is not supported (tensor_parallel_size splits the "
+                                         "model)", (1,), _INT, ("-pp",)),
+    "data_parallel_size": VllmOption("data parallelism is not supported (run one server per replica)", (1,), _INT,
+                                     ("-dp",)),
+    "enable_lora": VllmOption(_NO_LORA, (False,), _SWITCH),
+    "cpu_offload_gb": VllmOption("weights are not offloaded to host memory", (0,), _FLOAT),
+    "kv_cache_memory_bytes": VllmOption("size the KV cache with num_pages or gpu_memory_utilization", (None,), _INT),
+    "speculative_config": VllmOption("speculative decoding is not supported", (None,), _JSON),
+    "kv_transfer_config": VllmOption("KV cache transfer is not supported", (None,), _JSON),
+    "task": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),
+    "runner": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),
+    "convert": VllmOption(_GENERATE_ONLY, ("auto", "none"), _TEXT),
+    "mm_processor_kwargs": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
+    "limit_mm_per_prompt": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
+    "logits_processors": VllmOption("custom logits processors are not supported", (None, []), dict(nargs="*")),
+    "scheduling_policy": VllmOption("requests are scheduled first come, first served", ("fcfs",), _TEXT),
 }
-# vLLM's engine options that jaxserve takes only at the values that leave them off: name -> (those
-# values, why); any other value is a ValueError.
-VLLM_OFF_ONLY = {
-    "quantization": ((None,), "quantized weights are not supported"),
-    "revision": ((None, "main"), "models are local directories, without hub revisions"),
-    "tokenizer_revision": ((None, "main"), "models are local directories, without hub revisions"),
-    "code_revision": ((None, "main"), "models are local directories, without hub revisions"),
-    "tokenizer_mode": (("auto", "hf"), "jaxserve reads the Hugging Face tokenizer of the model"),
-    "skip_tokenizer_init": ((False,), "prompts and outputs go through the model's tokenizer"),
-    "load_format": (("auto", "safetensors"), "weights are read from safetensors files"),
-    "hf_overrides": ((None, {}), "the model's config.json is read as it is"),
-    "pipeline_parallel_size": ((1,), "pipeline parallelism is not supported (tensor_parallel_size splits the model)"),
-    "data_parallel_size": ((1,), "data parallelism is not supported (run one server per replica)"),
-    "enable_lora": ((False,), "LoRA adapters are not supported"),
-    "cpu_offload_gb": ((0,), "weights are not offloaded to host memory"),
-    "kv_cache_memory_bytes": ((None,), "size the KV cache with num_pages or gpu_memory_utilization"),
-    "speculative_config": ((None,), "speculative decoding is not supported"),
-    "kv_transfer_config": ((None,), "KV cache transfer is not supported"),
-    "task": (("auto", "generate"), "jaxserve generates text only"),
-    "runner": (("auto", "generate"), "jaxserve generates text only"),
-    "convert": (("auto", "none"), "jaxserve generates text only"),
-    "mm_processor_kwargs": ((None, {}), "the models take text only"),
-    "limit_mm_per_prompt": ((None, {}), "the models take text only"),
-    "logits_processors": ((None, []), "custom logits processors are not supported"),
-    "scheduling_policy": (("fcfs",), "requests are scheduled first come, first served"),
-}
+
+
+def add_vllm_arguments(group) -> None:
+    """run_server.py's flags of VLLM_OPTIONS (dest = the option's name)."""
+    for name, option in VLLM_OPTIONS.items():
+        if option.cli is None:
+            continue
+        why = (f"vLLM's; no effect: {option.why}" if option.allowed is None else
+               f"vLLM's; only {' or '.join(map(repr, option.allowed))}: {option.why}")
+        group.add_argument(settings.flag_name(name), *option.flags, dest=name, default=option.default, help=why,
+                           **option.cli)
 
 
 def check_vllm_options(options: dict) -> None:
-    """Take vLLM's engine options that change nothing here (VLLM_NO_EFFECT, VLLM_OFF_ONLY at their
-    off values); ValueError for one at a value jaxserve cannot honour, TypeError for a name that
-    is not vLLM's either (as Python's own for an unknown keyword)."""
+    """Take vLLM's engine options that change nothing here (VLLM_OPTIONS: any value, or the values
+    that leave them off); ValueError for one at a value jaxserve cannot honour, TypeError for a
+    name that is not vLLM's either (as Python's own for an unknown keyword)."""
     for name, value in options.items():
-        if name in VLLM_OFF_ONLY:
-            allowed, why = VLLM_OFF_ONLY[name]
-            if value not in allowed:
-                raise ValueError(f"{name}={value!r} is not supported: {why}")
-        elif name not in VLLM_NO_EFFECT:
+        if name not in VLLM_OPTIONS:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        allowed = VLLM_OPTIONS[name].allowed
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name}={value!r} is not supported: {VLLM_OPTIONS[name].why}")

@@ -32,6 +32,7 @@ from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward, head_logits, rope_table
 from jaxserve.sampling import PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
+from jaxserve.settings import compiled_fields
 from jaxserve.sharding import broadcast_plan, is_leader, place
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
@@ -195,8 +196,7 @@ class Runner:
         if shape not in self.executables:
             # (what only the host reads is left out: changing it needs no new executable)
             model = dataclasses.replace(self.model_config, eos_token_ids=())
-            config = dataclasses.replace(self.config, seed=0, enable_prefix_caching=True, kv_cache_bytes=0)
-            description = repr((model, config, shape))
+            description = repr((model, compiled_fields(self.config), shape))
             self.executables[shape] = self.executable_cache.compile(
                 self.step_fn, args, description, list(self.kv_sharding.mesh.devices.flat))
         return self.executables[shape]

@@ -37,9 +37,10 @@ def served():
     from api.app import create_app
     from api.protocol import Limits
     from jaxserve.async_engine import AsyncEngine
+    from jaxserve.config import EngineConfig
     from jaxserve.engine import build_engine
 
-    engine, tokenizer = build_engine(None, **ENGINE)
+    engine, tokenizer = build_engine(EngineConfig(**ENGINE))
     async_engine = AsyncEngine(engine, tokenizer)
     async_engine.start()
     server = Server(create_app(async_engine, Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size)),

@@ -1,0 +1,172 @@
+"""The offline API, vLLM's `LLM`: tokenize the prompts, add them to an `Engine`, step until
+all are finished, and return `RequestOutput`s. It knows nothing about HTTP."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+import jax
+from tqdm import tqdm
+
+from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from jaxserve.config import VLLM_OPTIONS, EngineConfig
+from jaxserve.engine import build_engine
+from jaxserve.inputs import PromptType, prompt_list, tokenize_prompt
+from jaxserve.outputs import CompletionOutput, RequestOutput, logprob_entries
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.sequence import Sequence
+from jaxserve.settings import fields
+from jaxserve.tokenizer import template_message
+
+
+def _generative_only(task: str):
+    """vLLM's LLM methods of pooling models: a clear error here."""
+    def refuse(self, *args, **kwargs):
+        raise ValueError(f"LLM.{task}: the model is generative and jaxserve runs no pooling models "
+                         "(embeddings, scores, classes, rewards); use generate or chat")
+    return refuse
+
+
+class LLM:
+    """Offline generation, vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
+
+    With `model=None` it loads the built-in `jaxserve-tiny` (RANDOM weights: gibberish by design).
+    """
+
+    def __init__(self, model: str | None = None, **options):
+        """`options`: the engine settings (`EngineConfig`'s fields, under their names or vLLM's:
+        `block_size` is `page_size`, `gpu_memory_utilization` is `kv_cache_memory_fraction`), and
+        vLLM's other engine options where they change nothing here (`config.VLLM_OPTIONS`; refused
+        where they would)."""
+        config = EngineConfig.from_options(model=model, **options)
+        if jax.process_count() > 1:
+            raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
+        self.engine, self.tokenizer = build_engine(config)
+        self._request_ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
+        sampling settings of the model's generation config (`generation_config`) over them."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
+    def generate(self, prompts: PromptType | list[PromptType],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
+        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come.
+        vLLM's `lora_request` and `priority` are taken at None (and priorities of 0: scheduling
+        is first come, first served)."""
+        _check_unsupported(lora_request=lora_request, priority=priority)
+        prompts = prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else \
+            [sampling_params or self.get_default_sampling_params()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        seqs: list[tuple[str | None, Sequence]] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                text, ids = tokenize_prompt(prompt, self.tokenizer)
+                seqs.append((text, self.engine.add_request(str(next(self._request_ids)), ids, p)))
+        except ValueError:
+            for _, seq in seqs:
+                self.engine.abort(seq.request_id)
+            raise
+        with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                self.engine.step()
+                bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
+        return [self._output(text, seq) for text, seq in seqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
+             lora_request=None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
+        server render them (`tokenizer.template_message`: text parts joined, or kept as parts where
+        the template reads them, see `chat_template_content_format`; tool-call arguments decoded):
+        the assistant's turn opened, or the last message continued (`continue_final_message`);
+        `tools` (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The
+        reply is text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
+        _check_unsupported(lora_request=lora_request)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        content_format = self.tokenizer.content_format(chat_template, chat_template_content_format)
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                [template_message(m, f"messages[{i}]", content_format) for i, m in enumerate(conversation)],
+                tools=tools, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template,
+                template_kwargs=chat_template_kwargs)
+            # The template already holds the special tokens it wants.
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False, lora_request=None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt, best
+        first (see `jaxserve.beam_search`). Prompts and `lora_request` as for `generate`."""
+        _check_unsupported(lora_request=lora_request)
+        return beam_search(self, prompt_list(prompts), params, use_tqdm)
+
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer of the model."""
+        return self.tokenizer.hf
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget the prefix cache's pages; False (and nothing forgotten) while a request runs."""
+        return not self.engine.has_unfinished() and self.engine.scheduler.allocator.reset_prefix_cache()
+
+    embed, encode, score, classify, reward = map(_generative_only, ("embed", "encode", "score", "classify", "reward"))
+
+    def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
+        outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
+                                    cumulative_logprob=None if s.params.logprobs is None else s.cumulative_logprob,
+                                    finish_reason=s.finish_reason,
+                                    stop_reason=s.stop_reason,
+                                    logprobs=None if s.params.logprobs is None else
+                                    logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,
+                                                    s.params.detokenize))
+                   for s in _choices(seq)]
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None:
+            prompt_logprobs = [None, *logprob_entries(self.tokenizer, seq.prompt_token_ids[1:], seq.prompt_logprobs,
+                                                      seq.params.detokenize)]
+        return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
+                             outputs=outputs, finished=all(o.finish_reason is not None for o in outputs),
+                             num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+
+def _check_unsupported(lora_request=None, priority: list[int] | None = None) -> None:
+    """vLLM's per-request LoRA adapters and priorities, which jaxserve does not have: None, or
+    priorities of 0 (vLLM's message where priority scheduling is off)."""
+    if lora_request is not None:
+        raise ValueError("LoRA adapters are not supported: lora_request must be None")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError(f"got priority {next(p for p in priority if p != 0)} but priority scheduling is not "
+                         "enabled: requests are scheduled first come, first served")
+
+
+def _choices(seq: Sequence) -> list[Sequence]:
+    """The n sequences of a request, by choice index."""
+    return sorted([seq, *seq.forks], key=lambda s: s.index)
+
+
+def _signature() -> inspect.Signature:
+    """`LLM.__init__`'s signature as help() shows it: made from EngineConfig's fields."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    params += [inspect.Parameter(f.name, keyword, default=f.default) for f in fields(EngineConfig)
+               if f.name != "model" and f.metadata["setting"]["cli"]]
+    params += [inspect.Parameter(alias, keyword, default=None) for f in fields(EngineConfig)
+               for alias in f.metadata["setting"]["aliases"]]
+    params += [inspect.Parameter(name, keyword, default=option.default) for name, option in VLLM_OPTIONS.items()]
+    return inspect.Signature(params)
+
+
+LLM.__init__.__signature__ = _signature()

@@ -1,0 +1,171 @@
+"""Settings declared once: EngineConfig's fields make run_server.py's engine flags, `LLM`'s keyword
+arguments and docs/cli.md, and the command line keeps every flag and default it had."""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+
+import pytest
+
+import run_server
+from jaxserve.config import VLLM_OPTIONS, EngineConfig
+from jaxserve.llm import LLM
+from jaxserve.settings import fields, flag_name
+
+# Every flag (option strings) of `python run_server.py` and its default, as they stood when the flags
+# were first made from EngineConfig: later changes may add flags, never drop or change one of these.
+FLAGS = {
+    ("--enable-log-requests", "--no-enable-log-requests"): False,
+    ("--disable-log-requests",): True,  # (the store_false action's own; the option's default is False)
+    ('--model',): None,
+    ('--served-model-name',): None,
+    ('--tokenizer',): None,
+    ('--host',): '127.0.0.1',
+    ('--port',): 8000,
+    ('--dtype',): 'auto',
+    ('--kv-cache-dtype',): 'auto',
+    ('--max-model-len',): None,
+    ('--max-num-seqs',): 64,
+    ('--max-num-batched-tokens',): 512,
+    ('--page-size', '--block-size'): 16,
+    ('--num-pages',): None,
+    ('--kv-cache-memory-fraction', '--gpu-memory-utilization'): None,
+    ('--seed',): 0,
+    ('--logprobs-mode',): 'raw_logprobs',
+    ('--tensor-parallel-size', '-tp'): 1,
+    ('--coordinator-address',): None,
+    ('--num-processes',): None,
+    ('--process-id',): None,
+    ('--distributed',): False,
+    ('--distributed-timeout',): 100,
+    ('--enable-prefix-caching', '--no-enable-prefix-caching'): True,
+    ('--generation-config',): 'auto',
+    ('--override-generation-config',): None,
+    ('--max-logprobs',): 20,
+    ('--enforce-eager',): None,
+    ('--disable-custom-all-reduce',): None,
+    ('--async-scheduling',): None,
+    ('--skip-tokenizer-init',): None,
+    ('--enable-lora',): None,
+    ('--enable-chunked-prefill', '--no-enable-chunked-prefill'): None,
+    ('--max-seq-len-to-capture',): None,
+    ('--max-loras',): None,
+    ('--max-lora-rank',): None,
+    ('--pipeline-parallel-size', '-pp'): None,
+    ('--data-parallel-size', '-dp'): None,
+    ('--kv-cache-memory-bytes',): None,
+    ('--swap-space',): None,
+    ('--cpu-offload-gb',): None,
+    ('--compilation-config', '-O'): None,
+    ('--hf-overrides',): None,
+    ('--speculative-config',): None,
+    ('--kv-transfer-config',): None,
+    ('--mm-processor-kwargs',): None,
+    ('--limit-mm-per-prompt',): None,
+    ('--download-dir',): None,
+    ('--hf-token',): None,
+    ('--distributed-executor-backend',): None,
+    ('--allowed-local-media-path',): None,
+    ('--quantization', '-q'): None,
+    ('--revision',): None,
+    ('--tokenizer-revision',): None,
+    ('--code-revision',): None,
+    ('--tokenizer-mode',): None,
+    ('--load-format',): None,
+    ('--task',): None,
+    ('--runner',): None,
+    ('--convert',): None,
+    ('--scheduling-policy',): None,
+    ('--logits-processors',): None,
+    ('--chat-template',): None,
+    ('--chat-template-content-format',): 'auto',
+    ('--trust-request-chat-template',): False,
+    ('--log-level',): 'info',
+    ('--api-key',): None,
+    ('--tool-call-parser',): None,
+    ('--return-tokens-as-token-ids',): False,
+    ('--response-role',): 'assistant',
+    ('--enable-force-include-usage',): False,
+    ('--enable-prompt-tokens-details',): False,
+    ('--enable-server-load-tracking',): False,
+    ('--disable-uvicorn-access-log',): False,
+    ('--disable-fastapi-docs',): False,
+    ('--disable-frontend-multiprocessing',): False,
+    ('--uvicorn-log-level',): None,
+    ('--reasoning-parser',): None,
+    ('--enable-auto-tool-choice', '--no-enable-auto-tool-choice'): True,
+    ('--disable-log-stats',): False,
+    ('--log-stats-interval',): 10.0,
+    ('--allowed-origins',): ['*'],
+    ('--allowed-methods',): ['*'],
+    ('--allowed-headers',): ['*'],
+    ('--allow-credentials',): False,
+    ('--ssl-keyfile',): None,
+    ('--ssl-certfile',): None,
+    ('--ssl-ca-certs',): None,
+    ('--ssl-cert-reqs',): 0,
+    ('--trust-remote-code',): False,
+}
+
+
+def _parser_flags() -> dict[tuple[str, ...], object]:
+    return {tuple(a.option_strings): a.default for a in run_server.build_parser()._actions if a.option_strings}
+
+
+def test_command_line_keeps_every_flag_and_default():
+    flags = _parser_flags()
+    missing = [f for f in FLAGS if f not in flags]
+    assert not missing, f"flags dropped: {missing}"
+    changed = {f: (FLAGS[f], flags[f]) for f in FLAGS if flags[f] != FLAGS[f]}
+    assert not changed, f"defaults changed (before, now): {changed}"
+    assert set(flags) - set(FLAGS) - {("-h", "--help")} == set(), "a new flag: add it to FLAGS"
+
+
+def test_engine_flags_are_engine_config_fields():
+    """Each EngineConfig field with a flag: --its-name, its default, parsed into the config."""
+    args = run_server.parse_args([])
+    assert args.engine == EngineConfig()
+    flags = _parser_flags()
+    for field in fields(EngineConfig):
+        if not field.metadata["setting"]["cli"]:
+            continue
+        names = next(names for names in flags if flag_name(field.name) in names)
+        assert flags[names] == field.default, field.name
+    args = run_server.parse_args(["--block-size", "32", "-tp", "2", "--no-enable-prefix-caching",
+                                  "--override-generation-config", '{"temperature": 0.5}', "--dtype", "bfloat16"])
+    assert args.engine == EngineConfig(page_size=32, tensor_parallel_size=2, enable_prefix_caching=False,
+                                       override_generation_config={"temperature": 0.5}, dtype="bfloat16")
+
+
+def test_a_bad_engine_flag_is_named_as_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        run_server.parse_args(["--max-logprobs", "30"])
+    assert "--max-logprobs must be in [0, 20]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_server.parse_args(["--quantization", "awq"])
+    assert "--quantization='awq' is not supported" in capsys.readouterr().err
+
+
+def test_llm_keyword_arguments_are_engine_config_fields():
+    params = inspect.signature(LLM.__init__).parameters
+    for field in fields(EngineConfig):
+        if field.metadata["setting"]["cli"]:
+            assert params[field.name].default == field.default, field.name
+        for alias in field.metadata["setting"]["aliases"]:
+            assert alias in params
+    assert set(VLLM_OPTIONS) <= set(params)
+    assert EngineConfig.from_options(block_size=32, gpu_memory_utilization=0.5, max_num_seqs=None) == \
+        EngineConfig(page_size=32, kv_cache_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="one setting"):
+        EngineConfig.from_options(page_size=16, block_size=32)
+    with pytest.raises(TypeError, match="no_such_option"):
+        EngineConfig.from_options(no_such_option=1)
+
+
+def test_cli_reference_is_current():
+    """docs/cli.md is made from the parser: `make docs` after changing a flag."""
+    assert run_server.CLI_REFERENCE.read_text() == run_server.cli_reference(), "docs/cli.md is stale: make docs"
+    for action in run_server.build_parser()._actions:
+        if not isinstance(action, argparse._HelpAction):
+            assert f"`{(action.option_strings or [action.metavar])[0]}`" in run_server.CLI_REFERENCE.read_text()
