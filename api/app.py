@@ -13,6 +13,7 @@ aborts the request's sequences (their pages are freed at the next step).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import importlib.metadata
 import json
@@ -199,12 +200,12 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
             if req.echo:
                 raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
             req.thinking = opens_thinking(reasoning_parser, tokenizer, req.prompts[0])  # (chat: one prompt)
-            req.params.constraint = thinking_first(req.params.constraint, req.thinking)
+            req.params = req.params.with_constraint(thinking_first(req.params.constraint, req.thinking))
         if req.tools is not None and req.tools.mode == "auto" and not auto_tool_choice:
             raise APIError('"auto" tool choice requires --enable-auto-tool-choice (the server runs with '
                            '--no-enable-auto-tool-choice)', param="tool_choice")
         if req.tools is not None and req.tools.mode == "auto" and tool_parser.name == "mistral":
-            req.params.skip_special_tokens = False  # [TOOL_CALLS] is a special token
+            req.params = dataclasses.replace(req.params, skip_special_tokens=False)  # [TOOL_CALLS] is special
         try:
             for ids in req.prompts:
                 engine.check(ids, req.params)

@@ -22,35 +22,33 @@ PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vL
 
 
 class _EngineCollector:
-    """Reads the scheduler's state when scraped (plain integer reads of another thread's counters)."""
+    """Reads the engine's stats snapshot when scraped."""
 
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
     def collect(self):
-        sched = self.engine.engine.scheduler
-        alloc = sched.allocator
-        used = alloc.num_usable - alloc.num_free
+        stats = self.engine.stats
         ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
         figures = [
-            (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", len(sched.running)),
+            (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
             (both, GaugeMetricFamily, "num_requests_waiting", "Sequences waiting (new or preempted).",
-             len(sched.waiting)),
-            (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", used / alloc.num_usable),
+             stats.num_waiting),
+            (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", stats.kv_cache_usage),
             (vllms, GaugeMetricFamily, "gpu_cache_usage_perc", "KV cache use, 1 is full (vLLM's older name).",
-             used / alloc.num_usable),
-            (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", used),
+             stats.kv_cache_usage),
+            (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
             (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
-             alloc.num_usable),
+             stats.kv_pages_total),
             (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled (recomputation included).",
-             sched.num_prompt_tokens_computed),
-            (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", sched.num_generated_tokens),
-            (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", sched.num_preemptions),
+             stats.num_prompt_tokens_computed),
+            (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", stats.num_generated_tokens),
+            (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", stats.num_preemptions),
             (both, CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             sched.num_prefix_queried_tokens),
+             stats.num_prefix_queried_tokens),
             (both, CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             sched.num_prefix_hit_tokens),
+             stats.num_prefix_hit_tokens),
         ]
         labels = {PREFIXES[0]: {}, PREFIXES[1]: {"model_name": self.model_name}}
         for prefixes, family, name, doc, value in figures:
@@ -125,34 +123,30 @@ class Metrics:
 
 class StatsLog:
     """vLLM's periodic stats line: prompt and generation throughput since the last line, sequences
-    running and waiting, KV cache use and the prefix cache's hit rate. Reads the scheduler's counters
-    (plain integers of the engine thread) like `_EngineCollector`."""
+    running and waiting, KV cache use and the prefix cache's hit rate, from the engine's stats
+    snapshots (`AsyncEngine.stats`) like `_EngineCollector`."""
 
     def __init__(self, engine: AsyncEngine):
-        self.scheduler = engine.engine.scheduler
-        self._last = self._counters()
+        self.engine = engine
+        self._last = time.perf_counter(), engine.stats
         self._was_busy = False
-
-    def _counters(self) -> tuple[float, int, int, int, int]:
-        s = self.scheduler
-        return (time.perf_counter(), s.num_prompt_tokens_computed, s.num_generated_tokens,
-                s.num_prefix_queried_tokens, s.num_prefix_hit_tokens)
 
     def line(self) -> str | None:
         """The figures since the last call; None while idle (after one line that shows it went idle)."""
-        now = self._counters()
-        (t0, prompt0, generated0, queried0, hits0), (t1, prompt1, generated1, queried1, hits1) = self._last, now
-        self._last = now
-        s, alloc = self.scheduler, self.scheduler.allocator
-        busy = bool(s.running or s.waiting or prompt1 > prompt0 or generated1 > generated0)
+        (t0, s0), (t1, s1) = self._last, (time.perf_counter(), self.engine.stats)
+        self._last = t1, s1
+        prompt = s1.num_prompt_tokens_computed - s0.num_prompt_tokens_computed
+        generated = s1.num_generated_tokens - s0.num_generated_tokens
+        busy = bool(s1.num_running or s1.num_waiting or prompt or generated)
         if not (busy or self._was_busy):
             return None
         self._was_busy = busy
         dt = max(t1 - t0, 1e-9)
-        queried = queried1 - queried0
-        hit_rate = f"{100 * (hits1 - hits0) / queried:.1f}%" if queried else "-"
-        return (f"Avg prompt throughput: {(prompt1 - prompt0) / dt:.1f} tokens/s, "
-                f"Avg generation throughput: {(generated1 - generated0) / dt:.1f} tokens/s, "
-                f"Running: {len(s.running)} seqs, Waiting: {len(s.waiting)} seqs, "
-                f"KV cache usage: {100 * (alloc.num_usable - alloc.num_free) / alloc.num_usable:.1f}%, "
+        queried = s1.num_prefix_queried_tokens - s0.num_prefix_queried_tokens
+        hits = s1.num_prefix_hit_tokens - s0.num_prefix_hit_tokens
+        hit_rate = f"{100 * hits / queried:.1f}%" if queried else "-"
+        return (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {generated / dt:.1f} tokens/s, "
+                f"Running: {s1.num_running} seqs, Waiting: {s1.num_waiting} seqs, "
+                f"KV cache usage: {100 * s1.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate}")

@@ -388,10 +388,12 @@ def check_model(body: dict, limits: Limits) -> str:
     return limits.served_model_name if model is None else model
 
 
-def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str) -> list[int]:
-    """The prompt's ids as they will run (truncated, see SamplingParams.truncate); 400 if they cannot.
-    A request without max_tokens (chat) under a model's max_new_tokens (`Limits.sampling_defaults`)
-    gets the rest of the context up to that cap here, where the prompt's length is known."""
+def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str
+               ) -> tuple[list[int], SamplingParams]:
+    """The prompt's ids as they will run (truncated, see SamplingParams.truncate), and the params they
+    run with; 400 if they cannot. A request without max_tokens (chat) under a model's max_new_tokens
+    (`Limits.sampling_defaults`) gets the rest of the context up to that cap here, where the prompt's
+    length is known."""
     ids = params.truncate(ids, limits.max_model_len)
     if not ids:
         raise APIError("the prompt is empty", param=param)
@@ -400,7 +402,7 @@ def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: st
         raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param=param)
     cap = limits.sampling_defaults.get("max_tokens")
     if params.max_tokens is None and cap is not None:  # the rest of the context, at most the model's cap
-        params.max_tokens = max(1, min(cap, limits.max_model_len - len(ids)))
+        params = dataclasses.replace(params, max_tokens=max(1, min(cap, limits.max_model_len - len(ids))))
     wanted = len(ids) + (params.max_tokens or 1)
     if wanted > limits.max_model_len:
         what = (f"{len(ids)} prompt tokens + {params.max_tokens} max_tokens = {wanted}. Shorten the prompt or "
@@ -408,7 +410,7 @@ def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: st
                 f"{len(ids)} prompt tokens, which leave no room for an output token. Shorten the prompt.")
         raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens, but the request "
                        f"has {what}", param=param)
-    return ids
+    return ids, params
 
 
 def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
@@ -423,7 +425,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     options = _response_options(body, limits)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
-        params.prompt_logprobs = params.logprobs
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _ids(prompt):
         prompt = [_ids(prompt) or prompt]
@@ -435,7 +437,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                        param="prompt")
     special = _bool(body, "add_special_tokens", True)
     ids = [_check_ids(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
-                      params, "prompt") for p in prompt]
+                      params, "prompt")[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
@@ -501,13 +503,13 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
             tools.constraint.grammar()
         except ValueError as e:
             raise APIError(f"'tools': {e}", param="tools") from e
-        params.constraint = tools.constraint
+        params = params.with_constraint(tools.constraint)
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", True))
-        return GenerationRequest([_check_ids(ids, limits, params, "prompt")], [text], params, model=model,
-                                 **response)
+        ids, params = _check_ids(ids, limits, params, "prompt")
+        return GenerationRequest([ids], [text], params, model=model, **response)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
     options = _template_options(body, limits)
@@ -526,6 +528,7 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     echoed = message_text(last) if echo and last["role"] == "assistant" else ""
     if not options["add_generation_prompt"]:  # (vLLM's: the answer continues the last message, in its role)
         response["role"] = last["role"]
-    return GenerationRequest([_check_ids(ids, limits, params, "messages")], [echoed], params, echo=echo,
+    ids, params = _check_ids(ids, limits, params, "messages")
+    return GenerationRequest([ids], [echoed], params, echo=echo,
                              tools=tools if tools is not None and tools.mode != "none" else None, model=model,
                              **response)

@@ -17,7 +17,7 @@ import json
 import re
 import uuid
 
-from jaxserve.output import undecided_tail
+from jaxserve.tokenizer import undecided_tail
 
 
 @dataclasses.dataclass

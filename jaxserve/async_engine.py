@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine import Engine
 from jaxserve.outputs import Logprob, logprob_entries
+from jaxserve.scheduler import SchedulerStats
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import TokenLogprobs
@@ -77,6 +78,11 @@ class AsyncEngine:
         return not self._thread.is_alive()
 
     @property
+    def stats(self) -> SchedulerStats:
+        """The engine's figures as of its last change (a snapshot, safe to read from any thread)."""
+        return self.engine.stats
+
+    @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
@@ -109,7 +115,7 @@ class AsyncEngine:
         as requests of one token (so they share steps and the prefix cache). A beam's text is that
         of its generated tokens, as in vLLM's server."""
         run = search([prompt_token_ids], params, frozenset(self.engine.model_config.eos_token_ids),
-                     self.engine.config.max_model_len)
+                     self.engine.config)
         step = round_params(params)
         try:
             beams = next(run)

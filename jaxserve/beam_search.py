@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
-from jaxserve.config import MAX_LOGPROBS
+from jaxserve.config import MAX_LOGPROBS, EngineConfig
 from jaxserve.inputs import PromptType, tokenize_prompt
 from jaxserve.sampling_params import SamplingParams
 
@@ -67,7 +67,7 @@ def _score(beam: BeamSearchSequence, eos_token_ids: frozenset[int], length_penal
 
 
 def search(prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int],
-           max_model_len: int) -> Generator[list[list[int]], list[dict[int, Logprob]], list[BeamSearchOutput]]:
+           config: EngineConfig) -> Generator[list[list[int]], list[dict[int, Logprob]], list[BeamSearchOutput]]:
     """The search, for any way of running a round: it yields the token lists of the round's live
     beams, is sent back each one's next-token candidates (the top 2 x beam_width logprobs and the
     sampled token, as `SamplingParams.logprobs` gives them), and returns each prompt's best
@@ -78,9 +78,7 @@ def search(prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_ids:
         return _score(beam, eos, params.length_penalty)
 
     for ids in prompt_ids:
-        if len(ids) + params.max_tokens > max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds max_model_len "
-                             f"({max_model_len})")
+        config.check_fits(len(ids), params.max_tokens)
     live = [[BeamSearchSequence(tokens=ids, logprobs=[])] for ids in prompt_ids]
     complete: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
     for _ in range(params.max_tokens):
@@ -122,7 +120,7 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
     prompt included (as vLLM's `LLM.beam_search`)."""
     engine = llm.engine
     run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
-                 engine.config.max_model_len)
+                 engine.config)
     step = round_params(params)
     with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
         try:

@@ -312,6 +312,19 @@ class EngineConfig:
                 f"but kv_cache_bytes={cfg.kv_cache_bytes} holds {fit}; lower max_model_len or set num_pages")
         return dataclasses.replace(cfg, num_pages=min(1 + cfg.max_num_seqs * cfg.max_pages_per_seq, fit))
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """ValueError where a sequence of this prompt and up to max_tokens more could never run: past
+        max_model_len, or needing more KV pages than the cache has. (The one check of a request's
+        length: the engine's, which the API and beam search call too.)"""
+        total = num_prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
+                             f"exceeds max_model_len ({self.max_model_len})")
+        pages = math.ceil(total / self.page_size)
+        if pages > self.num_pages - 1:
+            raise ValueError(f"a sequence of {total} tokens needs {pages} KV pages but the cache has "
+                             f"{self.num_pages - 1}; raise num_pages")
+
     @property
     def kv_dtype(self) -> str:
         """The KV cache's value type: `kv_cache_dtype`, or for "auto" the model's `dtype`."""

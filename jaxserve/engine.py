@@ -29,8 +29,8 @@ from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Launched, Runner
 from jaxserve.sampling import MAX_SUPPRESSED
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import ScheduledBatch, Scheduler
+from jaxserve.sampling_params import RequestSampling, SamplingParams
+from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
@@ -71,6 +71,8 @@ class Engine:
             self.runner.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
         self.output = OutputProcessor(self.tokenizer, self.scheduler, model_config.vocab_size)
+        # the scheduler's figures as of the last change, for other threads to read (metrics)
+        self.stats: SchedulerStats = self.scheduler.stats()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
@@ -79,14 +81,15 @@ class Engine:
         `params.truncate_prompt_tokens` tokens first, when set."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
-        if params.bad_words:
-            params.tokenize_bad_words(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        sampling = RequestSampling.of(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                                      self.model_config.vocab_size)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                       params=params, seed=seed, max_tokens=max_tokens)
+                       params=params, sampling=sampling, seed=seed, max_tokens=max_tokens)
         self.scheduler.add(seq)
+        self.stats = self.scheduler.stats()
         return seq
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -106,6 +109,7 @@ class Engine:
             if max_tokens < 1:
                 raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
                                  f"max_model_len ({self.config.max_model_len})")
+        self.config.check_fits(len(prompt_token_ids), max_tokens)
         bad = [t for t in [*params.stop_token_ids, *params.logit_bias, *(params.allowed_token_ids or [])]
                if t >= vocab]
         if bad:
@@ -124,6 +128,7 @@ class Engine:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
             self.scheduler.abort(seq.seq_id)
             self.output.forget(seq.seq_id)
+        self.stats = self.scheduler.stats()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -148,6 +153,7 @@ class Engine:
         if self._in_flight is not None:
             released = self._finish_in_flight(on_release)
         self._in_flight = launched
+        self.stats = self.scheduler.stats()
         return released
 
     def _finish_in_flight(self, on_release: Callable[[SequenceOutput], None] | None) -> list[SequenceOutput]:

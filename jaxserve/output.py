@@ -24,7 +24,7 @@ import numpy as np
 from jaxserve.scheduler import ScheduledBatch, Scheduler
 from jaxserve.sequence import Sequence, TokenLogprobs
 from jaxserve.structured import Constraint, GrammarMatchers, mask_width
-from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, undecided_tail
 
 
 @dataclasses.dataclass
@@ -51,18 +51,6 @@ class _TextState:
     text: str = ""  # everything decoded so far (stop strings cut)
     num_tokens: int = 0  # output tokens already reported
     exempt: int = 0  # characters of the first min_tokens tokens: no stop string may end in them
-
-
-def find_stop(text: str, stops: list[str], checked: int) -> tuple[int, str] | None:
-    """Earliest (index, stop string) occurring in `text` and ending after text[:checked]."""
-    hits = [(i, s) for s in stops if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
-    return min(hits) if hits else None
-
-
-def undecided_tail(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                if text[len(text) - k:] == s[:k]), default=0)
 
 
 class OutputProcessor:
@@ -92,7 +80,7 @@ class OutputProcessor:
         """Fill `batch.token_masks` for the rows that sample this step under a grammar or bad words."""
         for b, row in enumerate(batch.rows):
             p = row.params
-            if not row.sample or (p.constraint is None and not p.bad_words_token_ids):
+            if not row.sample or (p.constraint is None and not row.sampling.bad_words_token_ids):
                 continue
             if p.constraint is not None:
                 mask = np.zeros(mask_width(self.vocab_size), np.int32)
@@ -100,7 +88,7 @@ class OutputProcessor:
             else:
                 mask = np.full(mask_width(self.vocab_size), -1, np.int32)
             bits = mask.view(np.uint32)
-            for token in p.banned_tokens(row.all_token_ids, row.num_prompt_tokens):
+            for token in row.sampling.banned_tokens(row.all_token_ids, row.num_prompt_tokens):
                 if token < self.vocab_size:
                     bits[token // 32] &= np.uint32(~(1 << token % 32) & 0xFFFF_FFFF)
             batch.token_masks[b] = mask
@@ -147,9 +135,7 @@ class OutputProcessor:
             index, stop = hit
             state.text = state.text[:index + len(stop) if seq.params.include_stop_str_in_output else index]
             if seq.is_finished:  # finished by length or EOS in the same step: the stop string wins
-                self.scheduler.finish_counts[seq.finish_reason] -= 1
-                self.scheduler.finish_counts["stop"] += 1
-                seq.finish_reason, seq.stop_reason = "stop", stop
+                self.scheduler.restate_finish(seq, "stop", stop)
             else:
                 self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
             end = len(state.text)

@@ -287,7 +287,8 @@ class Runner:
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
-                            token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
+                            token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
+                            allowed_mask=r.sampling.allowed_mask) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
                                              self.model_config.eos_token_ids, batch.token_masks)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row

@@ -44,6 +44,7 @@ class SamplingRow:
     position: int  # position of the token being sampled
     token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
+    allowed_mask: np.ndarray | None = None  # `RequestSampling.allowed_mask`: packed allowed tokens, or any
 
 
 @functools.lru_cache(maxsize=64)
@@ -99,15 +100,15 @@ class SamplingTensors:
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
         uses_penalties = any(r.params.uses_penalties for r in rows)
         history = (np.full if uses_penalties else padding)((num_rows, history_len), vocab_size, np.int32)
-        masked = token_masks or any(p.allowed_token_ids is not None for p in params)
+        masked = token_masks or any(r.allowed_mask is not None for r in rows)
         token_mask = (np.zeros if masked else lambda shape, dtype: padding(shape, 0, dtype))(
             (num_rows, mask_width(vocab_size)), np.int32)
         has_mask = np.zeros(num_rows, bool)
         for b, mask in (token_masks or {}).items():
             token_mask[b], has_mask[b] = mask, True
-        for b, p in enumerate(params):
-            if p.allowed_token_ids is not None:
-                allowed = p.allowed_mask(vocab_size)
+        for b, row in enumerate(rows):
+            if row.allowed_mask is not None:
+                allowed = row.allowed_mask
                 token_mask[b] = token_mask[b] & allowed if has_mask[b] else allowed
                 has_mask[b] = True
         for b, row in enumerate(rows):

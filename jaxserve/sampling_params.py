@@ -20,6 +20,19 @@ MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per
 MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 class RequestOutputKind(enum.Enum):
     """vLLM's: what each output of a streamed request holds. `LLM.generate` returns the finished
     outputs whatever the kind (as vLLM's does); the server streams deltas."""
@@ -29,9 +42,11 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # only the finished output
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """vLLM-compatible sampling settings of one request."""
+    """vLLM-compatible sampling settings of one request: checked once, when built, and never changed
+    afterwards (`dataclasses.replace` makes a changed copy, checked again). What the engine derives
+    from them for a request (bad words' token ids, the allowed-token mask) is a `RequestSampling`."""
 
     n: int = 1  # sequences (choices) per prompt, 1..MAX_N; the prompt is prefilled once
     max_tokens: int | None = 16  # None: up to max_model_len
@@ -70,82 +85,80 @@ class SamplingParams:
     # reads the same way (logprobs[i][token_id]) either way
     flat_logprobs: bool = False
     extra_args: dict | None = None  # vLLM's: kept on the request for the caller; no built-in sampling reads it
-    # the token ids of each bad word's forms (`tokenize_bad_words`, which the engine calls)
-    bad_words_token_ids: list[list[int]] = dataclasses.field(default_factory=list, init=False, repr=False,
-                                                             compare=False)
-    _allowed_mask: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
-
     def __post_init__(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
+        self._normalize()
+        self._check_numbers()
+        self._check_token_lists()
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
+    def _normalize(self) -> None:
+        """Each field in one form: the constraint from vLLM's forms of it, lists and dicts fresh."""
+        def normalize(name, value):  # (frozen: the one place fields are set after __init__)
+            object.__setattr__(self, name, value)
 
         if self.guided_decoding is not None:
-            check(self.structured_outputs in (None, self.guided_decoding),
-                  "give structured_outputs or guided_decoding (its older name), not both")
-            self.structured_outputs = self.guided_decoding
+            _check(self.structured_outputs in (None, self.guided_decoding),
+                   "give structured_outputs or guided_decoding (its older name), not both")
+            normalize("structured_outputs", self.guided_decoding)
         if self.structured_outputs is not None:
             derived = self.structured_outputs.constraint()
-            check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")
-            self.constraint = derived
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.bad_words = list(self.bad_words or [])
+            _check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")
+            normalize("constraint", derived)
+        normalize("stop", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
+        normalize("stop_token_ids", list(self.stop_token_ids or []))
+        normalize("bad_words", list(self.bad_words or []))
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
-        check(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        check(is_num(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
-        check(is_int(self.top_k) and self.top_k >= -1,
-              f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        check(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+            normalize("allowed_token_ids", list(self.allowed_token_ids))
+        normalize("logit_bias", {int(k): float(v) for k, v in (self.logit_bias or {}).items()})
+
+    def _check_numbers(self) -> None:
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
+               f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(_is_num(self.temperature) and self.temperature >= 0,
+               f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            check(is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
-        check(is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
-        check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
-              "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
-        check(self.detokenize or not self.stop, "stop strings need detokenize=True (the text they are found in)")
-        check(len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
-              f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters, "
-              f"got {self.stop!r}")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
-              and len(self.bad_words) <= MAX_BAD_WORDS,
-              f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} characters, "
-              f"got {self.bad_words!r}")
-        check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
-            is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-              f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
-        check(self.truncate_prompt_tokens is None or (is_int(self.truncate_prompt_tokens) and (
+            _check(_is_num(value) and -2 <= value <= 2, f"{name} must be in [-2, 2], got {value!r}")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens) and (
             self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)),
-              f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens!r}")
-        check(isinstance(self.output_kind, RequestOutputKind),
-              f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        check(self.extra_args is None or isinstance(self.extra_args, dict),
-              f"extra_args must be a dict, got {self.extra_args!r}")
+               f"truncate_prompt_tokens must be -1 or >= 1, got {self.truncate_prompt_tokens!r}")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        _check(self.extra_args is None or isinstance(self.extra_args, dict),
+               f"extra_args must be a dict, got {self.extra_args!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                  f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+
+    def _check_token_lists(self) -> None:
+        _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
+        _check(all(k >= 0 and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+               "logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+        _check(self.detokenize or not self.stop, "stop strings need detokenize=True (the text they are found in)")
+        _check(len(self.stop) <= MAX_STOP and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS
+                                                  for s in self.stop),
+               f"stop must be at most {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters, "
+               f"got {self.stop!r}")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        _check(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in self.bad_words)
+               and len(self.bad_words) <= MAX_BAD_WORDS,
+               f"bad_words must be at most {MAX_BAD_WORDS} non-blank strings of at most {MAX_STOP_CHARS} "
+               f"characters, got {self.bad_words!r}")
+        _check(self.allowed_token_ids is None or (bool(self.allowed_token_ids) and all(
+            _is_int(t) and t >= 0 for t in self.allowed_token_ids)),
+               f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
 
     @classmethod
     def from_optional(cls, **kwargs) -> SamplingParams:
@@ -156,48 +169,6 @@ class SamplingParams:
         """vLLM's: an independent copy."""
         return copy.deepcopy(self)
 
-    def tokenize_bad_words(self, encode: Callable[[str], list[int]]) -> None:
-        """`bad_words_token_ids` from `encode` (text -> ids, no special tokens), as vLLM forms them:
-        each word without its leading spaces, and with one space before it where that gives other
-        tokens of the same count (a word-initial token)."""
-        forms = []
-        for word in self.bad_words:
-            bare = encode(word.lstrip())
-            if not bare:
-                raise ValueError(f"bad word {word!r} has no tokens")
-            spaced = encode(" " + word.lstrip())
-            forms.append(bare)
-            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
-                forms.append(spaced)
-        self.bad_words_token_ids = forms
-
-    def allowed_mask(self, vocab_size: int) -> np.ndarray | None:
-        """`allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row), made once per
-        request; None where any token is allowed."""
-        if self.allowed_token_ids is None:
-            return None
-        if self._allowed_mask is None or self._allowed_mask.shape[0] != mask_width(vocab_size):
-            ids = np.asarray([t for t in self.allowed_token_ids if t < vocab_size], np.int64)
-            mask = np.zeros(mask_width(vocab_size), np.uint32)
-            np.bitwise_or.at(mask, ids // 32, (1 << (ids % 32)).astype(np.uint32))
-            self._allowed_mask = mask.view(np.int32)
-        return self._allowed_mask
-
-    def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
-        """The bad words' last tokens that the next token must not be: those whose words' other
-        tokens end the output so far (`token_ids` = prompt + output)."""
-        out = []
-        for ids in self.bad_words_token_ids:
-            before = len(ids) - 1
-            if before <= len(token_ids) - num_prompt_tokens and token_ids[len(token_ids) - before:] == ids[:-1]:
-                out.append(ids[-1])
-        return out
-
-    @property
-    def needs_last_tokens(self) -> bool:
-        """Whether the tokens it may sample depend on the last ones (a bad word of several tokens)."""
-        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
-
     def truncate(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as it is run: its last `truncate_prompt_tokens` tokens, when set."""
         keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
@@ -206,3 +177,55 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def with_constraint(self, constraint: Constraint | None) -> SamplingParams:
+        """A copy whose output follows `constraint` instead (whatever form the grammar was given in)."""
+        return dataclasses.replace(self, constraint=constraint, structured_outputs=None, guided_decoding=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSampling:
+    """What the engine derives from a request's SamplingParams once, for its sequences: the bad
+    words' token ids and the allowed-token mask. `of` builds it; the params stay untouched."""
+
+    # the token ids of each bad word's forms, as vLLM forms them: each word without its leading
+    # spaces, and with one space before it where that gives other tokens of the same count
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # `allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row); None: any token
+    allowed_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int) -> RequestSampling:
+        """`encode`: text -> token ids, no special tokens. ValueError for a bad word without tokens."""
+        forms = []
+        for word in params.bad_words:
+            bare = encode(word.lstrip())
+            if not bare:
+                raise ValueError(f"bad word {word!r} has no tokens")
+            spaced = encode(" " + word.lstrip())
+            forms.append(tuple(bare))
+            if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+                forms.append(tuple(spaced))
+        mask = None
+        if params.allowed_token_ids is not None:
+            ids = np.asarray([t for t in params.allowed_token_ids if t < vocab_size], np.int64)
+            bits = np.zeros(mask_width(vocab_size), np.uint32)
+            np.bitwise_or.at(bits, ids // 32, (1 << (ids % 32)).astype(np.uint32))
+            mask = bits.view(np.int32)
+            mask.flags.writeable = False
+        return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask)
+
+    def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
+        """The bad words' last tokens that the next token must not be: those whose words' other
+        tokens end the output so far (`token_ids` = prompt + output)."""
+        out = []
+        for ids in self.bad_words_token_ids:
+            before = len(ids) - 1
+            if before <= len(token_ids) - num_prompt_tokens and tuple(token_ids[len(token_ids) - before:]) == ids[:-1]:
+                out.append(ids[-1])
+        return out
+
+    @property
+    def needs_last_tokens(self) -> bool:
+        """Whether the tokens it may sample depend on the last ones (a bad word of several tokens)."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)

@@ -49,7 +49,7 @@ import numpy as np
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
 from jaxserve.sampling import PromptLogprobs
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus, TokenLogprobs
 
 _FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
@@ -73,6 +73,7 @@ class ScheduledSeq:
     page_ids: list[int]  # the sequence's page table, covering start_position + len(token_ids) tokens
     sample: bool  # the chunk ends the known tokens: sample the next one
     params: SamplingParams
+    sampling: RequestSampling  # derived from params (bad words, allowed tokens)
     seed: int
     all_token_ids: list[int]  # prompt + generated so far, for penalties (read only)
     num_prompt_tokens: int
@@ -115,6 +116,26 @@ def _entry(out: StepOutput | PromptLogprobs, i: int, k: int) -> TokenLogprobs:
     return float(out.logprobs[i]), int(out.ranks[i]), out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler's gauges and counters, for metrics and the stats line."""
+
+    num_running: int  # sequences in the batch
+    num_waiting: int  # sequences waiting (new or preempted)
+    kv_pages_used: int  # pages held by sequences
+    kv_pages_total: int  # pages, the null page excluded
+    num_prompt_tokens_computed: int  # prefill work, recomputation included
+    num_generated_tokens: int
+    num_preemptions: int
+    num_prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int  # ... and found there
+    finish_counts: dict[str, int]  # finish reason -> sequences
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]):
         self.config = config
@@ -136,14 +157,8 @@ class Scheduler:
         return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a sequence (with seq.params.n - 1 siblings to fork); ValueError if it could never fit."""
-        total = seq.num_prompt_tokens + seq.max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.config.max_model_len})")
-        if self.allocator.pages_for(total) > self.allocator.num_usable:
-            raise ValueError(f"a sequence of {total} tokens needs {self.allocator.pages_for(total)} KV pages but the "
-                             f"cache has {self.allocator.num_usable}; raise num_pages")
+        """Queue a sequence (with seq.params.n - 1 siblings to fork), one that fits
+        (`EngineConfig.check_fits`, which the engine calls first)."""
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already queued; take ids from new_seq_id()")
         seq.pending_forks = seq.params.n - 1
@@ -165,6 +180,23 @@ class Scheduler:
 
     def abort(self, seq_id: int) -> Sequence | None:
         return self.finish(seq_id, "abort")
+
+    def restate_finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        """A finished sequence turns out to have ended otherwise (a stop string found in the text of
+        the token that ended it by length or EOS): its finish reason, and the counts, say so."""
+        self.finish_counts[seq.finish_reason] -= 1
+        self.finish_counts[reason] += 1
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+
+    def stats(self) -> SchedulerStats:
+        """The counters and gauges as of now (read by the engine thread; others read its snapshot)."""
+        alloc = self.allocator
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_pages_used=alloc.num_usable - alloc.num_free, kv_pages_total=alloc.num_usable,
+            num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
+            num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts))
 
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_num_batched_tokens
@@ -275,7 +307,8 @@ class Scheduler:
             seq.num_pending += 1
             seq.pending_row = index
         return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids, start_position=start, pending_row=pending_row,
-                            page_ids=list(seq.page_ids), sample=sample, params=seq.params, seed=seq.seed,
+                            page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
+                            seed=seq.seed,
                             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                             prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1)
 
@@ -284,7 +317,7 @@ class Scheduler:
         its sampled tokens feeds the host side of the next step (a grammar's mask, or bad words of
         several tokens). The penalties' history gets a pending token on the device
         (`runner.make_step_fn`)."""
-        return not any(row.sample and (row.params.constraint is not None or row.params.needs_last_tokens)
+        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens)
                        for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
@@ -336,7 +369,7 @@ class Scheduler:
             return
         for k in range(1, seq.pending_forks + 1):
             sibling = Sequence(seq_id=self.new_seq_id(), request_id=seq.request_id,
-                               prompt_token_ids=seq.prompt_token_ids, params=seq.params,
+                               prompt_token_ids=seq.prompt_token_ids, params=seq.params, sampling=seq.sampling,
                                seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
                                page_ids=list(seq.page_ids), page_hashes=list(seq.page_hashes),
                                num_computed_tokens=seq.num_computed_tokens, status=seq.status, index=seq.index + k,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.sampling_params import RequestSampling, SamplingParams
 
 
 # A token's logprobs: (its logprob, its rank (1 = most likely), the top ids, their logprobs)
@@ -26,6 +26,7 @@ class Sequence:
     params: SamplingParams
     seed: int  # the request's seed, or one drawn by the engine
     max_tokens: int  # params.max_tokens, resolved against max_model_len
+    sampling: RequestSampling = RequestSampling()  # what the engine derived from params (its siblings share it)
     token_ids: list[int] = dataclasses.field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache, or being written by a launched step
     num_pending: int = 0  # sampled by launched steps, not yet in token_ids (0-2)

@@ -268,3 +268,16 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+# Stop strings in released text: where one ends, and how much of a text's tail could still start one.
+def find_stop(text: str, stops: list[str], checked: int) -> tuple[int, str] | None:
+    """Earliest (index, stop string) occurring in `text` and ending after text[:checked]."""
+    hits = [(i, s) for s in stops if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def undecided_tail(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1)
+                if text[len(text) - k:] == s[:k]), default=0)

@@ -13,6 +13,7 @@ from conftest import SMALL_ENGINE
 
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, Logprob, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from jaxserve.sampling_params import RequestSampling
 from jaxserve.scheduler import _FORK_SEED_STRIDE
 from jaxserve.tokenizer import loops_over_content
 
@@ -257,8 +258,11 @@ def test_bad_words_never_appear_in_the_output(default_llm):
     for banned in (pair, single):  # one at a time: the output is the free one up to the word
         params = SamplingParams(**greedy, bad_words=[tok.decode(banned)])
         out = default_llm.generate("bad words", params, use_tqdm=False)[0].outputs[0].token_ids
-        assert banned in params.bad_words_token_ids and params.needs_last_tokens == (len(banned) == 2)
-        assert not any(_holds(out, ids) for ids in params.bad_words_token_ids)
+        derived = RequestSampling.of(params, lambda text: tok.encode(text, add_special_tokens=False),
+                                     default_llm.engine.model_config.vocab_size)
+        assert tuple(banned) in derived.bad_words_token_ids and derived.needs_last_tokens == (len(banned) == 2)
+        assert not any(_holds(out, list(ids)) for ids in derived.bad_words_token_ids)
+        assert params == SamplingParams(**greedy, bad_words=[tok.decode(banned)])  # generate left it as it was
         first = next(i for i in range(len(free)) if free[i:i + len(banned)] == banned)
         assert out[:first + len(banned) - 1] == free[:first + len(banned) - 1] and len(out) == 32
 

@@ -208,11 +208,13 @@ def test_a_sibling_that_cannot_join_the_batch_waits_without_pages():
 
 def test_requests_that_cannot_fit_are_refused():
     sched = make_scheduler()
-    with pytest.raises(ValueError, match="exceeds max_model_len"):
-        sched.add(make_seq(0, 60, max_tokens=8))
+    with pytest.raises(ValueError, match="exceeds max_model_len"):  # (the engine checks before it adds)
+        sched.config.check_fits(60, 8)
+    sched.config.check_fits(56, 8)
     small = make_scheduler(num_pages=3)
     with pytest.raises(ValueError, match="raise num_pages"):
-        small.add(make_seq(0, 10, max_tokens=8))
+        small.config.check_fits(10, 8)
+    small.config.check_fits(4, 4)
 
 
 def test_abort_frees_pages_at_once():
