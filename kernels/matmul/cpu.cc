@@ -1,51 +1,38 @@
 // y = x w^T for XLA:CPU, as an XLA FFI custom call (see matmul/__init__.py): x [M, K] and w [N, K]
 // (Hugging Face's [out, in] layout) in float32 or bfloat16, accumulated in float32, y [M, N] in
-// float32 or bfloat16.
+// float32 or bfloat16. One form per regime; their measurements are in bench/RESULTS.md ("Products",
+// "Products of 16 rows and more", "Products on the CPU's bfloat16 instructions").
 //
-// Both operands are read along K, so a tile of MR rows of x and NR rows of w keeps MR x NR
-// 8-lane accumulators in registers and sums each one horizontally at the end. A float32 w takes
-// 3 x 4 tiles: 12 accumulators, 3 vectors of x and one of w in the 16 AVX registers, 7 loads per
-// 12 multiply-adds. A bfloat16 weight is widened in registers, so it streams from memory at half
-// the bytes (two float32 vectors from each load, see Tile); each row of x then takes two vectors,
-// so its tiles are 2 x 4. Work items are blocks of rows of x (as many as fit in about 256 KB, so
-// they stay in the L2 cache) times blocks of about 64 rows of w (ForEachBlock). Within an item,
-// each tile's rows of x (a few KB) stay in the L1 cache while the block of w passes over them. In
-// the other loop order (each tile of w against every row of x) the rows of x push w out of L1 and
-// every operand comes from L2: float32 products of 32 to 256 rows run 1.2-1.3x slower that way
-// with 2 x 4 tiles, and 3 x 4 tiles gain nothing without the L1 reuse (a stand-alone timing of
-// bench-125m's products).
+// Dot form (Tile), under kPanelMinRows rows of x: the product is bounded by reading w once.
+// - Both operands are read along K; a tile of MR rows of x and NR rows of w keeps MR x NR 8-lane
+//   accumulators in registers, summed horizontally at the end. A float32 w takes 3 x 4 tiles: 12
+//   accumulators, 3 vectors of x and one of w fill the 16 AVX registers.
+// - A bfloat16 w is widened in registers, so it streams from memory at half the bytes; each row of x
+//   then takes two vectors, so its tiles are 2 x 4.
+// - Work items are blocks of rows of x that fit in L2 (about 256 KB) times blocks of about 64 rows of
+//   w (ForEachBlock). Within an item each tile's rows of x stay in L1 while the block of w passes,
+//   so no operand comes from L2 more than once.
+// - A tile's NR rows of w are a quarter of the block apart (rows t, t + 16, t + 32, t + 48 of 64), not
+//   adjacent: each of its NR streams then runs on through consecutive rows, and the hardware
+//   prefetcher keeps ahead of it.
 //
-// The NR rows of w in a tile are a quarter of the block apart (rows t, t + 16, t + 32, t + 48 of
-// 64), not adjacent: the next tile then reads, in each of its NR streams, the row right after the
-// one just read, so every stream runs on through a quarter of the block and the hardware
-// prefetcher keeps ahead of it. Adjacent rows would start NR new short streams per tile (a
-// bfloat16 row of 768 values is 1.5 KB). One-row products run 1.2-1.4x faster this way in
-// bfloat16, 1.1x in float32 (bench/RESULTS.md, "Products").
+// Panel form (PanelTile), from kPanelMinRows rows on: the product is bounded by the multiply-adds,
+// and the dot form's loads and horizontal sums would hold it to about half the peak.
+// - x is packed into panels of 16 rows, transposed ([k][16]: two vectors per k); a tile multiplies the
+//   two vectors of one k by 6 values of w, each broadcast: 12 accumulators, 2 + 6 loads per 12
+//   multiply-adds, no horizontal sums. Its accumulators hold columns of y, scattered once per tile.
+// - A bfloat16 w is widened first, the tile's 6 rows at a time, into a buffer every panel reads; the
+//   6 rows are a sixth of the block apart, as above. Under 16 rows a panel would be mostly zeros.
 //
-// That form suits few rows of x, where each weight is read once and the product is bounded by
-// memory. From kPanelMinRows rows on the product is bounded by the multiply-adds, and the dot
-// form's loads and horizontal sums hold it to about half of this CPU's peak. There x is packed into
-// panels of 16 rows, transposed ([k][16]: two vectors per k), and a panel tile multiplies the two
-// vectors of one k by 6 values of w, each broadcast to a vector: 12 accumulators, 2 + 6 loads per
-// 12 multiply-adds, no horizontal sums (PanelTile). Its accumulators hold columns of y, scattered
-// to y once per tile. A bfloat16 w is widened first, the tile's 6 rows at a time, into a buffer
-// that every panel then reads. The 6 rows are a sixth of the block apart, as above. bench-125m's
-// decode products (bench/matmul_layout.py) ran 1.1-1.5x faster this way at 16 to 64 rows of
-// float32, 1.0-1.2x in bfloat16 (bench/RESULTS.md, "Products of 16 rows and more"). Under 16 rows
-// a panel would be mostly zeros, and the dot form runs as fast or faster.
-//
-// Where the CPU multiplies bfloat16 itself (AVX512_BF16: `vdpbf16ps` multiplies 16 pairs of
-// bfloat16 values and adds both products of each pair to a float32 lane), bfloat16 x against a
-// bfloat16 w (an even K) takes PairPanelTile instead: x packed into panels of 16 rows whose lane r
-// holds row r's pair (k, k + 1) as one 32-bit word, w never widened (each tile broadcasts one pair
-// of a row of w per k pair), 3 panels x 8 rows of w per tile (24 accumulators of the 32 AVX-512
-// registers). Each instruction does 32 multiply-adds, four times a float32 FMA on 8 lanes; the
-// products are exact in float32 as before, only the order of the sums changes. bench-125m's
-// decode products ran 1.7-2.1x faster than the widening panel form at 16 to 512 rows, and prefill
-// chunks past 256 rows 1.5x faster than widening w for XLA's float32 dot (bench/RESULTS.md,
-// "Products on the CPU's bfloat16 instructions"). Under 16 rows the dot form runs on them too
-// (PairTile: 32 values of k of a row of x and of w per instruction, as they lie in memory, no
-// shifts and no reordered copy of x): 1.1x faster at one and two rows, 1.4x at 8.
+// Pair forms, where the CPU multiplies bfloat16 itself (AVX512_BF16), for bfloat16 x and w (even K):
+// `vdpbf16ps` multiplies 16 pairs of bfloat16 values and adds both products of each pair to a float32
+// lane, 32 multiply-adds per instruction with w never widened (the products are exact in float32;
+// only the order of the sums changes).
+// - From 16 rows on, PairPanelTile: x in panels of 16 rows whose lane r holds row r's pair (k, k + 1)
+//   as one 32-bit word, one pair of a row of w broadcast per k pair, 3 panels x 8 rows of w per tile
+//   (24 accumulators of the 32 AVX-512 registers), at every row count.
+// - Under 16 rows, PairTile: 32 values of k of a row of x and of w per instruction, both as they lie
+//   in memory (no shifts, no reordered copy of x).
 
 #include <algorithm>
 #include <array>
@@ -267,7 +254,7 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
     const float* wt;
     int64_t ldw;
     if constexpr (kBf16) {
-      int64_t k = 0;  // (the rows side by side, as PanelTile streams a float32 w; row by row ran 1.1-1.2x slower)
+      int64_t k = 0;  // (the rows side by side, as PanelTile streams a float32 w: faster than row by row)
       for (; k + kLanes <= k_len; k += kLanes) {
         for (int64_t j = 0; j < cols; ++j) Store(wide.data() + j * k_len + k, Load(w + (n + j * stride) * k_len + k));
       }
@@ -425,9 +412,8 @@ void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, in
 // fn(m0, m1, n0, n1, scratch) for every block of y [m_len, n_len]: rows_of_x rows of x times about
 // rows_of_w rows of w (a multiple of tile_cols), as work items shared with XLA's threads
 // (ParallelFor). Where x is one block (decode), the blocks of w are resized so that the items
-// split evenly over the threads where they can: bench-125m's k and v (256 rows) in blocks of 96
-// made 3 items, and on 2 threads one thread did two while the other waited; 4 blocks of 66 rows
-// split 2 and 2. (With several blocks of x, rounding the split over them could add items instead.)
+// split evenly over the threads where they can (3 items on 2 threads leave one thread waiting for
+// the other). (With several blocks of x, rounding the split over them could add items instead.)
 template <typename Fn>
 void ForEachBlock(ffi::ThreadPool& pool, int64_t m_len, int64_t n_len, int64_t rows_of_x, int64_t rows_of_w,
                   int64_t tile_cols, const Fn& fn) {
@@ -543,8 +529,8 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
 // out = w (bfloat16) widened to float32, for XLA's float32 dot on prefill chunks (see
 // matmul/__init__.py). `after` is never read: as an operand it makes the widening wait until the
 // layer's input exists. A plain convert depends on the weight alone, and XLA:CPU ran every layer's
-// at the start of the step: 306 MB of float32 weights live at once for bench-125m, in a buffer
-// freshly mapped (75k page faults) every step.
+// at the start of the step: every layer's float32 weights live at once, in a buffer mapped afresh
+// every step (bench/RESULTS.md, "bfloat16 prefill").
 ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
   (void)after;
   if (!IsBf16(w.element_type()) || out->element_type() != ffi::DataType::F32 ||
