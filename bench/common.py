@@ -34,12 +34,12 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(cmd: list[str], port: int, *, ready_path: str = "/health", timeout: float = 1800, log: Path | None = None,
-           env: dict | None = None):
-    """Start `cmd` (a server listening on `port`), wait until `ready_path` answers 200, yield its URL
-    and the seconds it took to become ready; stop it on exit."""
+           env: dict | None = None, cwd: Path = ROOT):
+    """Start `cmd` (a server listening on `port`) in `cwd`, wait until `ready_path` answers 200, yield
+    its URL and the seconds it took to become ready; stop it on exit."""
     out = open(log, "w") if log else subprocess.DEVNULL
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         while True:

@@ -1,7 +1,7 @@
 """A disk cache of compiled step executables, so that a restart skips tracing, lowering and compiling.
 
 XLA's persistent compilation cache saves only the last of those three stages; tracing and lowering
-the unrolled decoder still cost about a second per step bucket, the bulk of a warm start-up. Here
+the unrolled decoder still cost the bulk of a warm start-up. Here
 each bucket's compiled executable is serialized (`jax.experimental.serialize_executable`) under a
 key that hashes everything it depends on and that is known without tracing:
 
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 SOURCE_PACKAGES = ("jaxserve", "kernels")
 SOURCE_SUFFIXES = (".py", ".cc", ".h")
-MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted (an entry is 0.2-2 MB)
+MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted
 ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION", "JAXSERVE_MATMUL")
 
 

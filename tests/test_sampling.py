@@ -11,6 +11,7 @@ from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sampling import SamplingRow, SamplingTensors, sample
+from jaxserve.sampling_params import RequestSampling
 
 VOCAB = 12
 LOGITS = np.random.default_rng(0).normal(0.0, 1.5, size=VOCAB).astype(np.float32)
@@ -21,7 +22,8 @@ _jit_sample = jax.jit(sample, static_argnames="logprobs_mode")
 def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int,
             histories: list[list[int]] | None = None, num_prompt: int = 0, vocab: int = VOCAB) -> SamplingTensors:
     histories = histories or [[]] * len(params)
-    rows = [SamplingRow(p, seed, pos, h, num_prompt) for p, seed, pos, h in zip(params, seeds, positions, histories)]
+    rows = [SamplingRow(p, seed, pos, h, num_prompt, RequestSampling.of(p, list, vocab).allowed_mask)
+            for p, seed, pos, h in zip(params, seeds, positions, histories)]
     return SamplingTensors.from_rows(rows, num_rows, vocab, history_len=32)
 
 

@@ -5,15 +5,14 @@ Products accumulate in float32 and return the requested dtype. Implementations:
   over a mesh (XLA partitions its own dot; it cannot partition a custom call).
 - "cpu": a C++ XLA FFI custom call (`cpu.cc`, built on first use like the CPU attention kernel):
   up to KERNEL_MAX_ROWS rows of x: in float32 the row counts of decode steps, where XLA:CPU's
-  products are slower, and in bfloat16 up to mid-sized prefill chunks: XLA runs single-row
-  bfloat16 products about 10x slower than float32 ones, while the kernel streams bfloat16 weights
-  at half float32's bytes (bench/matmul_layout.py, bench/RESULTS.md). Past KERNEL_MAX_ROWS rows
+  products are slower, and in bfloat16 up to mid-sized prefill chunks: XLA's single-row bfloat16
+  products are far slower than its float32 ones, while the kernel streams bfloat16 weights at half
+  float32's bytes (bench/matmul_layout.py; figures in bench/RESULTS.md). Past KERNEL_MAX_ROWS rows
   XLA's float32 dot runs; a bfloat16 weight is widened for it by a second call in `cpu.cc`, which
   takes x as an operand so that each layer's widening waits for that layer (XLA hoisted a plain
   convert of every layer's weight to the start of the step). On a CPU with bfloat16 instructions
   (AVX512_BF16), bfloat16 x against a bfloat16 weight runs in the kernel at every row count
-  (`row_limit`): it multiplies them without widening, 1.5x faster than the widened float32 dot at
-  384-512 rows.
+  (`row_limit`): it multiplies them without widening, faster than the widened float32 dot.
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 """
@@ -38,8 +37,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
 # comes close to this CPU's peak from about 64 rows on. XLA's bfloat16 products are no faster than
 # the kernel's at any row count, but from about 384 rows on, widening a bfloat16 weight to float32
-# (one pass over it) and running XLA's float32 dot beats both (1.1-1.4x at 384-512 rows: prefill;
-# bench/RESULTS.md, "Products").
+# (one pass over it) and running XLA's float32 dot beats both (bench/RESULTS.md, "Products").
 KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 256}
 
 

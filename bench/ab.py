@@ -1,0 +1,68 @@
+"""jaxserve against an earlier revision of itself, in one run: did a change move the serving speed?
+
+    python bench/ab.py [--base REV] [--runs 3] [--dtype bfloat16]
+
+Checks REV (default: the commit before HEAD's branch point, `HEAD~1`) out into a temporary git
+worktree, then for each run starts the base server and the current one in turn (alternating, so a
+drift of the machine hits both) on bench-125m and sends each W1 and W2 (bench/loadgen.py). Prints
+each run's figures and the ratios current / base (> 1 is faster now). Both servers run the same
+command line (serving.py's), from their own trees, on this tree's virtual environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import tempfile
+from pathlib import Path
+
+from common import ROOT, free_port, machine_line, server
+from loadgen import run
+from make_model import make
+from serving import jaxserve_cmd
+
+WORKLOADS = ["W1", "W2"]
+
+
+def figures(result: dict) -> dict[str, float]:
+    return {"W1 decode tok/s": result["W1"]["decode_tok_s"], "W1 TTFT ms": 1000 * result["W1"]["ttft_p50"],
+            "W2 tok/s": result["W2"]["output_tok_s"], "W2 ITL p50 ms": 1000 * result["W2"]["itl_p50"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    f32 = make()
+    model = f32 if args.dtype == "float32" else f32.with_name(f32.name + "-bf16")
+    base_rev = subprocess.check_output(["git", "rev-parse", "--short", args.base], cwd=ROOT, text=True).strip()
+    print(f"# {machine_line()}; base {base_rev}, current {ROOT.name} (working tree); {args.dtype}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base_tree = Path(tmp) / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base_tree), base_rev], cwd=ROOT, check=True,
+                       capture_output=True)
+        try:
+            for run_index in range(1, args.runs + 1):
+                for name, tree in (("base", base_tree), ("current", ROOT)):
+                    port = free_port()
+                    with server(jaxserve_cmd(model, args.dtype, port), port, cwd=tree) as (url, startup):
+                        result = {r["workload"]: r for r in run(url, WORKLOADS, offset=1000 * run_index)}
+                    rows.append((run_index, name, figures(result)))
+                    print(f"run {run_index} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1][2].items()),
+                          flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
+    print("\n| run | W1 decode tok/s current / base | W1 TTFT base / current | W2 tok/s current / base | "
+          "W2 ITL p50 base / current |\n| --- | --- | --- | --- | --- |")
+    for run_index in range(1, args.runs + 1):
+        (_, _, base), (_, _, cur) = [r for r in rows if r[0] == run_index]
+        print(f"| {run_index} | {cur['W1 decode tok/s'] / base['W1 decode tok/s']:.3f} | "
+              f"{base['W1 TTFT ms'] / cur['W1 TTFT ms']:.3f} | {cur['W2 tok/s'] / base['W2 tok/s']:.3f} | "
+              f"{base['W2 ITL p50 ms'] / cur['W2 ITL p50 ms']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
