@@ -10,8 +10,9 @@ import pytest
 import torch
 from hf_models import build_hf_model, save_hf_model
 
-from checkpoints import default_model_dir, load_hf_params, resolve_model
+from checkpoints import default_model_dir, resolve_model
 from jaxserve.config import ModelConfig, resolve_dtype, sampling_defaults
+from jaxserve.weights import load_weights
 
 
 def _leaves(state):
@@ -26,8 +27,8 @@ def test_sharded_checkpoint_with_index_equals_single_file(hf_checkpoint, tmp_pat
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     cfg = ModelConfig.from_hf(single)
-    for a, b in zip(_leaves(load_hf_params(single, cfg, "float32")[1]),
-                    _leaves(load_hf_params(sharded, cfg, "float32")[1])):
+    for a, b in zip(_leaves(load_weights(single, cfg, "float32")[1]),
+                    _leaves(load_weights(sharded, cfg, "float32")[1])):
         np.testing.assert_array_equal(a, b)
 
 
@@ -37,7 +38,7 @@ def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
     cfg = ModelConfig.from_hf(d)
     want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy()
     for dtype in ("bfloat16", "float32"):
-        state = load_hf_params(d, cfg, dtype)[1]
+        state = load_weights(d, cfg, dtype)[1]
         got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["weight"][...], np.float32)
         np.testing.assert_array_equal(got, want)
     assert resolve_dtype("auto", d) == "bfloat16" and resolve_dtype("float32", d) == "float32"
@@ -70,7 +71,7 @@ def test_missing_files_are_named(hf_checkpoint, tmp_path):
     d = _copy(src, tmp_path / "m")
     (d / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
     (d / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_hf(d)
@@ -95,7 +96,7 @@ def test_shape_mismatch_names_the_tensor(hf_checkpoint, tmp_path):
     _, src = hf_checkpoint("llama")
     d = _copy(src, tmp_path / "m", intermediate_size=96)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.\w+_proj\.weight.*shape"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
 
 
 def test_missing_tensor_is_reported(tmp_path):
@@ -104,7 +105,7 @@ def test_missing_tensor_is_reported(tmp_path):
     d = tmp_path / "m"
     model.save_pretrained(d, state_dict=state)
     with pytest.raises(ValueError, match="lacks 1 tensors.*norm.weight"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
 
 
 def test_default_model_is_real_hf_format_and_matches_transformers():
@@ -132,12 +133,12 @@ def test_default_model_is_real_hf_format_and_matches_transformers():
 
 
 def test_an_orbax_conversion_of_an_older_format_is_refused_with_the_fix(tmp_path):
-    from checkpoints.orbax_io import MARKER, restore
+    from checkpoints.orbax_io import MARKER
 
     (tmp_path / MARKER).write_text(json.dumps({"source": "/models/llama", "dtype": "float32"}))  # no format: 1
     with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m checkpoints.convert --model "
                                          r"/models/llama"):
-        restore(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
+        load_weights(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
 
 
 def test_sampling_defaults_of_the_generation_config(tmp_path):
@@ -154,3 +155,4 @@ def test_sampling_defaults_of_the_generation_config(tmp_path):
     assert sampling_defaults(model, "vllm") == {} and sampling_defaults(other / "none") == {}
     with pytest.raises(FileNotFoundError):
         sampling_defaults(model, str(tmp_path))
+
