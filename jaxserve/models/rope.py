@@ -1,7 +1,7 @@
 """Rotary position embeddings: Hugging Face's frequency scalings, a step's cos/sin table, the rotation.
 
-A step's table (`rope_table`) is one of the step's inputs (`ModelInputs.rope`); the model only
-rotates by it (`apply_rope`).
+A step's table (`rope_table`) is one of the step's inputs (`ModelInputs.rope`), made where the
+backend makes it (`TABLE_BY_BACKEND`); the model only rotates by it (`apply_rope`).
 """
 
 from __future__ import annotations
@@ -39,14 +39,21 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv
 
 
-def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
+def host_rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
     """f32[T, head_dim]: cos, then sin, of the RoPE angles (position x inverse frequency, taken in
-    float32 as Hugging Face does) of each token. Made on the host with the step's inputs: computed
-    in the step, XLA:CPU fuses the cosine and sine into each layer's rotation of q and k and
-    evaluates them again for every head and layer (3 % of a bench-125m step's thread time,
-    `bench/step_profile.py`)."""
+    float32 as Hugging Face does) of each token, made with numpy on the host."""
     angles = positions.astype(np.float32)[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]
     return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+
+
+# jax.default_backend() -> what makes a step's table: the host on CPU, where XLA would evaluate cos and sin
+# again in every head's and layer's rotation; GPU and TPU take the same table, for the same numbers everywhere.
+TABLE_BY_BACKEND = {"cpu": host_rope_table, "gpu": host_rope_table, "tpu": host_rope_table}
+
+
+def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
+    """The RoPE table f32[T, head_dim] of a step's positions i32[T], as the backend makes it."""
+    return TABLE_BY_BACKEND.get(jax.default_backend(), host_rope_table)(cfg, positions)
 
 
 def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
