@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,9 @@ from hf_models import build_hf_model, save_hf_model
 from checkpoints import default_model_dir, resolve_model
 from jaxserve.config import ModelConfig, resolve_dtype, sampling_defaults
 from jaxserve.weights import load_weights
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _leaves(state):
@@ -156,3 +163,37 @@ def test_sampling_defaults_of_the_generation_config(tmp_path):
     with pytest.raises(FileNotFoundError):
         sampling_defaults(model, str(tmp_path))
 
+
+def test_checkpoints_import_nothing_of_jaxserve():
+    """jaxserve uses checkpoints, never the other way round: the package and its loaders bring in no
+    jaxserve module (only the command line `checkpoints.convert`, which nothing imports, uses it)."""
+    code = ("import sys, checkpoints, checkpoints.hf, checkpoints.orbax_io, checkpoints.default_model, "
+            "checkpoints.byte_level, checkpoints.target; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jaxserve'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_target_alone_says_what_to_load(tmp_path):
+    """The loaders need no model, only a ParamTarget: names mapped to paths, cast to the dtype, a
+    tensor the target leaves out skipped, others refused with the target's architecture named."""
+    import jax.numpy as jnp
+    from safetensors.numpy import save_file
+
+    from checkpoints import ParamTarget, load_params
+
+    weight = np.arange(6, dtype=np.float32).reshape(2, 3)
+    save_file({"a.weight": weight, "head.weight": np.ones(3, np.float32),
+               "model.rotary_emb.inv_freq": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    target = ParamTarget(architecture="ToyForCausalLM", shapes={"x.w": (2, 3)},
+                         hf_name_map={r"a\.weight": "x.w", r"head\.weight": "head.w"}, unused=frozenset({"head.w"}))
+    params = load_params(tmp_path, target, "bfloat16")
+    assert list(params) == ["x.w"] and params["x.w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(params["x.w"], np.float32), weight)
+    with pytest.raises(ValueError, match="'head.weight'.*does not fit this ToyForCausalLM config"):
+        load_params(tmp_path, dataclasses.replace(target, unused=frozenset()), "float32")
+    with pytest.raises(ValueError, match="unexpected tensor 'head.weight'.*for a ToyForCausalLM checkpoint"):
+        load_params(tmp_path, dataclasses.replace(target, hf_name_map={r"a\.weight": "x.w"}), "float32")
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. \['y\.w'\]"):
+        load_params(tmp_path, dataclasses.replace(target, shapes={"x.w": (2, 3), "y.w": (1,)}), "float32")
