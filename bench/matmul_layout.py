@@ -6,7 +6,7 @@ The products of one bench-125m decode step (12 layers of q, k, v, o, gate, up, d
 768 x 32000 head; 100 M weights, 400 MB in float32, so they stream from memory as in serving),
 chained through the layers, for M = 1 ... 128 token rows. Each configuration is jitted once and
 timed (best of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
-jaxserve stores its weights [out, in] (`jaxserve.model.Linear`) because of this table. The
+jaxserve stores its weights [out, in] (`jaxserve.models.layers.Linear`) because of this table. The
 "jaxserve cpu kernel" columns run `kernels.matmul_t` with the C++ CPU kernel on the same [out, in]
 weights; the "jaxserve default" ones `kernels.matmul_t` as the model calls it (the kernel up to its
 row limit, then XLA's float32 dot). `--only` keeps the columns whose names contain one of the

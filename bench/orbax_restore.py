@@ -12,10 +12,9 @@ import time
 import jax
 
 from checkpoints import resolve_model
-from checkpoints.hf import load_hf_params
-from checkpoints.orbax_io import convert, restore
 from jaxserve.config import ModelConfig
 from jaxserve.sharding import make_mesh
+from jaxserve.weights import convert_checkpoint, load_weights
 
 
 def timed(fn) -> float:
@@ -33,13 +32,13 @@ def main() -> None:
     cfg = ModelConfig.from_hf(hf_dir)
     mesh = make_mesh(len(jax.devices()))
     with tempfile.TemporaryDirectory() as tmp:
-        orbax_dir = convert(hf_dir, f"{tmp}/orbax")
+        orbax_dir = convert_checkpoint(hf_dir, f"{tmp}/orbax")
         print(f"# {hf_dir.name}, {len(jax.devices())} {jax.default_backend()} device(s)")
         print("| run | HF safetensors load (s) | Orbax restore (s) | ratio (Orbax / HF) |")
         print("| --- | --- | --- | --- |")
         for run in range(1, args.runs + 1):
-            hf = timed(lambda: load_hf_params(hf_dir, cfg, "float32", mesh))
-            ob = timed(lambda: restore(orbax_dir, cfg, "float32", mesh))
+            hf = timed(lambda: load_weights(hf_dir, cfg, "float32", mesh))  # (HF safetensors)
+            ob = timed(lambda: load_weights(orbax_dir, cfg, "float32", mesh))  # (Orbax restore)
             print(f"| {run} | {hf:.3f} | {ob:.3f} | {ob / hf:.2f} |", flush=True)
 
 

@@ -1,12 +1,19 @@
-"""Model checkpoints: where a model comes from and how its weights become device arrays."""
+"""Model checkpoints: where a model comes from and how its weights become device arrays.
+
+It knows no model: a loader is told what to load by a `ParamTarget` (the parameters' paths and
+shapes, the HF name map, their shardings), which the model side builds (`jaxserve.weights`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import jax
+
 from checkpoints.default_model import NAME as DEFAULT_MODEL_NAME
 from checkpoints.default_model import default_model_dir
 from checkpoints.hf import load_hf_params
+from checkpoints.target import ParamTarget
 
 
 def resolve_model(model: str | None) -> Path:
@@ -27,13 +34,14 @@ def resolve_model(model: str | None) -> Path:
         raise FileNotFoundError(f"model {model!r} is not a local directory and could not be downloaded: {e}") from e
 
 
-def load_params(model_dir: str | Path, cfg, dtype: str, mesh=None):
-    """(graphdef, state) from an Orbax directory made by `checkpoints.convert`, or from HF safetensors."""
+def load_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str, jax.Array]:
+    """The parameters of `target`, by path, from an Orbax directory made by `checkpoints.convert`,
+    or from HF safetensors."""
     from checkpoints.orbax_io import is_orbax_dir, restore
 
     if is_orbax_dir(model_dir):
-        return restore(model_dir, cfg, dtype, mesh)
-    return load_hf_params(model_dir, cfg, dtype, mesh)
+        return restore(model_dir, target, dtype)
+    return load_hf_params(model_dir, target, dtype)
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "default_model_dir", "load_hf_params", "load_params", "resolve_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "ParamTarget", "default_model_dir", "load_hf_params", "load_params", "resolve_model"]

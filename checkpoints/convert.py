@@ -9,7 +9,8 @@ import argparse
 import time
 
 from checkpoints import resolve_model
-from checkpoints.orbax_io import convert
+# (a command line only, which nothing imports: which model a checkpoint holds is jaxserve's to say)
+from jaxserve.weights import convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = p.parse_args(argv)
     start = time.perf_counter()
-    out = convert(resolve_model(args.model), args.out, args.dtype)
+    out = convert_checkpoint(resolve_model(args.model), args.out, args.dtype)
     print(f"wrote {out} in {time.perf_counter() - start:.1f} s")
 
 

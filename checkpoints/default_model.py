@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxserve.tokenizer import bytes_to_unicode
+from checkpoints.byte_level import bytes_to_unicode
 
 NAME = "jaxserve-tiny"
 VERSION = 1  # bump when the generated files change, so old caches are not reused

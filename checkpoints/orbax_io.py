@@ -1,6 +1,6 @@
 """Orbax checkpoints: convert a Hugging Face checkpoint once, restore it straight into a mesh.
 
-A converted directory holds `params/` (the decoder state, saved by Orbax, one array per
+A converted directory holds `params/` (the model's parameters, saved by Orbax, one array per
 weight), the HF `config.json`, `generation_config.json` and tokenizer files (so it is
 a model directory like any other), and `jaxserve_orbax.json` (what made it).
 Restoring reads each array directly into its sharding (no full copy on one device).
@@ -8,19 +8,16 @@ Restoring reads each array directly into its sharding (no full copy on one devic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh
 
-from checkpoints.hf import _flatten, _unflatten, load_hf_params
-from jaxserve.config import ModelConfig
-from jaxserve.model import abstract_decoder
-from jaxserve.sharding import weight_sharding
+from checkpoints.hf import load_hf_params
+from checkpoints.target import ParamTarget
 
 MARKER = "jaxserve_orbax.json"
 FORMAT = 2  # 2: linear weights [out, in] under `.weight` (1 stored them [in, out] under `.kernel`)
@@ -32,16 +29,16 @@ def is_orbax_dir(model_dir: str | Path) -> bool:
     return (Path(model_dir) / MARKER).is_file()
 
 
-def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Write an Orbax checkpoint of the HF checkpoint `hf_dir` (weights in `dtype`) to `out_dir`."""
+def convert(hf_dir: str | Path, out_dir: str | Path, target: ParamTarget, dtype: str = "float32") -> Path:
+    """Write an Orbax checkpoint of the HF checkpoint `hf_dir` (weights in `dtype`, the parameters of
+    `target`, whose sharding is not used) to `out_dir`."""
     import orbax.checkpoint as ocp
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir).resolve()
-    cfg = ModelConfig.from_hf(hf_dir)
     with jax.default_device(jax.devices("cpu")[0]):  # host memory, not one accelerator's
-        _, state = load_hf_params(hf_dir, cfg, dtype)
+        params = load_hf_params(hf_dir, dataclasses.replace(target, sharding=None), dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    flat = {path.replace(".", "/"): value for path, value in _flatten(nnx.to_pure_dict(state)).items()}
+    flat = {path.replace(".", "/"): value for path, value in params.items()}
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out_dir / "params", flat, force=True)
     checkpointer.wait_until_finished()
@@ -52,9 +49,8 @@ def convert(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> 
     return out_dir
 
 
-def restore(model_dir: str | Path, cfg: ModelConfig, dtype: str,
-            mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """The decoder's (graphdef, state) from a converted directory, each array in `dtype` and its sharding."""
+def restore(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str, jax.Array]:
+    """The parameters of `target` from a converted directory, by path, each in `dtype` and its sharding."""
     import orbax.checkpoint as ocp
 
     made = json.loads((Path(model_dir) / MARKER).read_text())
@@ -62,11 +58,9 @@ def restore(model_dir: str | Path, cfg: ModelConfig, dtype: str,
         raise ValueError(f"{model_dir} was converted by an older jaxserve (format {made.get('format', 1)}, this one "
                          f"reads {FORMAT}); convert it again: python -m checkpoints.convert --model "
                          f"{made.get('source', 'HF_DIR')} --out {model_dir}")
-    graphdef, state = nnx.split(abstract_decoder(cfg, jnp.dtype(dtype)))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = {path.replace(".", "/"): jax.ShapeDtypeStruct(
-        leaf.shape, jnp.dtype(dtype), sharding=weight_sharding(mesh, path, cfg) if mesh is not None else device)
-        for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
-    restored = ocp.StandardCheckpointer().restore(Path(model_dir).resolve() / "params", target)
-    nnx.replace_by_pure_dict(state, _unflatten({k.replace("/", "."): v for k, v in restored.items()}))
-    return graphdef, state
+    shapes = {path.replace(".", "/"): jax.ShapeDtypeStruct(
+        shape, jnp.dtype(dtype), sharding=target.sharding(path) if target.sharding is not None else device)
+        for path, shape in target.shapes.items()}
+    restored = ocp.StandardCheckpointer().restore(Path(model_dir).resolve() / "params", shapes)
+    return {key.replace("/", "."): value for key, value in restored.items()}

@@ -17,17 +17,11 @@ import math
 from pathlib import Path
 
 from jaxserve import settings
+from jaxserve.models import MODEL_REGISTRY, ModelOptions
 from jaxserve.settings import json_object, json_or_text, optional_text, setting
 
 log = logging.getLogger("jaxserve.config")
 
-# HF `architectures` entry -> the family features it switches on.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "MistralForCausalLM": {"qkv_bias": False, "qk_norm": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "qk_norm": False},
-    "Qwen3ForCausalLM": {"qkv_bias": False, "qk_norm": True},
-}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -57,11 +51,7 @@ class ModelConfig:
     rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool  # biases on q/k/v projections (Qwen2, Llama's attention_bias)
-    o_bias: bool  # bias on the output projection (Llama's attention_bias)
-    mlp_bias: bool
-    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
-    sliding_window: int | None  # attend to at most this many most recent positions
+    options: ModelOptions  # the family's own settings (e.g. `llama.LlamaOptions`), from `MODEL_REGISTRY`
     eos_token_ids: tuple[int, ...]
 
     @classmethod
@@ -73,17 +63,15 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} not found: a model directory needs a Hugging Face config.json")
         hf = json.loads(path.read_text())
         archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        arch = next((a for a in archs if a in MODEL_REGISTRY), None)
         if arch is None:
             raise ValueError(
                 f"unsupported architecture {archs or hf.get('model_type')!r} in {path}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(MODEL_REGISTRY)}"
             )
-        family = SUPPORTED_ARCHITECTURES[arch]
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
         num_heads = hf["num_attention_heads"]
-        attention_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -97,11 +85,7 @@ class ModelConfig:
             rope=_rope_from_hf(hf, path),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family["qkv_bias"] or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=family["qk_norm"],
-            sliding_window=_sliding_window_from_hf(hf, arch, path),
+            options=MODEL_REGISTRY[arch].options_from_hf(arch, hf, path),
             eos_token_ids=_eos_ids(model_dir, hf),
         )
 
@@ -118,14 +102,6 @@ def _rope_from_hf(hf: dict, path: Path) -> RopeConfig:
         raise ValueError(f"partial_rotary_factor is not supported, in {path}")
     fields = {f.name for f in dataclasses.fields(RopeConfig)} - {"theta", "type"}
     return RopeConfig(theta=float(theta), type=rope_type, **{k: v for k, v in params.items() if k in fields})
-
-
-def _sliding_window_from_hf(hf: dict, arch: str, path: Path) -> int | None:
-    if arch == "MistralForCausalLM":
-        return hf.get("sliding_window")
-    if hf.get("use_sliding_window"):
-        raise ValueError(f"use_sliding_window=true (per-layer windows) is not supported yet, in {path}")
-    return None
 
 
 # generation_config.json's sampling fields that vLLM takes as the model's defaults -> SamplingParams' names

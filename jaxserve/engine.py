@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from checkpoints import load_params, resolve_model
+from checkpoints import resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
-from jaxserve.model import abstract_decoder
+from jaxserve.models import abstract_model
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import Launched, Runner
 from jaxserve.sampling import MAX_SUPPRESSED
@@ -34,6 +34,7 @@ from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights import load_weights
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class Engine:
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
         self.mesh = make_mesh(config.tensor_parallel_size)
-        graphdef, state = load_params(model_dir, model_config, config.dtype, self.mesh)
+        graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
@@ -176,7 +177,7 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
     On CPU the (virtual) devices share one pool of host RAM."""
     tp = tensor_parallel_size
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        nnx.state(abstract_decoder(model_config, jnp.dtype(dtype)))))
+        nnx.state(abstract_model(model_config, jnp.dtype(dtype)))))
     copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
     stats = jax.devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:

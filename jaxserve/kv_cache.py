@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import Sharding
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.model import KVCache
+from jaxserve.models import KVCache
 from kernels import cache_dtype
 
 NULL_PAGE = 0

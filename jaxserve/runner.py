@@ -29,7 +29,7 @@ from tqdm import tqdm
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
-from jaxserve.model import KVCache, ModelInputs, forward, head_logits, rope_table
+from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
 from jaxserve.sampling import PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs, sample
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.settings import compiled_fields

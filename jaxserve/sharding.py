@@ -4,13 +4,9 @@ and the partition rules that place every weight and the KV pages on it.
 Sharding is declarative: arrays carry `NamedSharding`s and XLA inserts the
 collectives, so the model code is the same for 1 or N devices.
 
-Rules (Megatron-style; the HF name map's paths, weights stored [out, in] as in HF):
-- q/k/v projections column-parallel (output split over heads), o projection row-parallel;
-- MLP gate/up column-parallel, down row-parallel;
-- embedding split over the hidden size, the LM head over the vocabulary (the logits
-  come out vocab-sharded; the sampler's sort and draws are global ops on them);
-- norms replicated;
-- KV pages split over KV heads.
+Each family lists the rules for its weights beside its model (`ModelFamily.partition_rules`,
+e.g. Megatron-style in `jaxserve/models/llama.py`: the logits come out vocab-sharded, and the
+sampler's sort and draws are global ops on them); the KV pages are split over KV heads.
 A dimension is only split when its heads (or size) divide evenly over the mesh;
 otherwise that array is replicated (e.g. 2 KV heads on 8 devices).
 
@@ -22,6 +18,8 @@ the mesh spans them all; process 0 plans the steps and broadcasts each plan
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -29,23 +27,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+if TYPE_CHECKING:  # (the models' partition rules name AXIS, and the config reads the models)
+    from jaxserve.config import ModelConfig
 
 AXIS = "model"
-
-# (decoder state path pattern, partition spec, the count that must divide the mesh size)
-PARTITION_RULES = [
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
-    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.bias", P(AXIS), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
-    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
-    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
-]
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -92,10 +77,13 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
 
 
-def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig) -> NamedSharding:
-    """The sharding of the decoder weight at `path` (replicated unless a rule splits it evenly)."""
+def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig,
+                    rules: Sequence[tuple[str, P, str]]) -> NamedSharding:
+    """The sharding of the weight at `path`: the first of `rules` (parameter path pattern, spec, the
+    ModelConfig count that must divide the mesh size) that matches, else replicated; replicated
+    too where the count does not divide."""
     size = mesh.shape[AXIS]
-    for pattern, spec, count in PARTITION_RULES:
+    for pattern, spec, count in rules:
         if re.fullmatch(pattern, path):
             return NamedSharding(mesh, spec if getattr(cfg, count) % size == 0 else P())
     return NamedSharding(mesh, P())

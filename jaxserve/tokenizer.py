@@ -11,6 +11,8 @@ import json
 import re
 from pathlib import Path
 
+from checkpoints.byte_level import bytes_to_unicode
+
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
 
 
@@ -188,13 +190,6 @@ class Tokenizer:
     def decode_token(self, token_id: int) -> str:
         """One token's own text (U+FFFD where it holds part of a character)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in character for each byte (what byte-level BPE vocabularies hold)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    extra = iter(range(256, 512))
-    return {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
 
 
 def _byte_decoder(hf) -> dict[str, int] | None:

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hf_models import build_hf_model, save_hf_model
 
-from checkpoints import default_model_dir, load_hf_params, resolve_model
+from checkpoints import default_model_dir, resolve_model
 from jaxserve.config import ModelConfig, resolve_dtype, sampling_defaults
+from jaxserve.weights import load_weights
+
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _leaves(state):
@@ -26,8 +34,8 @@ def test_sharded_checkpoint_with_index_equals_single_file(hf_checkpoint, tmp_pat
     assert (sharded / "model.safetensors.index.json").is_file()
     assert len(list(sharded.glob("*.safetensors"))) > 1
     cfg = ModelConfig.from_hf(single)
-    for a, b in zip(_leaves(load_hf_params(single, cfg, "float32")[1]),
-                    _leaves(load_hf_params(sharded, cfg, "float32")[1])):
+    for a, b in zip(_leaves(load_weights(single, cfg, "float32")[1]),
+                    _leaves(load_weights(sharded, cfg, "float32")[1])):
         np.testing.assert_array_equal(a, b)
 
 
@@ -37,7 +45,7 @@ def test_bfloat16_checkpoint_loads_in_either_dtype(tmp_path):
     cfg = ModelConfig.from_hf(d)
     want = model.state_dict()["model.layers.1.mlp.down_proj.weight"].float().numpy()
     for dtype in ("bfloat16", "float32"):
-        state = load_hf_params(d, cfg, dtype)[1]
+        state = load_weights(d, cfg, dtype)[1]
         got = np.asarray(state["layers"][1]["mlp"]["down_proj"]["weight"][...], np.float32)
         np.testing.assert_array_equal(got, want)
     assert resolve_dtype("auto", d) == "bfloat16" and resolve_dtype("float32", d) == "float32"
@@ -70,7 +78,7 @@ def test_missing_files_are_named(hf_checkpoint, tmp_path):
     d = _copy(src, tmp_path / "m")
     (d / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
     (d / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_hf(d)
@@ -95,7 +103,7 @@ def test_shape_mismatch_names_the_tensor(hf_checkpoint, tmp_path):
     _, src = hf_checkpoint("llama")
     d = _copy(src, tmp_path / "m", intermediate_size=96)
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.\w+_proj\.weight.*shape"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
 
 
 def test_missing_tensor_is_reported(tmp_path):
@@ -104,7 +112,7 @@ def test_missing_tensor_is_reported(tmp_path):
     d = tmp_path / "m"
     model.save_pretrained(d, state_dict=state)
     with pytest.raises(ValueError, match="lacks 1 tensors.*norm.weight"):
-        load_hf_params(d, ModelConfig.from_hf(d), "float32")
+        load_weights(d, ModelConfig.from_hf(d), "float32")
 
 
 def test_default_model_is_real_hf_format_and_matches_transformers():
@@ -132,12 +140,12 @@ def test_default_model_is_real_hf_format_and_matches_transformers():
 
 
 def test_an_orbax_conversion_of_an_older_format_is_refused_with_the_fix(tmp_path):
-    from checkpoints.orbax_io import MARKER, restore
+    from checkpoints.orbax_io import MARKER
 
     (tmp_path / MARKER).write_text(json.dumps({"source": "/models/llama", "dtype": "float32"}))  # no format: 1
     with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m checkpoints.convert --model "
                                          r"/models/llama"):
-        restore(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
+        load_weights(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
 
 
 def test_sampling_defaults_of_the_generation_config(tmp_path):
@@ -154,3 +162,38 @@ def test_sampling_defaults_of_the_generation_config(tmp_path):
     assert sampling_defaults(model, "vllm") == {} and sampling_defaults(other / "none") == {}
     with pytest.raises(FileNotFoundError):
         sampling_defaults(model, str(tmp_path))
+
+
+def test_checkpoints_import_nothing_of_jaxserve():
+    """jaxserve uses checkpoints, never the other way round: the package and its loaders bring in no
+    jaxserve module (only the command line `checkpoints.convert`, which nothing imports, uses it)."""
+    code = ("import sys, checkpoints, checkpoints.hf, checkpoints.orbax_io, checkpoints.default_model, "
+            "checkpoints.byte_level, checkpoints.target; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jaxserve'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_target_alone_says_what_to_load(tmp_path):
+    """The loaders need no model, only a ParamTarget: names mapped to paths, cast to the dtype, a
+    tensor the target leaves out skipped, others refused with the target's architecture named."""
+    import jax.numpy as jnp
+    from safetensors.numpy import save_file
+
+    from checkpoints import ParamTarget, load_params
+
+    weight = np.arange(6, dtype=np.float32).reshape(2, 3)
+    save_file({"a.weight": weight, "head.weight": np.ones(3, np.float32),
+               "model.rotary_emb.inv_freq": np.ones(2, np.float32)}, str(tmp_path / "model.safetensors"))
+    target = ParamTarget(architecture="ToyForCausalLM", shapes={"x.w": (2, 3)},
+                         hf_name_map={r"a\.weight": "x.w", r"head\.weight": "head.w"}, unused=frozenset({"head.w"}))
+    params = load_params(tmp_path, target, "bfloat16")
+    assert list(params) == ["x.w"] and params["x.w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(params["x.w"], np.float32), weight)
+    with pytest.raises(ValueError, match="'head.weight'.*does not fit this ToyForCausalLM config"):
+        load_params(tmp_path, dataclasses.replace(target, unused=frozenset()), "float32")
+    with pytest.raises(ValueError, match="unexpected tensor 'head.weight'.*for a ToyForCausalLM checkpoint"):
+        load_params(tmp_path, dataclasses.replace(target, hf_name_map={r"a\.weight": "x.w"}), "float32")
+    with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. \['y\.w'\]"):
+        load_params(tmp_path, dataclasses.replace(target, shapes={"x.w": (2, 3), "y.w": (1,)}), "float32")

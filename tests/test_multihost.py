@@ -73,8 +73,8 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 
 def test_two_processes_serve_like_one_and_stop_together(hf_checkpoint, tmp_path):
-    from checkpoints.orbax_io import convert
     from jaxserve import LLM, SamplingParams
+    from jaxserve.weights import convert_checkpoint
 
     _, model_dir = hf_checkpoint("llama")
     llm = LLM(str(model_dir), **SMALL_ENGINE)  # (compiled already by other tests of this checkpoint)
@@ -104,7 +104,7 @@ def test_two_processes_serve_like_one_and_stop_together(hf_checkpoint, tmp_path)
     # heartbeat check, 10 s here) and exit non-zero.
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    procs = start(convert(model_dir, tmp_path / "orbax"), port, heartbeat_s=10)
+    procs = start(convert_checkpoint(model_dir, tmp_path / "orbax"), port, heartbeat_s=10)
     try:
         wait_healthy(procs, url)
         assert complete(url, PROMPTS[1]) == expected[1]

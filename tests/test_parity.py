@@ -16,12 +16,12 @@ import torch
 from conftest import SMALL_ENGINE
 from hf_models import ARCHITECTURES
 
-from checkpoints import load_hf_params
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
 from kernels import cache_dtype
 from jaxserve.kv_cache import allocate_kv_cache
-from jaxserve.model import ModelInputs, forward, rope_table
+from jaxserve.models import ModelInputs, forward, rope_table
+from jaxserve.weights import load_weights
 
 TIE_MARGIN = 1e-3
 
@@ -32,7 +32,7 @@ def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size
     cfg = ModelConfig.from_hf(model_dir)
     engine_cfg = EngineConfig(max_model_len=128, page_size=page_size, num_pages=16, dtype=dtype,
                               kv_cache_dtype=kv_cache_dtype).resolve(cfg)
-    graphdef, state = load_hf_params(model_dir, cfg, dtype)
+    graphdef, state = load_weights(model_dir, cfg, dtype)
     kv = allocate_kv_cache(cfg, engine_cfg)
     pages = np.array([9, 3, 14, 6, 11, 2, 7, 12], np.int32)  # out of order on purpose
     out, start = [], 0

@@ -55,9 +55,10 @@ def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):
     results = {1: json.loads(json.dumps(run(str(model_dir), [1])))["1"], **run_worker(model_dir, sizes=(4,))}
     check(results, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
 
-    from checkpoints.orbax_io import convert, is_orbax_dir
+    from checkpoints.orbax_io import is_orbax_dir
+    from jaxserve.weights import convert_checkpoint
 
-    orbax_dir = convert(model_dir, tmp_path / "orbax")
+    orbax_dir = convert_checkpoint(model_dir, tmp_path / "orbax")
     assert is_orbax_dir(orbax_dir) and (orbax_dir / "tokenizer.json").is_file()
     restored = run_worker(orbax_dir, sizes=(4,))
     check({1: results[1], 4: restored[4]}, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)

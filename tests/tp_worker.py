@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.model import ModelInputs, forward, rope_table
+from jaxserve.models import ModelInputs, forward, rope_table
 
 
 def prompt_logits(engine, ids: list[int]) -> np.ndarray:

@@ -24,6 +24,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from checkpoints.default_model import cache_root
+
 COMMON = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 
@@ -69,8 +71,6 @@ def _library(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C++ compiler found (set CXX): %s falls back to its XLA implementation", name)
         return None
-    from checkpoints.default_model import cache_root  # (not at import: checkpoints imports the model, which imports kernels)
-
     key = hashlib.sha256(repr((source.read_bytes(), COMMON.read_bytes(), jaxlib.__version__, compiler, FLAGS,
                                _cpu_identity())).encode()).hexdigest()
     path = cache_root() / "kernels" / f"{source.parent.name}_{source.stem}-{key[:24]}.so"

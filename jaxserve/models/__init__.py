@@ -1,0 +1,75 @@
+"""The models: shared layers (`layers.py`), one file per family, and the registry that finds a
+family by the Hugging Face architecture name in config.json (`MODEL_REGISTRY`).
+
+A model is an NNX module of (KV cache, step inputs) -> (cache, hidden states), with `logits` for
+the rows that need them. The engine splits it once (`nnx.split`) and merges it inside its jitted
+step (`forward`), so no NNX object walk happens per call. Nothing here knows about scheduling,
+sampling or HTTP. docs/adding_a_model.md walks through adding a family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from jaxserve.models import llama
+from jaxserve.models.layers import KVCache, ModelInputs
+from jaxserve.models.rope import rope_table
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
+
+ModelOptions = llama.LlamaOptions  # a family's own settings (`ModelConfig.options`): one type per family
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFamily:
+    """Everything jaxserve looks up by architecture name."""
+
+    name: str
+    options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, config.json, its path) -> options
+    model: Callable[[ModelConfig, jax.typing.DTypeLike, nnx.Rngs], nnx.Module]  # (cfg, dtype, rngs) -> the module
+    hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
+    partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.sharding.weight_sharding`
+    tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
+
+
+LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=llama.LlamaDecoder,
+                    hf_name_map=llama.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
+
+# HF `architectures` entry -> its family
+MODEL_REGISTRY: dict[str, ModelFamily] = {
+    "LlamaForCausalLM": LLAMA,
+    "MistralForCausalLM": LLAMA,
+    "Qwen2ForCausalLM": LLAMA,
+    "Qwen3ForCausalLM": LLAMA,
+}
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> nnx.Module:
+    """The model with shapes only (no memory): the template weights are loaded into."""
+    family = MODEL_REGISTRY[cfg.architecture]
+    return nnx.eval_shape(lambda: family.model(cfg, dtype, nnx.Rngs(0)))
+
+
+def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs):
+    """Pure form of the model for use under jit: (state, cache, inputs) -> (cache, f32[B, vocab]
+    logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`)."""
+    model = nnx.merge(graphdef, state)
+    kv, hidden = model(kv, inputs)
+    return kv, model.logits(hidden[inputs.logits_indices]), hidden
+
+
+def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
+    """Pure form of the model's `logits`: rows of `forward`'s output -> f32[N, vocab] logits."""
+    return nnx.merge(graphdef, state).logits(hidden)
+
+
+__all__ = ["MODEL_REGISTRY", "KVCache", "ModelFamily", "ModelInputs", "ModelOptions", "abstract_model", "forward",
+           "head_logits", "rope_table"]

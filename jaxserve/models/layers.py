@@ -1,0 +1,91 @@
+"""The layers every model family is built from, and the types of one step on the paged cache.
+
+A model works on one ragged step: T tokens from up to B sequences, each a prefill chunk or one
+decode token (`ModelInputs`). Attention (`attend`) writes the step's keys and values into the
+paged cache (`KVCache`), then reads it through `kernels.paged_attention`. Linear weights are
+stored [out, in], as Hugging Face stores them, so checkpoints load without a transpose.
+
+Nothing here knows a family's names or options: those live in the family's own file.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kernels import matmul_t, paged_attention, write_kv
+
+
+@flax.struct.dataclass
+class KVCache:
+    """One K and one V page array per layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+
+    k: list[jax.Array]
+    v: list[jax.Array]
+
+
+@flax.struct.dataclass
+class ModelInputs:
+    """Device view of one step. T = padded tokens, B = padded sequences, P = pages per sequence."""
+
+    token_ids: jax.Array  # i32[T]; padding 0
+    positions: jax.Array  # i32[T] position of each token in its sequence
+    rope: jax.Array  # f32[T, head_dim] cos then sin of each token's rotation angles (`rope.rope_table`)
+    kv_write_index: jax.Array  # i32[T] page * page_size + offset to write K/V; padding -> null page 0
+    kv_lens: jax.Array  # i32[B] tokens in the cache after this step; padding 0
+    page_table: jax.Array  # i32[B, P]; padding -> null page 0
+    query_start: jax.Array  # i32[B + 1] first token row of each sequence; padding repeats the total
+    num_seqs: jax.Array  # i32[] real sequences
+    logits_indices: jax.Array  # i32[B] row of each sequence's last token
+
+
+class RMSNorm(nnx.Module):
+    """HF's RMSNorm: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it. The product
+    accumulates in float32 and returns the input dtype (`kernels.matmul_t`, which picks the
+    backend's implementation)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(nnx.initializers.lecun_normal(in_axis=1, out_axis=0)(rngs.params(), (d_out, d_in),
+                                                                                     dtype))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x):
+        y = matmul_t(x, self.weight[...])
+        return y if self.bias is None else y + self.bias[...]
+
+
+class GatedMLP(nnx.Module):
+    """down(silu(gate(x)) * up(x)): the feed-forward block of Llama-like models."""
+
+    def __init__(self, d: int, intermediate: int, bias: bool, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Linear(d, intermediate, bias, dtype, rngs)
+        self.up_proj = Linear(d, intermediate, bias, dtype, rngs)
+        self.down_proj = Linear(intermediate, d, bias, dtype, rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sliding_window: int | None = None):
+    """Write the step's keys and values into the cache, then attend over it.
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; pages: see `KVCache`.
+    -> ([T, heads, head_dim], k_pages, v_pages)."""
+    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.kv_write_index)
+    o = paged_attention(q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, inputs.query_start,
+                        inputs.num_seqs, sm_scale=q.shape[-1]**-0.5, sliding_window=sliding_window)
+    return o, k_pages, v_pages

@@ -1,0 +1,154 @@
+"""The Llama family (Llama 2/3/3.x, Mistral, Qwen2/2.5, Qwen3) on the shared layers, in Flax NNX.
+
+Its architectures differ only in options read from config.json (`LlamaOptions`): biases on the
+projections, a per-head norm of q and k (Qwen3), a sliding window (Mistral). Modules and
+parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.down_proj`, ...), so the name
+map of checkpoints (`HF_NAME_MAP`) stays mechanical, and so do the partition rules.
+
+Only the last token of each sequence goes through the LM head (and the tokens whose next prompt
+token's logprob is asked for, see `LlamaDecoder.logits`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.layers import GatedMLP, KVCache, Linear, ModelInputs, RMSNorm, attend
+from jaxserve.models.rope import apply_rope
+from jaxserve.sharding import AXIS
+from kernels import matmul_t
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaOptions:
+    """What sets the family's architectures apart, as config.json gives it."""
+
+    qkv_bias: bool  # biases on q/k/v projections (Qwen2, Llama's attention_bias)
+    o_bias: bool  # bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    sliding_window: int | None  # attend to at most this many most recent positions
+
+
+QKV_BIAS = ("Qwen2ForCausalLM",)  # architectures with q/k/v biases whatever attention_bias says
+QK_NORM = ("Qwen3ForCausalLM",)
+SLIDING_WINDOW = ("MistralForCausalLM",)  # architectures whose `sliding_window` applies to every layer
+
+
+def options_from_hf(architecture: str, hf: dict, path: Path) -> LlamaOptions:
+    """The family's options from config.json (`hf`, read from `path`)."""
+    attention_bias = bool(hf.get("attention_bias", False))
+    return LlamaOptions(qkv_bias=architecture in QKV_BIAS or attention_bias, o_bias=attention_bias,
+                        mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=architecture in QK_NORM,
+                        sliding_window=_sliding_window_from_hf(hf, architecture, path))
+
+
+def _sliding_window_from_hf(hf: dict, architecture: str, path: Path) -> int | None:
+    if architecture in SLIDING_WINDOW:
+        return hf.get("sliding_window")
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"use_sliding_window=true (per-layer windows) is not supported yet, in {path}")
+    return None
+
+
+# HF tensor name pattern -> parameter path (`re.sub` template)
+HF_NAME_MAP = {
+    r"model\.embed_tokens\.weight": r"embed_tokens.embedding",
+    r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight": r"layers.\1.\2.\3.weight",
+    r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.bias": r"layers.\1.\2.\3.bias",
+    r"model\.layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight": r"layers.\1.self_attn.\2.weight",
+    r"model\.layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight": r"layers.\1.\2.weight",
+    r"model\.norm\.weight": r"norm.weight",
+    r"lm_head\.weight": r"lm_head.weight",
+}
+TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embeddings may hold but the model lacks
+
+# (parameter path pattern, partition spec, the ModelConfig count that must divide the mesh size).
+# Megatron-style, weights [out, in]: q/k/v and MLP gate/up column-parallel (output split over heads),
+# o and down row-parallel; the embedding split over the hidden size, the LM head over the vocabulary
+# (the logits come out vocab-sharded); norms replicated.
+PARTITION_RULES = [
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
+    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.bias", P(AXIS), "intermediate_size"),
+    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
+    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
+    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
+]
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, hd, options = cfg.hidden_size, cfg.head_dim, cfg.options
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.sliding_window = options.sliding_window
+        self.q_proj = Linear(d, cfg.num_heads * hd, options.qkv_bias, dtype, rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, options.qkv_bias, dtype, rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, options.qkv_bias, dtype, rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, options.o_bias, dtype, rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if options.qk_norm else None
+
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, inputs.rope)
+        k = apply_rope(k, inputs.rope)
+        o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sliding_window=self.sliding_window)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.options.mlp_bias, dtype, rngs)
+
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, k_pages, v_pages
+
+
+class LlamaDecoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
+        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+        x = self.embed_tokens(inputs.token_ids)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
+            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        return KVCache(k=k_out, v=v_out), x
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
+        # tied: the embedding matrix [vocab, hidden] is the head's weight
+        head = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.weight[...]
+        return matmul_t(self.norm(x), head, jnp.float32)

@@ -1,0 +1,97 @@
+"""The model registry: each Hugging Face architecture name finds its family and options, and a
+family's tables (HF name map, partition rules) fit the parameters of its models. Logits against
+transformers, for every registered architecture, are tests/test_parity.py's."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+from jaxserve.config import ModelConfig
+from jaxserve.models import LLAMA, MODEL_REGISTRY, abstract_model
+from jaxserve.models.llama import LlamaOptions
+from jaxserve.weights import param_target
+
+# hf_models.ARCHITECTURES name -> the options its config.json gives
+OPTIONS = {
+    "llama": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None),
+    "llama-linear-rope": LlamaOptions(qkv_bias=True, o_bias=True, mlp_bias=False, qk_norm=False, sliding_window=None),
+    "llama3-rope": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None),
+    "mistral": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=24),
+    "qwen2": LlamaOptions(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None),
+    "qwen3": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, sliding_window=None),
+}
+
+
+def test_every_registered_architecture_has_a_parity_model():
+    """A registered architecture without a tiny model in tests/hf_models.py would go untested
+    against transformers."""
+    from hf_models import ARCHITECTURES
+
+    assert set(OPTIONS) == set(ARCHITECTURES)
+    assert set(MODEL_REGISTRY) == {model_cls for _, model_cls, _ in ARCHITECTURES.values()}
+    assert {family.name for family in MODEL_REGISTRY.values()} == {"llama"}
+    assert all(MODEL_REGISTRY[a] is LLAMA for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                                    "Qwen3ForCausalLM"))
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_each_architecture_finds_its_family_and_options(name, hf_checkpoint):
+    """config.json's architecture picks the family; its options shape the model (biases, q/k norms)."""
+    model, model_dir = hf_checkpoint(name)
+    cfg = ModelConfig.from_hf(model_dir)
+    assert cfg.architecture == type(model).__name__ and cfg.options == OPTIONS[name]
+    attn = nnx.state(abstract_model(cfg, jnp.float32))["layers"][0]["self_attn"]
+    assert ("bias" in attn["q_proj"]) == cfg.options.qkv_bias and ("bias" in attn["o_proj"]) == cfg.options.o_bias
+    assert ("q_norm" in attn) == ("k_norm" in attn) == cfg.options.qk_norm
+
+
+def test_an_unknown_architecture_names_the_registered_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MambaForCausalLM"], "model_type": "mamba"}))
+    with pytest.raises(ValueError, match=r"unsupported architecture \['MambaForCausalLM'\].*supported: "
+                                         + ", ".join(MODEL_REGISTRY)):
+        ModelConfig.from_hf(tmp_path)
+
+
+def test_the_first_registered_architecture_of_a_config_is_taken(hf_checkpoint, tmp_path):
+    _, src = hf_checkpoint("qwen3")
+    hf = json.loads((src / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "architectures": ["Qwen3Model", "Qwen3ForCausalLM"]}))
+    assert ModelConfig.from_hf(tmp_path).architecture == "Qwen3ForCausalLM"
+
+
+def _target(model_dir):
+    cfg = ModelConfig.from_hf(model_dir)
+    return param_target(cfg, nnx.state(abstract_model(cfg, jnp.float32)))
+
+
+def test_name_map_and_partition_rules_fit_the_family_parameters(hf_checkpoint, tmp_path):
+    """Over the parity models: every HF tensor maps to a parameter of the model and every map entry
+    is used; every partition rule splits some parameter (of those models, or one with MLP biases),
+    and every projection, the embedding and the LM head are split by one."""
+    _, llama_dir = hf_checkpoint("llama")
+    hf = json.loads((llama_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
+    paths, used_names, used_rules = set(_target(tmp_path).shapes), set(), set()
+    for name in OPTIONS:
+        _, model_dir = hf_checkpoint(name)
+        target = _target(model_dir)
+        paths |= set(target.shapes)
+        with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
+            for hf_name in f.keys():
+                (pattern,) = [p for p in LLAMA.hf_name_map if re.fullmatch(p, hf_name)]
+                used_names.add(pattern)
+                path = re.sub(pattern, LLAMA.hf_name_map[pattern], hf_name)
+                assert path in target.shapes or path in target.unused, (name, hf_name)
+    assert used_names == set(LLAMA.hf_name_map)
+    for path in paths:
+        rules = [pattern for pattern, _, _ in LLAMA.partition_rules if re.fullmatch(pattern, path)]
+        assert len(rules) <= 1, path
+        used_rules.update(rules)
+        assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
+    assert used_rules == {pattern for pattern, _, _ in LLAMA.partition_rules}
