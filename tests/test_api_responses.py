@@ -1,0 +1,73 @@
+"""OpenAI's Responses API through the real server."""
+
+from __future__ import annotations
+
+import json
+
+from server import MESSAGES, MODEL, post
+
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_responses_api_is_the_chat_answer(client):
+    """OpenAI's Responses API: `instructions` + `input` answer as the chat request with a system
+    message would, as a message item with output_text; max_output_tokens reached is "incomplete".
+    Streamed: created, in_progress, the item and part added, text deltas, then every "done" and
+    response.incomplete, in sequence order, adding up to the same response."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    ask = dict(model=MODEL, instructions=MESSAGES[0]["content"], input=[{"role": "user", "content": "Say hello"}],
+               max_output_tokens=12, temperature=0.0)
+    r = client.responses.create(**ask)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL and not r.store
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert item.status == "incomplete"  # the output ran out in it
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert r.usage.total_tokens == r.usage.input_tokens + 12
+    events = list(client.responses.create(**ask, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 12
+    assert events[-2].item.status == "incomplete"
+
+
+def test_responses_api_logprobs_tools_and_errors(served, client):
+    """Logprobs through `include` (top_logprobs alternatives each), a forced function call as a
+    function_call item (streamed as argument deltas), function_call and function_call_output
+    items as input, and 400s for what the server does not keep or run."""
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=6, temperature=0.0, top_logprobs=2,
+                                include=["message.output_text.logprobs"], reasoning={"effort": "low"})
+    assert r.reasoning.effort == "low"  # (the chat template's reasoning_effort, as chat's)
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}]
+    forced = dict(model=MODEL, input="Weather?", tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+                  max_output_tokens=60, temperature=0.0)
+    r = client.responses.create(**forced)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    events = list(client.responses.create(**forced, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments == events[-1].response.output[0].arguments
+    follow_up = client.responses.create(model=MODEL, max_output_tokens=4, tools=tools, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow_up.usage.input_tokens > r.usage.input_tokens and follow_up.usage.output_tokens == 4
+    for bad, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"tools": [{"type": "web_search"}]}, "tools"),
+                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+                       ({"include": ["reasoning.encrypted_content"]}, "include"),
+                       ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning")):
+        refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
