@@ -4,6 +4,7 @@ min_tokens, penalties, vLLM's token controls, and the model's sampling defaults.
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import pytest
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, completion, post, streamed_text
@@ -27,6 +28,8 @@ def test_seed_reproducible_over_http(client):
     kw = dict(model=MODEL, prompt="seeded", max_tokens=16, temperature=1.0, top_p=0.9, seed=11,
               extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**{**kw, "seed": 12}).choices[0].text != client.completions.create(
+        **kw).choices[0].text  # the seed is what fixes the draw
 
 
 def test_stop_string_from_the_middle_cuts_exactly_there(client):
@@ -48,6 +51,29 @@ def test_no_delta_holds_part_of_a_matching_stop_string(client):
         model=MODEL, prompt="held back", max_tokens=30, stop=stop, stream=True, **GREEDY) if c.choices]
     # the deltas add up to the text before the stop string: none ever carried a piece of it
     assert "".join(deltas) == free[:free.find(stop)]
+
+
+def test_held_back_text_is_released_when_the_stop_string_does_not_follow(client):
+    """Characters that may begin a stop string are held back; when the next token breaks the match,
+    or the output ends by its length first, they are released. The output is kept to lowercase
+    letters, one token each, so that a stream without a stop string sends one character per delta,
+    and a delta of several is text that was held back."""
+    ask = dict(prompt="held back", max_tokens=30, temperature=0.0,
+               extra_body={"ignore_eos": True, "allowed_token_ids": list(range(ord("a"), ord("z") + 1))})
+    free = completion(client, **ask).choices[0].text
+    assert len(free) == 30 and free.isalpha()
+    assert streamed_text(client, **ask) == (free, "length")
+    assert all(len(c.choices[0].text) <= 1 for c in client.completions.create(model=MODEL, stream=True, **ask))
+    for start in (10, len(free) - 2):  # the match broken by the next token; cut short by max_tokens
+        stop = free[start:start + 2] + "~"  # begins as the output does at `start`, never completes
+        whole = completion(client, stop=stop, **ask).choices[0]
+        assert (whole.text, whole.finish_reason) == (free, "length")
+        deltas = [c.choices[0].text for c in client.completions.create(model=MODEL, stop=stop, stream=True, **ask)
+                  if c.choices]
+        assert "".join(deltas) == free, stop
+        ends = list(itertools.accumulate(map(len, deltas)))
+        # the two held characters came in one delta (with what broke the match, or at the end)
+        assert any(end - len(delta) <= start and start + 2 <= end for delta, end in zip(deltas, ends)), deltas
 
 
 def test_logit_bias_forces_every_greedy_token(client):

@@ -63,21 +63,32 @@ def test_stream_usage_option(client):
     assert two[-1].usage.completion_tokens == 24
 
 
-def test_sixteen_concurrent_streams_complete(served):
+def test_sixteen_concurrent_streams_complete(served, client):
+    """Sixteen streams at once, of different prompts and lengths (every other one greedy, the rest
+    seeded at temperature 0.5), each end by their length and write what the same request writes
+    alone: a sequence's tokens do not depend on what shares its batch."""
+    def request(i):
+        sampling = dict(temperature=0.0) if i % 2 == 0 else dict(temperature=0.5, seed=100 + i)
+        return dict(model=MODEL, prompt=f"request {i}", max_tokens=20 + i, extra_body={"ignore_eos": True},
+                    **sampling)
+
     async def one(client, i):
         text, finish = "", None
-        stream = await client.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=20 + i,
-                                                 temperature=0.5, stream=True, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(stream=True, **request(i))
         async for chunk in stream:
             text += chunk.choices[0].text
             finish = chunk.choices[0].finish_reason or finish
-        return finish
+        return text, finish
 
     async def main():
         client = openai.AsyncOpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)
         return await asyncio.gather(*(one(client, i) for i in range(16)))
 
-    assert asyncio.run(main()) == ["length"] * 16
+    together = asyncio.run(main())
+    assert [finish for _, finish in together] == ["length"] * 16
+    alone = [client.completions.create(**request(i)).choices[0] for i in range(16)]
+    assert [text for text, _ in together] == [choice.text for choice in alone]
+    assert len({choice.text for choice in alone}) == 16
 
 
 def test_client_disconnect_frees_its_pages(served):
