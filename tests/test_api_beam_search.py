@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from server import MODEL, completion, post
 
@@ -47,3 +48,39 @@ def test_beam_search_through_the_api_as_offline(served, client, offline):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
     refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "length_penalty": 2.0})
     assert refused.status_code == 400 and "use_beam_search" in refused.json()["error"]["message"]
+
+
+def test_beam_search_keeps_the_best_pairs_of_a_brute_force_search(served, client):
+    """Every continuation of two tokens, scored through the API in one request: the prompt followed by
+    each token of the vocabulary, echoed with its logprob, and the best next tokens' logprobs after
+    it. Beam search of width k keeps the k likeliest first tokens, then the k best pairs among their
+    extensions (ignore_eos: every beam is as long, so scores order as summed logprobs): its beams are
+    those pairs, best first, with the brute force's scores. Here the best pair of all starts with
+    one of those first tokens, so the best beam is the best continuation there is."""
+    prompt, width = [11, 12, 13], 4
+    vocab = served[1].engine.model_config.vocab_size
+    every = post(served, "/v1/completions", {
+        "model": MODEL, "prompt": [prompt + [token] for token in range(vocab)], "max_tokens": 1, "echo": True,
+        "logprobs": width, "temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert every.status_code == 200
+    first, pairs = {}, {}  # first token -> its logprob; (first, second) -> the pair's, for each first's best seconds
+    for choice in every.json()["choices"]:
+        token, logprobs = choice["index"], choice["logprobs"]
+        assert logprobs["tokens"][len(prompt)] == f"token_id:{token}"
+        first[token] = logprobs["token_logprobs"][len(prompt)]
+        for name, logprob in logprobs["top_logprobs"][len(prompt) + 1].items():
+            pairs[token, int(name.removeprefix("token_id:"))] = first[token] + logprob
+    assert len(first) == vocab
+    kept = sorted(first, key=first.get, reverse=True)[:width]
+    want = sorted(((score, pair) for pair, score in pairs.items() if pair[0] in kept), reverse=True)[:width]
+    assert all(a - b > 1e-3 for (a, _), (b, _) in zip(want, want[1:]))  # no near-ties to order by rounding
+    best = max(pairs, key=pairs.get)  # of all vocab x vocab pairs: a first token's best second is among its top
+    assert best[0] in kept and best == want[0][1]
+
+    beams = completion(client, prompt=prompt, max_tokens=2, n=width, logprobs=0,
+                       extra_body={"use_beam_search": True, "ignore_eos": True, "return_tokens_as_token_ids": True})
+    got = [(sum(c.logprobs.token_logprobs), tuple(int(t.removeprefix("token_id:")) for t in c.logprobs.tokens))
+           for c in beams.choices]
+    assert [pair for _, pair in got] == [pair for _, pair in want]
+    np.testing.assert_allclose([score for score, _ in got], [score for score, _ in want], atol=1e-4)
+    assert got[0][0] == pytest.approx(pairs[best], abs=1e-4)
