@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
@@ -13,6 +14,7 @@ from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
 from api.app import create_app
 from api.openai_responses import ResponseBuilder
 from api.protocol import Limits
+from api.tool_parsers import PARSERS
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
@@ -195,3 +197,71 @@ def test_reasoning_parser_puts_the_thinking_apart(served, monkeypatch):
     message, _ = asyncio.run(check("qwen3", {"response_format": {"type": "json_object"}, "max_tokens": 12,
                                              "logit_bias": {"60": 100}}))
     assert message["reasoning"].startswith("<") and message["content"] is None
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CITY = r'\{"city": "[a-z]{2,6}"\}'  # a regex for the arguments
+CALLS = {  # a regex for a call to get_weather in each family's syntax (`api/tool_parsers.py`)
+    "hermes": r'<tool_call>\{"name": "get_weather", "arguments": ' + CITY + r'\}</tool_call>',
+    "llama3_json": r'\{"name": "get_weather", "parameters": ' + CITY + r'\}',
+    "mistral": r'\[TOOL_CALLS\]\[\{"name": "get_weather", "arguments": ' + CITY + r'\}\]',
+}
+
+
+def test_auto_tool_choice_reads_the_call_the_model_writes(client):
+    """tool_choice "auto": the output is read by the parser the chat template points to (Hermes for
+    this model's). Where it holds a call, the answer is the content before the call, the call in
+    tool_calls and finish_reason "tool_calls"; streamed, the content first, then delta.tool_calls
+    (id and name, then the arguments). The random model would not write a call of itself: a regex,
+    which "auto" (forcing nothing) allows beside it, makes it write one."""
+    ask = dict(model=MODEL, messages=MESSAGES, tools=WEATHER, tool_choice="auto", max_tokens=120, temperature=1.0,
+               seed=5, extra_body={"structured_outputs": {"regex": r"Sure\. " + CALLS["hermes"]}})
+    choice = client.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure. "
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+    assert re.fullmatch("[a-z]{2,6}", json.loads(call.function.arguments)["city"])
+    chunks = list(client.chat.completions.create(stream=True, **ask))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sure. "
+    first = next(i for i, d in enumerate(deltas) if d.tool_calls)
+    assert not any(d.content for d in deltas[first:])  # no content once the call has started
+    streamed = [c for d in deltas for c in d.tool_calls or []]
+    assert streamed[0].id.startswith("call_") and streamed[0].function.name == "get_weather"
+    assert {c.index for c in streamed} == {0}
+    assert "".join(c.function.arguments or "" for c in streamed) == call.function.arguments
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    plain = client.chat.completions.create(**{k: v for k, v in ask.items() if k not in ("tools", "tool_choice")})
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.tool_calls is None
+    assert plain.choices[0].message.content.startswith("Sure. <tool_call>")  # without tools: text
+
+
+def test_tool_call_parser_flag_chooses_the_family(served):
+    """--tool-call-parser: the family whose syntax "auto" tool calls are read in, whatever the chat
+    template points to. Each family's call (made by a regex) is a call under its own parser, whole
+    and streamed, and plain content under another family's."""
+    body = {"model": MODEL, "messages": MESSAGES, "tools": WEATHER, "max_tokens": 120, "temperature": 1.0, "seed": 5}
+
+    async def answer(parser: str, regex: str) -> tuple[dict, list[dict]]:
+        test = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), tool_parser=PARSERS[parser]()).test_client()
+        ask = {**body, "structured_outputs": {"regex": regex}}
+        whole = await (await test.post("/v1/chat/completions", json=ask)).get_json()
+        streamed = await (await test.post("/v1/chat/completions", json={**ask, "stream": True})).get_data()
+        chunks = [json.loads(line[6:]) for line in streamed.decode().splitlines() if line.startswith("data: {")]
+        return whole["choices"][0], [c["choices"][0] for c in chunks if c["choices"]]
+
+    families = list(CALLS)
+    for parser, other in zip(families, families[1:] + families[:1]):
+        choice, streamed = asyncio.run(answer(parser, CALLS[parser]))
+        (call,) = choice["message"]["tool_calls"]
+        assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_weather", parser
+        assert re.fullmatch("[a-z]{2,6}", json.loads(call["function"]["arguments"])["city"]), parser
+        calls = [c for s in streamed for c in s["delta"].get("tool_calls") or []]
+        assert calls[0]["function"]["name"] == "get_weather", parser
+        assert "".join(c["function"].get("arguments") or "" for c in calls) == call["function"]["arguments"]
+        assert streamed[-1]["finish_reason"] == "tool_calls", parser
+        choice, streamed = asyncio.run(answer(other, CALLS[parser]))
+        assert choice["finish_reason"] == "stop" and "tool_calls" not in choice["message"], (parser, other)
+        assert re.fullmatch(CALLS[parser], choice["message"]["content"]), (parser, other)
+        assert not any(s["delta"].get("tool_calls") for s in streamed), (parser, other)

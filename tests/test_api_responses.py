@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+import pytest
 from server import MESSAGES, MODEL, post
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
@@ -71,3 +73,31 @@ def test_responses_api_logprobs_tools_and_errors(served, client):
                        ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning")):
         refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+
+
+FORECAST = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "unit": {"enum": ["C", "F"]}}, "required": ["city", "days", "unit"], "additionalProperties": False}
+
+
+def test_responses_text_format_shapes_the_output(client):
+    """`text.format`: a json_schema output parses and validates against its schema, whole and
+    streamed, at temperature 1 (the random model writes JSON only where the format makes it);
+    json_object starts a JSON object (whole where it stops); the response carries the format asked for."""
+    fmt = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
+    ask = dict(model=MODEL, input="Forecast?", max_output_tokens=200, temperature=1.0)
+    for _ in range(3):
+        r = client.responses.create(**ask, text={"format": fmt})
+        assert r.status == "completed", r.incomplete_details
+        jsonschema.validate(json.loads(r.output_text), FORECAST)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "forecast"
+    events = list(client.responses.create(**ask, text={"format": fmt}, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(streamed), FORECAST)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == streamed
+    obj = client.responses.create(**{**ask, "max_output_tokens": 60}, text={"format": {"type": "json_object"}})
+    assert obj.output_text.startswith("{") and (obj.status == "incomplete" or isinstance(json.loads(obj.output_text),
+                                                                                         dict))
+    free = client.responses.create(**{**ask, "temperature": 0.0}, text={"format": {"type": "text"}}).output_text
+    with pytest.raises(ValueError):
+        json.loads(free)  # (without a format, not JSON)
