@@ -9,6 +9,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import jax
+import numpy as np
 import openai
 import pytest
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
@@ -325,3 +327,61 @@ def test_tokenize_and_detokenize(served):
     assert post(served, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "héllo"}
     assert post(served, "/detokenize", {"tokens": [1, -1]}).status_code == 400
     assert post(served, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
+
+
+TRACE, COMPILE = "/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration"
+
+
+def test_serving_compiles_nothing_after_warm_up(served, client):
+    """After warm-up no request through the HTTP server traces or compiles: a mix of lengths (one
+    prompt prefilled in chunks), batch sizes (up to the server's 16 sequences, and more waiting),
+    sampling controls, logprobs, grammars, tools, beam search and the Responses API, streamed and
+    not. The server runs in this process, so jax.monitoring reports its compilations here; a jit of
+    a new function on another thread, in the same window, shows they would be seen."""
+    seen = []
+
+    def listener(event: str, duration: float, **kwargs):
+        if event in (TRACE, COMPILE):
+            seen.append(event)
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]
+    asks = [
+        ("/v1/completions", {"prompt": "x" * (MAX_MODEL_LEN - 40), "max_tokens": 30, "ignore_eos": True}),
+        ("/v1/completions", {"prompt": "mixed", "n": 3, "max_tokens": 9, "temperature": 0.8, "seed": 1, "top_k": 5,
+                             "top_p": 0.9, "min_p": 0.05, "logprobs": 3, "stop": ["ab"], "presence_penalty": 0.5,
+                             "frequency_penalty": 0.3, "repetition_penalty": 1.2, "logit_bias": {"65": 2}}),
+        ("/v1/completions", {"prompt": "echo", "max_tokens": 3, "echo": True, "logprobs": 2, "min_tokens": 2,
+                             "bad_words": ["ab"], "allowed_token_ids": list(range(60, 120))}),
+        ("/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3, "n": 3, "use_beam_search": True}),
+        ("/v1/completions", {"prompt": "many", "n": 20, "max_tokens": 12, "temperature": 1.0, "stream": True}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 6, "logprobs": True, "top_logprobs": 2,
+                                  "prompt_logprobs": 1}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40, "stream": True,
+                                  "response_format": {"type": "json_schema", "json_schema": {"name": "o", "schema": {
+                                      "type": "object", "properties": {"a": {"type": "integer"}}}}}}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 30, "tools": tools,
+                                  "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 8, "tools": tools, "guided_choice": ["yes"]}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 5, "stream": True}),
+    ]
+
+    async def ask_all():
+        async with httpx.AsyncClient(base_url=served[0].url, timeout=120) as http:
+            answers = await asyncio.gather(*(http.post(path, json={"model": MODEL, **body}) for path, body in asks))
+        return [answer.status_code for answer in answers]
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        statuses = asyncio.run(ask_all())
+        for path, body in asks:  # and each alone
+            assert post(served, path, {"model": MODEL, **body}).status_code == 200, (path, body)
+        compiled_by_serving = list(seen)
+        elsewhere = threading.Thread(target=lambda: jax.jit(lambda x: x * 5 - 2)(np.arange(5)))  # as the engine's
+        elsewhere.start()
+        elsewhere.join()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert statuses == [200] * len(asks)
+    assert compiled_by_serving == []
+    assert COMPILE in seen
