@@ -50,6 +50,15 @@ def served():
     async_engine.shutdown()
 
 
+@pytest.fixture(scope="session")
+def offline():
+    """The offline LLM over jaxserve-tiny with the served engine's settings: what the API's answers are
+    compared with."""
+    from jaxserve import LLM
+
+    return LLM(None, **ENGINE)
+
+
 @pytest.fixture()
 def client(served):
     return openai.OpenAI(base_url=served[0].url + "/v1", api_key="unused", max_retries=0)

@@ -55,3 +55,20 @@ class Server:
 def post(served, path: str, body) -> httpx.Response:
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(served[0].url + path, content=data, headers={"Content-Type": "application/json"}, timeout=60)
+
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello"}]
+
+
+def completion(client, **kw):
+    return client.completions.create(model=MODEL, **kw)
+
+
+def streamed_text(client, **kw) -> tuple[str, str | None]:
+    """A streamed completion's text and its last finish reason."""
+    text, finish = "", None
+    for chunk in client.completions.create(model=MODEL, stream=True, **kw):
+        for choice in chunk.choices:
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return text, finish

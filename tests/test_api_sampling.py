@@ -1,32 +1,35 @@
-"""Every sampling control through the real server: stop strings, logit bias, penalties, min_tokens,
-logprobs, n, echo; plus /metrics, /tokenize and /detokenize."""
+"""Sampling controls through the real server: max_tokens, seeds, stop strings, logit bias,
+min_tokens, penalties, vLLM's token controls, and the model's sampling defaults."""
 
 from __future__ import annotations
 
-import httpx
-import numpy as np
-import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from server import ENGINE, MAX_MODEL_LEN, MODEL, post
+import asyncio
+import itertools
 
-from api.metrics import StatsLog
+import pytest
+from server import MAX_MODEL_LEN, MESSAGES, MODEL, completion, post, streamed_text
+
+from api.app import create_app
+from api.protocol import Limits
 from checkpoints.default_model import IM_END_ID
-from jaxserve import LLM, SamplingParams
+from jaxserve import SamplingParams
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
 
-def completion(client, **kw):
-    return client.completions.create(model=MODEL, **kw)
+@pytest.mark.parametrize("field,value", [("max_tokens", 37), ("max_completion_tokens", 37), ("max_tokens", 37.0)])
+def test_max_tokens_with_ignore_eos_is_exact(client, field, value):
+    r = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0.7, seed=3,
+                                       extra_body={"ignore_eos": True, field: value})
+    assert r.usage.completion_tokens == 37 and r.choices[0].finish_reason == "length"
 
 
-def streamed_text(client, **kw) -> tuple[str, str | None]:
-    text, finish = "", None
-    for chunk in client.completions.create(model=MODEL, stream=True, **kw):
-        for choice in chunk.choices:
-            text += choice.text
-            finish = choice.finish_reason or finish
-    return text, finish
+def test_seed_reproducible_over_http(client):
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=16, temperature=1.0, top_p=0.9, seed=11,
+              extra_body={"ignore_eos": True, "top_k": 50, "min_p": 0.01})
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**{**kw, "seed": 12}).choices[0].text != client.completions.create(
+        **kw).choices[0].text  # the seed is what fixes the draw
 
 
 def test_stop_string_from_the_middle_cuts_exactly_there(client):
@@ -50,6 +53,29 @@ def test_no_delta_holds_part_of_a_matching_stop_string(client):
     assert "".join(deltas) == free[:free.find(stop)]
 
 
+def test_held_back_text_is_released_when_the_stop_string_does_not_follow(client):
+    """Characters that may begin a stop string are held back; when the next token breaks the match,
+    or the output ends by its length first, they are released. The output is kept to lowercase
+    letters, one token each, so that a stream without a stop string sends one character per delta,
+    and a delta of several is text that was held back."""
+    ask = dict(prompt="held back", max_tokens=30, temperature=0.0,
+               extra_body={"ignore_eos": True, "allowed_token_ids": list(range(ord("a"), ord("z") + 1))})
+    free = completion(client, **ask).choices[0].text
+    assert len(free) == 30 and free.isalpha()
+    assert streamed_text(client, **ask) == (free, "length")
+    assert all(len(c.choices[0].text) <= 1 for c in client.completions.create(model=MODEL, stream=True, **ask))
+    for start in (10, len(free) - 2):  # the match broken by the next token; cut short by max_tokens
+        stop = free[start:start + 2] + "~"  # begins as the output does at `start`, never completes
+        whole = completion(client, stop=stop, **ask).choices[0]
+        assert (whole.text, whole.finish_reason) == (free, "length")
+        deltas = [c.choices[0].text for c in client.completions.create(model=MODEL, stop=stop, stream=True, **ask)
+                  if c.choices]
+        assert "".join(deltas) == free, stop
+        ends = list(itertools.accumulate(map(len, deltas)))
+        # the two held characters came in one delta (with what broke the match, or at the end)
+        assert any(end - len(delta) <= start and start + 2 <= end for delta, end in zip(deltas, ends)), deltas
+
+
 def test_logit_bias_forces_every_greedy_token(client):
     r = completion(client, prompt="bias", max_tokens=10, logit_bias={"65": 100}, **GREEDY)
     assert r.choices[0].text == "A" * 10
@@ -61,54 +87,6 @@ def test_min_tokens_holds_off_an_eos_that_is_biased_up(client):
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "stop"  # 5 tokens, then EOS
     r = completion(client, prompt="eos", max_tokens=20, temperature=0.0, logit_bias={str(IM_END_ID): 100})
     assert r.usage.completion_tokens == 1 and r.choices[0].finish_reason == "stop"
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM(None, **ENGINE)
-
-
-def test_beam_search_through_the_api_as_offline(served, client, offline):
-    """vLLM's `use_beam_search`: the n best beams, best first, are the n choices (the text of the
-    generated tokens), as the offline LLM.beam_search finds them; streamed, each choice's text comes
-    whole. Controls beam search has no use for are 400s."""
-    from jaxserve import BeamSearchParams
-
-    prompt = [11, 12, 13]
-    want = offline.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
-    texts = [offline.tokenizer.decode(beam.tokens[3:]) for beam in want[0].sequences]
-    r = completion(client, prompt=prompt, max_tokens=6, n=3, extra_body={"use_beam_search": True, "length_penalty": 0.5})
-    assert [c.text for c in r.choices] == texts
-    assert r.usage.completion_tokens == sum(len(beam.tokens) - 3 for beam in want[0].sequences)
-    streamed = {}
-    for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                max_tokens=4, n=2, stream=True, extra_body={"use_beam_search": True}):
-        for choice in chunk.choices:
-            streamed.setdefault(choice.index, []).append(choice.delta.content)
-    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                           n=2, extra_body={"use_beam_search": True})
-    assert {i: "".join(filter(None, parts)) for i, parts in streamed.items()} == {
-        c.index: c.message.content for c in whole.choices}
-    # logprobs: those of the rounds that chose each token (the top k of the 2 x n candidates), as offline
-    scored = completion(client, prompt=prompt, max_tokens=6, n=3, logprobs=2,
-                        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_tokens_as_token_ids": True})
-    for choice, beam in zip(scored.choices, want[0].sequences):
-        assert choice.text == offline.tokenizer.decode(beam.tokens[3:])
-        for token, logprob, top, candidates in zip(beam.tokens[3:], choice.logprobs.token_logprobs,
-                                                   choice.logprobs.top_logprobs, beam.logprobs):
-            assert logprob == pytest.approx(candidates[token].logprob, abs=1e-5)
-            best = sorted(candidates.items(), key=lambda item: item[1].rank)[:2]
-            assert len(top) <= 3 and all(top[f"token_id:{t}"] == pytest.approx(lp.logprob, abs=1e-5) for t, lp in best)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, n=2,
-                                          logprobs=True, top_logprobs=3, extra_body={"use_beam_search": True})
-    assert sum(len(c.logprobs.content) for c in chat.choices) == chat.usage.completion_tokens
-    assert all(len(entry.top_logprobs) == 3 for c in chat.choices for entry in c.logprobs.content)
-    for bad, param in (({"top_p": 0.5}, "top_p"), ({"stop": ["a"]}, "stop"), ({"n": 11}, "n"),
-                       ({"echo": True, "logprobs": 0}, "logprobs")):
-        refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "use_beam_search": True, **bad})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
-    refused = post(served, "/v1/completions", {"model": MODEL, "prompt": prompt, "length_penalty": 2.0})
-    assert refused.status_code == 400 and "use_beam_search" in refused.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("penalties", [
@@ -125,139 +103,6 @@ def test_penalised_greedy_matches_the_offline_api(client, offline, penalties):
     plain = offline.generate("aaaa bbbb aaaa", SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     assert served.choices[0].text == want.text
     assert want.token_ids != plain[0].outputs[0].token_ids  # the penalty did something
-
-
-def test_chat_logprobs_shape(client):
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
-                                       logprobs=True, top_logprobs=3, **GREEDY)
-    content = r.choices[0].logprobs.content
-    assert len(content) == 6 and "".join(c.token for c in content) == r.choices[0].message.content
-    for entry in content:
-        tops = [t.logprob for t in entry.top_logprobs]
-        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
-        assert entry.top_logprobs[0].token == entry.token and entry.logprob == tops[0] <= 0  # greedy = top-1
-        assert bytes(entry.bytes).decode(errors="replace") == entry.token
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=6, logprobs=True, top_logprobs=3, stream=True, **GREEDY))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [e.token for e in streamed] == [e.token for e in content]
-    alone = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                           top_logprobs=0, **GREEDY)  # asks for nothing: vLLM takes it
-    assert alone.choices[0].logprobs is None
-
-
-def test_logprobs_of_characters_split_over_byte_tokens(client):
-    """é and 😀 come as byte tokens: chat's `bytes` spell the text back, and completions' text_offset
-    counts whole characters."""
-    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=20,
-                                       logprobs=True, top_logprobs=2, extra_body={"guided_regex": "é😀x"})
-    content = r.choices[0].logprobs.content
-    assert r.choices[0].message.content == "é😀x" and len(content) > 3  # some tokens hold part of a character
-    assert b"".join(bytes(e.bytes) for e in content).decode() == "é😀x"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=20, logprobs=True, stream=True,
-                                                 extra_body={"guided_regex": "é😀x"}))
-    held = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs and not c.choices[0].delta.content]
-    assert held and all(choice.delta.content == "" for choice in held)  # content "", as vLLM's
-    r = completion(client, prompt="hi", max_tokens=20, logprobs=1, extra_body={"guided_regex": "é😀x"})
-    assert r.choices[0].text == "é😀x" and r.choices[0].logprobs.text_offset[-1] == 2  # "x" is the third character
-
-
-def test_completion_top_logprobs_in_rank_order_with_the_sampled_token(served):
-    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 1.5, "seed": 3, "logprobs": 3}
-    lp = post(served, "/v1/completions", body).json()["choices"][0]["logprobs"]  # the dicts' order as sent
-    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
-        assert top[token] >= logprob and len(top) <= 4  # (a likelier token may decode alike, e.g. U+FFFD)
-        assert list(top.values()) == sorted(top.values(), reverse=True)  # the sampled one last, if outside
-    lp = post(served, "/v1/completions", {**body, "logprobs": 0}).json()["choices"][0]["logprobs"]
-    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]
-
-
-def test_a_request_the_engine_refuses_gets_a_400_before_its_stream(served):
-    body = {"model": MODEL, "prompt": "hi", "max_tokens": 5, "min_tokens": 2, "stream": True,
-            "stop_token_ids": list(range(40))}
-    r = post(served, "/v1/completions", body)
-    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
-
-
-def test_completion_logprobs_shape_and_echo(client):
-    r = completion(client, prompt="echo me", max_tokens=5, logprobs=2, **GREEDY)
-    lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
-    assert "".join(lp.tokens) == r.choices[0].text and lp.text_offset[0] == 0
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        assert max(top.values()) == logprob and top[token] == logprob
-    echoed = completion(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY).choices[0].text
-    assert echoed == "echo me" + r.choices[0].text
-    assert streamed_text(client, prompt="echo me", max_tokens=5, echo=True, **GREEDY)[0] == echoed
-
-
-def test_chat_echo_repeats_the_assistant_message_it_continues(client):
-    """vLLM's chat `echo`: where the last message is the assistant's (continued), the reply starts
-    with its content, streamed or not; after a user message there is nothing to repeat."""
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Once upon"}]
-    ask = dict(model=MODEL, messages=messages, max_tokens=5, temperature=0.0,
-               extra_body={"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False})
-    plain = client.chat.completions.create(**ask).choices[0].message.content
-    ask["extra_body"]["echo"] = True
-    echoed = client.chat.completions.create(**ask).choices[0].message.content
-    assert echoed == "Once upon" + plain
-    chunks = client.chat.completions.create(**ask, stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == echoed
-    after_user = dict(model=MODEL, messages=messages[:1], max_tokens=5, temperature=0.0, extra_body={"ignore_eos": True})
-    assert client.chat.completions.create(**after_user).choices[0].message.content == client.chat.completions.create(
-        **{**after_user, "extra_body": {"ignore_eos": True, "echo": True}}).choices[0].message.content
-
-
-def test_logprobs_are_the_models_own_distribution(client):
-    """vLLM's default logprobs_mode (raw_logprobs): what sampling settings did to the draw does not
-    show in the logprobs. A token's logprob, sampled under temperature, top_k, penalties and bias,
-    is the one scoring the same text gives (echo, max_tokens 0)."""
-    prompt = [114, 97, 119]
-    sampled = completion(client, prompt=prompt, max_tokens=6, temperature=1.5, presence_penalty=1.0, seed=2,
-                         logprobs=3, logit_bias={"101": 3},
-                         extra_body={"top_k": 2, "ignore_eos": True, "return_tokens_as_token_ids": True})
-    lp = sampled.choices[0].logprobs
-    assert all(len(top) >= 3 and min(top.values()) > -100 for top in lp.top_logprobs)  # top_k cut none of them
-    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
-    scored = completion(client, prompt=prompt + ids, max_tokens=0, echo=True, logprobs=0).choices[0].logprobs
-    np.testing.assert_allclose(scored.token_logprobs[len(prompt):], lp.token_logprobs, atol=2e-4)
-
-
-def test_echo_with_logprobs_scores_the_prompt(served, client):
-    """OpenAI's way to score a text: echo, logprobs and max_tokens 0 give the prompt alone, each of
-    its tokens with its logprob (the first has none), as vLLM serves them; vLLM's `prompt_logprobs`
-    gives the same numbers in its own shape, on completions and on chat."""
-    prompt = "score this text"
-    ids = served[1].tokenizer.encode(prompt)
-    scored = completion(client, prompt=prompt, max_tokens=0, echo=True, logprobs=1, **GREEDY)
-    choice = scored.choices[0]
-    lp = choice.logprobs
-    assert choice.text == prompt and choice.finish_reason == "length" and scored.usage.completion_tokens == 0
-    assert len(lp.tokens) == len(ids) and "".join(lp.tokens) == prompt and lp.text_offset[0] == 0
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v < 0 for v in lp.token_logprobs[1:]) and all(len(top) in (1, 2) for top in lp.top_logprobs[1:])
-    vllm_shape = choice.model_extra["prompt_logprobs"]
-    assert vllm_shape[0] is None and len(vllm_shape) == len(ids)
-    for token, logprob, entry in zip(ids[1:], lp.token_logprobs[1:], vllm_shape[1:]):
-        assert entry[str(token)]["logprob"] == logprob and entry[str(token)]["rank"] >= 1
-    # with generated tokens after the prompt, streamed or not, and prompt_logprobs alone
-    plain = completion(client, prompt=prompt, max_tokens=4, logprobs=1, **GREEDY).choices[0]
-    both = completion(client, prompt=prompt, max_tokens=4, echo=True, logprobs=1, **GREEDY).choices[0]
-    assert both.text == prompt + plain.text and both.logprobs.tokens == lp.tokens + plain.logprobs.tokens
-    assert both.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
-    assert both.logprobs.text_offset[len(ids):] == [len(prompt) + o for o in plain.logprobs.text_offset]
-    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True,
-                                                             logprobs=1, stream=True, **GREEDY) if c.choices]
-    assert "".join(c.text for c in chunks) == both.text
-    assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == both.logprobs.token_logprobs
-    alone = completion(client, prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
-    assert alone.choices[0].model_extra["prompt_logprobs"] == [
-        None, *({str(t): e[str(t)]} for t, e in zip(ids[1:], vllm_shape[1:]))]
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
-                                          extra_body={"prompt_logprobs": 2})
-    assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
-    assert all(len(entry) in (2, 3) for entry in chat.model_extra["prompt_logprobs"][1:])
 
 
 def test_vllm_token_controls(served, client):
@@ -295,157 +140,28 @@ def test_vllm_token_controls(served, client):
                for e in chat.choices[0].logprobs.content)
 
 
-def test_return_token_ids_as_vllm(served, client):
-    """vLLM's return_token_ids: the prompt's ids and each choice's, whole and streamed (the prompt's in
-    each choice's first chunk, the choice's spread over its chunks), in completions and chat."""
-    ask = dict(max_tokens=6, logprobs=0, n=2, temperature=1.0, seed=5,
-               extra_body={"ignore_eos": True, "return_token_ids": True, "return_tokens_as_token_ids": True})
-    whole = completion(client, prompt=["one prompt", "another one"], **ask)
-    for c in whole.choices:
-        prompt = ["one prompt", "another one"][c.index // 2]
-        assert c.model_extra["prompt_token_ids"] == post(served, "/tokenize", {"prompt": prompt}).json()["tokens"]
-        assert c.model_extra["token_ids"] == [int(t.removeprefix("token_id:")) for t in c.logprobs.tokens]
-    streamed: dict[int, list] = {}
-    prompts: dict[int, list] = {}
-    for chunk in completion(client, prompt=["one prompt", "another one"], stream=True, **ask):
-        for c in chunk.choices:
-            streamed.setdefault(c.index, []).extend(c.model_extra["token_ids"])
-            if c.model_extra.get("prompt_token_ids") is not None:
-                assert c.index not in prompts
-                prompts[c.index] = c.model_extra["prompt_token_ids"]
-    assert streamed == {c.index: c.model_extra["token_ids"] for c in whole.choices}
-    assert prompts == {c.index: c.model_extra["prompt_token_ids"] for c in whole.choices}
-    free = completion(client, prompt="held", max_tokens=12, **GREEDY).choices[0].text
-    stop = dict(prompt="held", max_tokens=12, stop=[free[4:7]], temperature=0.0,
-                extra_body={"ignore_eos": True, "return_token_ids": True})
-    cut = completion(client, **stop).choices[0]
-    assert cut.finish_reason == "stop" and 0 < len(cut.model_extra["token_ids"]) < 12
-    held = [i for chunk in completion(client, stream=True, **stop)
-            for c in chunk.choices for i in c.model_extra["token_ids"]]
-    assert held == cut.model_extra["token_ids"]  # ids whose text was held back still come, in a later chunk
-    messages = [{"role": "user", "content": "ids please"}]
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
-    assert chat.model_extra["prompt_token_ids"] == post(served, "/tokenize", {"messages": messages}).json()["tokens"]
-    assert len(chat.choices[0].model_extra["token_ids"]) == chat.usage.completion_tokens == 5
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0.0, stream=True,
-                                                 extra_body={"ignore_eos": True, "return_token_ids": True}))
-    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
-    assert all(c.model_extra.get("prompt_token_ids") is None for c in chunks[1:])
-    assert "token_ids" not in chunks[0].choices[0].model_extra  # (the role's chunk, as vLLM's)
-    assert [i for c in chunks[1:] for ch in c.choices for i in ch.model_extra["token_ids"]] == \
-        chat.choices[0].model_extra["token_ids"]
-    plain = completion(client, prompt="x", max_tokens=1).choices[0]
-    assert "token_ids" not in plain.model_extra and "prompt_token_ids" not in plain.model_extra
+def test_sampling_defaults_of_the_generation_config(served):
+    """vLLM's --generation-config auto: the model's settings for the fields a request leaves out
+    (temperature 0 here: greedy), its max_new_tokens a cap on every request's max_tokens, and the
+    rest of the context where a chat request sets none."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, sampling_defaults={"temperature": 0.0,
+                                                                                       "max_tokens": 5}))
+    body = {"model": MODEL, "prompt": "Once upon", "ignore_eos": True}
 
+    async def check():
+        test = app.test_client()
 
-def test_n_choices_share_one_prefill(served, client):
-    scheduler = served[1].engine.scheduler
-    prompt = "n choices from one prefill"
-    before = scheduler.num_prompt_tokens_computed
-    r = completion(client, prompt=prompt, n=4, max_tokens=16, temperature=1.0, seed=7,
-                   extra_body={"ignore_eos": True})
-    assert scheduler.num_prompt_tokens_computed - before == len(prompt) - 1 + 4
-    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3] and len({c.text for c in r.choices}) > 1
-    assert r.usage.completion_tokens == 64 and r.usage.prompt_tokens == len(prompt)
-    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=3,
-                                          max_tokens=4, stream=True, **GREEDY)
-    texts = {}
-    for chunk in chat:
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
-    assert sorted(texts) == [0, 1, 2] and len(set(texts.values())) == 1  # greedy: three equal choices
-    two = completion(client, prompt=["a", "b"], n=2, max_tokens=3, **GREEDY)
-    assert [c.index for c in sorted(two.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+        async def post(path, **fields):
+            response = await test.post(path, json={**body, **fields})
+            assert response.status_code == 200
+            return await response.get_json()
 
+        capped = await post("/v1/completions", max_tokens=50)
+        greedy = await post("/v1/completions", max_tokens=5, temperature=0.0)
+        sampled = await post("/v1/completions", max_tokens=5, temperature=1.5, seed=3)
+        assert capped["usage"]["completion_tokens"] == 5
+        assert capped["choices"][0]["text"] == greedy["choices"][0]["text"] != sampled["choices"][0]["text"]
+        chat = await post("/v1/chat/completions", messages=MESSAGES)
+        assert chat["usage"]["completion_tokens"] == 5
 
-def test_metrics_parse_and_move(served, client):
-    def scrape():
-        text = httpx.get(served[0].url + "/metrics").text
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = s.name + "".join(f"|{v}" for k, v in sorted(s.labels.items()) if k != "le")
-                values[key] = values.get(key, 0) + (s.value if "le" not in s.labels else 0)
-        return values
-
-    before = scrape()
-    completion(client, prompt="count me", max_tokens=7, **GREEDY)
-    post(served, "/v1/completions", {"prompt": "a", "temperature": 9})
-    after = scrape()
-    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] >= 7
-    assert after["jaxserve:prompt_tokens_total"] > before["jaxserve:prompt_tokens_total"]
-    assert after["jaxserve:time_to_first_token_seconds_count"] > before["jaxserve:time_to_first_token_seconds_count"]
-    assert after["jaxserve:inter_token_latency_seconds_count"] >= before["jaxserve:inter_token_latency_seconds_count"] + 6
-    assert after["jaxserve:request_success_total|length"] > before.get("jaxserve:request_success_total|length", 0)
-    assert after["jaxserve:request_errors_total|400"] > before.get("jaxserve:request_errors_total|400", 0)
-    assert after["jaxserve:kv_pages_total"] == ENGINE["num_pages"] - 1
-    for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_pages_used",
-                 "jaxserve:num_preemptions_total"):
-        assert name in after
-    # vLLM's names too, with its model_name label: the same figures
-    model = f"|{MODEL}"
-    for name in ("generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
-                 "e2e_request_latency_seconds_count", "num_requests_running", "kv_cache_usage_perc"):
-        assert after[f"vllm:{name}{model}"] == after[f"jaxserve:{name}"], name
-    assert after[f"vllm:request_success_total|length{model}"] == after["jaxserve:request_success_total|length"]
-    assert after[f"vllm:gpu_cache_usage_perc{model}"] == after["jaxserve:kv_cache_usage_perc"]
-    assert not any(key.startswith(("vllm:kv_pages", "vllm:request_errors", "jaxserve:gpu")) for key in after)
-    assert after["jaxserve:e2e_request_latency_seconds_count"] > before.get("jaxserve:e2e_request_latency_seconds_count", 0)
-
-
-def test_prefix_cache_counters_and_the_stats_line(served, client):
-    """The prefix cache's queries and hits (tokens, in /metrics and the stats line), and vLLM's
-    periodic stats line: throughput since the last line, one more line once idle, then none."""
-    stats = StatsLog(served[1])
-    before = httpx.get(served[0].url + "/metrics").text
-    prompt = "The stats line counts these tokens twice over. " * 2
-    for _ in range(2):
-        n = completion(client, prompt=prompt, max_tokens=4, **GREEDY).usage.prompt_tokens
-    size = served[1].engine.config.page_size
-    hits = (n - 1) // size * size  # the second run's full pages (its last token is always computed)
-    line = stats.line()
-    fields = dict(part.split(": ") for part in line.split(", "))
-    assert float(fields["Avg generation throughput"].split()[0]) > 0
-    assert float(fields["Avg prompt throughput"].split()[0]) > 0
-    assert fields["Running"] == "0 seqs" and fields["Waiting"] == "0 seqs"
-    assert fields["Prefix cache hit rate"] == f"{100 * hits / (2 * n):.1f}%"
-    assert stats.line().startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
-    assert stats.line() is None  # idle
-
-    def counter(text, name):
-        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-    after = httpx.get(served[0].url + "/metrics").text
-    assert counter(after, "jaxserve:prefix_cache_queries_total") - counter(
-        before, "jaxserve:prefix_cache_queries_total") == 2 * n
-    assert counter(after, "jaxserve:prefix_cache_hits_total") - counter(
-        before, "jaxserve:prefix_cache_hits_total") == hits
-
-
-def test_tokenize_and_detokenize(served):
-    r = post(served, "/tokenize", {"model": MODEL, "prompt": "héllo"})
-    assert r.status_code == 200
-    body = r.json()
-    assert body["tokens"] == list("héllo".encode()) and body["count"] == 6 and body["max_model_len"] == MAX_MODEL_LEN
-    assert body["token_strs"] is None
-    named = post(served, "/tokenize", {"prompt": "hi", "return_token_strs": True}).json()  # vLLM's
-    assert named["token_strs"] == served[1].tokenizer.hf.convert_ids_to_tokens(named["tokens"]) == ["h", "i"]
-    chat = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
-    assert chat["count"] == len(served[1].tokenizer.encode(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False))
-    opened = post(served, "/tokenize", {"messages": [{"role": "user", "content": "hi"},
-                                                     {"role": "assistant", "content": "Once"}],
-                                        "add_generation_prompt": False, "continue_final_message": True}).json()
-    assert opened["tokens"] == served[1].tokenizer.encode(
-        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce", add_special_tokens=False)
-    assert post(served, "/detokenize", {"tokens": body["tokens"]}).json() == {"prompt": "héllo"}
-    assert post(served, "/detokenize", {"tokens": [1, -1]}).status_code == 400
-    assert post(served, "/tokenize", {"prompt": "x", "model": "other"}).status_code == 404
-
-
-def test_usage_reports_cached_prompt_tokens(client):
-    prompt = "a shared system prompt that is long enough to fill a few pages " * 2
-    client.completions.create(model=MODEL, prompt=prompt + "first", max_tokens=2)
-    r = client.completions.create(model=MODEL, prompt=prompt + "second", max_tokens=2)
-    assert r.usage.prompt_tokens_details.cached_tokens == (len(prompt) // 16) * 16
+    asyncio.run(check())

@@ -107,6 +107,8 @@ def test_vllm_flag_names():
     assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
     assert parse_args(["--trust-request-chat-template"]).trust_request_chat_template
     assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
+    assert parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert parse_args([]).tool_call_parser is None  # (the chat template's family)
     assert parse_args([]).logprobs_mode == "raw_logprobs"
     assert parse_args(["--logprobs-mode", "processed_logprobs"]).logprobs_mode == "processed_logprobs"
     args = parse_args(["--allowed-origins", '["https://a.example"]', "--allow-credentials"])
@@ -130,6 +132,7 @@ def test_vllm_flag_names():
                   ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
                   ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"], ["--log-stats-interval", "0"],
                   ["--ssl-cert-reqs", "3"], ["a", "--model", "b"], ["--quantization", "awq"], ["-pp", "2"],
-                  ["--enable-lora"], ["--speculative-config", '{"method": "ngram"}'], ["--task", "embed"]):
+                  ["--enable-lora"], ["--speculative-config", '{"method": "ngram"}'], ["--task", "embed"],
+                  ["--tool-call-parser", "xml"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)

@@ -1,0 +1,189 @@
+"""What the server counts: /metrics (jaxserve's names and vLLM's), vLLM's periodic stats line, and
+the prefix cache's figures (in /metrics and in usage)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from server import ENGINE, MODEL, completion, post
+
+from api.metrics import StatsLog
+
+GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
+
+
+def scrape(served) -> dict[str, float]:
+    """/metrics as {name|label values: value}; a histogram's buckets are left out (its _count and _sum kept)."""
+    text = httpx.get(served[0].url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = s.name + "".join(f"|{v}" for k, v in sorted(s.labels.items()) if k != "le")
+            values[key] = values.get(key, 0) + (s.value if "le" not in s.labels else 0)
+    return values
+
+
+NAMES = (("jaxserve:", ""), ("vllm:", f"|{MODEL}"))  # (prefix, label suffix) of jaxserve's names and vLLM's
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")  # under both names
+
+
+def test_metrics_parse_and_move(served, client):
+    before = scrape(served)
+    start = time.perf_counter()
+    completion(client, prompt="count me", max_tokens=7, **GREEDY)
+    elapsed = time.perf_counter() - start
+    post(served, "/v1/completions", {"prompt": "a", "temperature": 9})
+    after = scrape(served)
+    assert after["jaxserve:generation_tokens_total"] - before["jaxserve:generation_tokens_total"] >= 7
+    assert after["jaxserve:prompt_tokens_total"] > before["jaxserve:prompt_tokens_total"]
+    assert after["jaxserve:time_to_first_token_seconds_count"] > before["jaxserve:time_to_first_token_seconds_count"]
+    assert after["jaxserve:inter_token_latency_seconds_count"] >= before["jaxserve:inter_token_latency_seconds_count"] + 6
+    assert after["jaxserve:request_success_total|length"] > before.get("jaxserve:request_success_total|length", 0)
+    assert after["jaxserve:request_errors_total|400"] > before.get("jaxserve:request_errors_total|400", 0)
+    assert after["jaxserve:kv_pages_total"] == ENGINE["num_pages"] - 1
+    for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_pages_used",
+                 "jaxserve:num_preemptions_total"):
+        assert name in after
+    # vLLM's names too, with its model_name label: the same figures
+    model = f"|{MODEL}"
+    for name in ("generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "num_requests_running", "kv_cache_usage_perc"):
+        assert after[f"vllm:{name}{model}"] == after[f"jaxserve:{name}"], name
+    assert after[f"vllm:request_success_total|length{model}"] == after["jaxserve:request_success_total|length"]
+    assert after[f"vllm:gpu_cache_usage_perc{model}"] == after["jaxserve:kv_cache_usage_perc"]
+    assert not any(key.startswith(("vllm:kv_pages", "vllm:request_errors", "jaxserve:gpu")) for key in after)
+    assert after["jaxserve:e2e_request_latency_seconds_count"] > before.get("jaxserve:e2e_request_latency_seconds_count", 0)
+    # each figure, under each name, moved by what the two requests are known to have done: one
+    # sequence of 8 prompt tokens (no full page: nothing from the prefix cache) and 7 generated
+    # tokens, one update each, ended by its length; and one 400
+    for prefix, label in NAMES:
+        moved = {name: after[f"{prefix}{name}{label}"] - before.get(f"{prefix}{name}{label}", 0) for name in (
+            "generation_tokens_total", "prompt_tokens_total", "request_success_total|length",
+            "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+            "time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum", "num_preemptions_total")}
+        assert moved["generation_tokens_total"] == 7 and moved["prompt_tokens_total"] == len("count me"), prefix
+        assert moved["request_success_total|length"] == 1 and moved["num_preemptions_total"] == 0, prefix
+        assert moved["time_to_first_token_seconds_count"] == moved["e2e_request_latency_seconds_count"] == 1, prefix
+        assert moved["inter_token_latency_seconds_count"] == 6, prefix
+        # the sequence's first token came before its end, and both within the request's time
+        assert 0 < moved["time_to_first_token_seconds_sum"] <= moved["e2e_request_latency_seconds_sum"] <= elapsed
+        # idle again: nothing running or waiting, no page held
+        assert [after[f"{prefix}{name}{label}"] for name in GAUGES] == [0, 0, 0], prefix
+    assert after["jaxserve:request_errors_total|400"] - before.get("jaxserve:request_errors_total|400", 0) == 1
+    assert after["jaxserve:kv_pages_used"] == 0
+
+
+def test_prefix_cache_counters_and_the_stats_line(served, client):
+    """The prefix cache's queries and hits (tokens, in /metrics and the stats line), and vLLM's
+    periodic stats line: throughput since the last line, one more line once idle, then none."""
+    stats = StatsLog(served[1])
+    before = httpx.get(served[0].url + "/metrics").text
+    prompt = "The stats line counts these tokens twice over. " * 2
+    for _ in range(2):
+        n = completion(client, prompt=prompt, max_tokens=4, **GREEDY).usage.prompt_tokens
+    size = served[1].engine.config.page_size
+    hits = (n - 1) // size * size  # the second run's full pages (its last token is always computed)
+    line = stats.line()
+    fields = dict(part.split(": ") for part in line.split(", "))
+    assert float(fields["Avg generation throughput"].split()[0]) > 0
+    assert float(fields["Avg prompt throughput"].split()[0]) > 0
+    assert fields["Running"] == "0 seqs" and fields["Waiting"] == "0 seqs"
+    assert fields["Prefix cache hit rate"] == f"{100 * hits / (2 * n):.1f}%"
+    assert stats.line().startswith("Avg prompt throughput: 0.0 tokens/s, Avg generation throughput: 0.0")
+    assert stats.line() is None  # idle
+
+    def counter(text, name):
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+    after = httpx.get(served[0].url + "/metrics").text
+    assert counter(after, "jaxserve:prefix_cache_queries_total") - counter(
+        before, "jaxserve:prefix_cache_queries_total") == 2 * n
+    assert counter(after, "jaxserve:prefix_cache_hits_total") - counter(
+        before, "jaxserve:prefix_cache_hits_total") == hits
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    prompt = "a shared system prompt that is long enough to fill a few pages " * 2
+    client.completions.create(model=MODEL, prompt=prompt + "first", max_tokens=2)
+    r = client.completions.create(model=MODEL, prompt=prompt + "second", max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens == (len(prompt) // 16) * 16
+
+
+def test_gauges_show_the_batch_while_it_runs_and_the_idle_values_after(served, monkeypatch):
+    """A request of 17 greedy choices: the batch holds 16 (the server's max_num_seqs), the 17th
+    waits for room. With the engine held between two steps, the gauges read 16 running and 1
+    waiting, under both names, with a page or more per running sequence; once the request is over,
+    the idle values again: nothing running or waiting and no page held."""
+    engine, usable = served[1].engine, ENGINE["num_pages"] - 1
+    assert ENGINE["max_num_seqs"] == 16
+    idle = scrape(served)
+    for prefix, label in NAMES:
+        assert [idle[f"{prefix}{name}{label}"] for name in GAUGES] == [0, 0, 0], prefix
+    assert idle["jaxserve:kv_pages_used"] == 0
+    step, hold, held, release = engine.step, threading.Event(), threading.Event(), threading.Event()
+
+    def held_step(*args, **kwargs):  # the engine thread stops after a step while the test reads
+        out = step(*args, **kwargs)
+        if hold.is_set():
+            held.set()
+            release.wait(60)
+        return out
+
+    monkeypatch.setattr(engine, "step", held_step)
+    body = {"model": MODEL, "prompt": "wait", "n": 17, "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    started, finished = set(), {}
+    try:
+        with httpx.stream("POST", served[0].url + "/v1/completions", json=body, timeout=60) as r:
+            events = (json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+            for event in events:
+                started.update(c["index"] for c in event["choices"] if not c["finish_reason"])
+                if len(started) == 16:
+                    break
+            hold.set()
+            assert held.wait(30)
+            during = scrape(served)
+            hold.clear()
+            release.set()
+            for event in events:
+                finished.update((c["index"], c["finish_reason"]) for c in event["choices"] if c["finish_reason"])
+    finally:
+        hold.clear()
+        release.set()
+    assert finished == {i: "length" for i in range(17)}
+    for prefix, label in NAMES:
+        running, waiting, usage = (during[f"{prefix}{name}{label}"] for name in GAUGES)
+        assert (running, waiting) == (16, 1), prefix
+        assert usage == pytest.approx(during["jaxserve:kv_pages_used"] / usable, rel=1e-6), prefix
+    # each running sequence writes its own page; 44 tokens need 3 pages
+    assert 16 <= during["jaxserve:kv_pages_used"] <= 16 * 3
+    deadline = time.time() + 20
+    while scrape(served)["jaxserve:kv_pages_used"] and time.time() < deadline:
+        time.sleep(0.05)
+    after = scrape(served)
+    for prefix, label in NAMES:
+        assert [after[f"{prefix}{name}{label}"] for name in GAUGES] == [0, 0, 0], prefix
+    assert after["jaxserve:kv_pages_used"] == 0
+
+
+def test_preemptions_are_counted_and_the_recomputed_choices_match(served, client):
+    """16 greedy choices of 80 tokens need 16 x 6 pages, more than the server's 63: sequences are
+    preempted and recomputed. The counter moves under both names, every generated token is counted
+    once, and a recomputed choice writes what the others write."""
+    before = scrape(served)
+    r = completion(client, prompt="many", n=16, max_tokens=80, **GREEDY)
+    after = scrape(served)
+    assert r.usage.completion_tokens == 16 * 80 and {c.finish_reason for c in r.choices} == {"length"}
+    assert len({c.text for c in r.choices}) == 1
+    for prefix, label in NAMES:
+        def moved(name):
+            return after[f"{prefix}{name}{label}"] - before.get(f"{prefix}{name}{label}", 0)
+
+        assert moved("num_preemptions_total") >= 1, prefix
+        assert moved("generation_tokens_total") == 16 * 80, prefix
+        assert moved("request_success_total|length") == 16, prefix

@@ -1,0 +1,103 @@
+"""OpenAI's Responses API through the real server."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from server import MESSAGES, MODEL, post
+
+GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_responses_api_is_the_chat_answer(client):
+    """OpenAI's Responses API: `instructions` + `input` answer as the chat request with a system
+    message would, as a message item with output_text; max_output_tokens reached is "incomplete".
+    Streamed: created, in_progress, the item and part added, text deltas, then every "done" and
+    response.incomplete, in sequence order, adding up to the same response."""
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, **GREEDY)
+    ask = dict(model=MODEL, instructions=MESSAGES[0]["content"], input=[{"role": "user", "content": "Say hello"}],
+               max_output_tokens=12, temperature=0.0)
+    r = client.responses.create(**ask)
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL and not r.store
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert item.status == "incomplete"  # the output ran out in it
+    assert r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, 12)
+    assert r.usage.total_tokens == r.usage.input_tokens + 12
+    events = list(client.responses.create(**ask, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.usage.output_tokens == 12
+    assert events[-2].item.status == "incomplete"
+
+
+def test_responses_api_logprobs_tools_and_errors(served, client):
+    """Logprobs through `include` (top_logprobs alternatives each), a forced function call as a
+    function_call item (streamed as argument deltas), function_call and function_call_output
+    items as input, and 400s for what the server does not keep or run."""
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=6, temperature=0.0, top_logprobs=2,
+                                include=["message.output_text.logprobs"], reasoning={"effort": "low"})
+    assert r.reasoning.effort == "low"  # (the chat template's reasoning_effort, as chat's)
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == 6 and all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in logprobs)
+    tools = [{"type": "function", "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}]
+    forced = dict(model=MODEL, input="Weather?", tools=tools, tool_choice={"type": "function", "name": "get_weather"},
+                  max_output_tokens=60, temperature=0.0)
+    r = client.responses.create(**forced)
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_weather" and r.status == "completed"
+    assert set(json.loads(call.arguments)) == {"city"}
+    events = list(client.responses.create(**forced, stream=True))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == call.arguments == events[-1].response.output[0].arguments
+    follow_up = client.responses.create(model=MODEL, max_output_tokens=4, tools=tools, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow_up.usage.input_tokens > r.usage.input_tokens and follow_up.usage.output_tokens == 4
+    for bad, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"tools": [{"type": "web_search"}]}, "tools"),
+                       ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+                       ({"include": ["reasoning.encrypted_content"]}, "include"),
+                       ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning")):
+        refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+
+
+FORECAST = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    "unit": {"enum": ["C", "F"]}}, "required": ["city", "days", "unit"], "additionalProperties": False}
+
+
+def test_responses_text_format_shapes_the_output(client):
+    """`text.format`: a json_schema output parses and validates against its schema, whole and
+    streamed, at temperature 1 (the random model writes JSON only where the format makes it);
+    json_object starts a JSON object (whole where it stops); the response carries the format asked for."""
+    fmt = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
+    ask = dict(model=MODEL, input="Forecast?", max_output_tokens=200, temperature=1.0)
+    for _ in range(3):
+        r = client.responses.create(**ask, text={"format": fmt})
+        assert r.status == "completed", r.incomplete_details
+        jsonschema.validate(json.loads(r.output_text), FORECAST)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "forecast"
+    events = list(client.responses.create(**ask, text={"format": fmt}, stream=True))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(streamed), FORECAST)
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == streamed
+    obj = client.responses.create(**{**ask, "max_output_tokens": 60}, text={"format": {"type": "json_object"}})
+    assert obj.output_text.startswith("{") and (obj.status == "incomplete" or isinstance(json.loads(obj.output_text),
+                                                                                         dict))
+    free = client.responses.create(**{**ask, "temperature": 0.0}, text={"format": {"type": "text"}}).output_text
+    with pytest.raises(ValueError):
+        json.loads(free)  # (without a format, not JSON)
