@@ -1,5 +1,6 @@
 """The Pallas paged-attention kernels (TPU Mosaic, GPU Triton) on this CPU: run by Pallas'
-interpreter against the jnp reference, and lowered for `tpu` and `cuda`.
+interpreter against the jnp reference, lowered for `tpu` and `cuda`, and the TPU kernel under
+the whole engine.
 
 The interpreters start every output buffer as NaN (`test_interpreters_poison_outputs` checks
 it), so a row a kernel forgets to write fails the comparison instead of passing as a zero.
@@ -144,3 +145,42 @@ def test_kernel_benchmark_runs_in_interpret_mode():
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]
     assert len(rows) == 3 and "failed" not in out.stdout
+
+
+def test_tpu_kernel_through_the_engine_matches_the_default_attention(tmp_path, monkeypatch):
+    """The whole engine (prefill in chunks, a prefill beside a decode, sequences over several pages)
+    with attention on the TPU Pallas kernel, run by Pallas' interpreter: the same greedy tokens as
+    with the backend's own attention, and logprobs of prompt and output within float32 rounding.
+    A fresh executable cache makes both engines trace their steps, so the kernel is seen called."""
+    import importlib
+
+    from jaxserve import LLM, SamplingParams
+
+    dispatch = importlib.import_module("kernels.paged_attention")  # the module, not its function of that name
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    calls = []
+    tpu_kernel = dispatch.IMPLEMENTATIONS["tpu"]
+    monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "tpu",
+                        lambda *args, **options: calls.append(options) or tpu_kernel(*args, **options))
+    settings = dict(max_model_len=32, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (21, 3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    results = []
+    for impl in (None, "tpu-interpret"):
+        if impl:
+            monkeypatch.setenv(dispatch.ENV, impl)
+        results.append(LLM(None, **settings).generate(prompts, params, use_tqdm=False))
+        assert bool(calls) == bool(impl) and all(options["interpret"] for options in calls)
+    for want, got in zip(*results):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        entries = list(zip(want.prompt_logprobs[1:] + want.outputs[0].logprobs,
+                           got.prompt_logprobs[1:] + got.outputs[0].logprobs))
+        assert len(entries) == len(want.prompt_token_ids) - 1 + 8
+        for w, g in entries:
+            assert list(w)[0] == list(g)[0]  # the prompt's or the sampled token
+            common = sorted(w.keys() & g.keys())
+            np.testing.assert_allclose([g[t].logprob for t in common], [w[t].logprob for t in common],
+                                       atol=1e-4, rtol=0)

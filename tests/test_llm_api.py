@@ -202,33 +202,6 @@ def test_stop_strings_wait_for_min_tokens_as_in_vllm(default_llm):
         assert out.finish_reason == ("length" if later < 0 else "stop")
 
 
-def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_llm):
-    sched = default_llm.engine.scheduler
-    shared = list(range(60, 110))  # 50 tokens: 3 full pages of 16
-    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    first = default_llm.generate([shared + [7, 8, 9]], greedy)[0]
-    before = sched.num_prompt_tokens_computed
-    second = default_llm.generate([shared + [7, 8, 9]], greedy)[0]
-    assert second.num_cached_tokens == 48 and sched.num_prompt_tokens_computed - before == 53 - 48
-    assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    before = sched.num_prompt_tokens_computed
-    other = default_llm.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0]  # diverges inside page 3
-    assert other.num_cached_tokens == 32 and sched.num_prompt_tokens_computed - before == 45 - 32
-    before = sched.num_prompt_tokens_computed
-    skipped = default_llm.generate([shared + [7, 8, 9]], dataclasses.replace(greedy, skip_reading_prefix_cache=True))
-    assert skipped[0].num_cached_tokens == 0 and sched.num_prompt_tokens_computed - before == 53
-    assert skipped[0].outputs[0].token_ids == first.outputs[0].token_ids
-    uncached = LLM(**SMALL_ENGINE, enable_prefix_caching=False)
-    assert uncached.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0].outputs[0].token_ids == \
-        other.outputs[0].token_ids
-    running = default_llm.engine.add_request("running", shared, greedy)
-    assert not default_llm.reset_prefix_cache()  # (not while a request runs)
-    default_llm.engine.abort(running.request_id)
-    assert default_llm.reset_prefix_cache()  # vLLM's: the cached prefixes forgotten
-    again = default_llm.generate([shared + [7, 8, 9]], greedy)[0]
-    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == first.outputs[0].token_ids
-
-
 def test_truncate_prompt_tokens_and_allowed_token_ids_offline(default_llm):
     params = SamplingParams(max_tokens=6, temperature=1.0, seed=1, ignore_eos=True, truncate_prompt_tokens=5,
                             allowed_token_ids=[70, 71])

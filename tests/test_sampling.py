@@ -162,6 +162,9 @@ def test_seed_reproducible_alone_and_in_a_batch_of_16():
                          + [SamplingParams(max_tokens=12, temperature=0.8, ignore_eos=True)] * 8)
     assert batch[7].outputs[0].token_ids == alone
     assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.generate(["the same prompt"], seeded)[0].outputs[0].token_ids == alone
+    reseeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1235, ignore_eos=True)
+    assert llm.generate(["the same prompt"], reseeded)[0].outputs[0].token_ids != alone  # the seed decides
     unseeded = llm.generate(["the same prompt"] * 2, SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True))
     assert unseeded[0].outputs[0].token_ids != unseeded[1].outputs[0].token_ids
 

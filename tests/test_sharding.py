@@ -15,9 +15,10 @@ import pytest
 HERE = Path(__file__).resolve().parent
 
 
-def run_worker(model_dir: Path, sizes=(1, 2, 4, 8)) -> dict:
+def run_worker(model_dir: Path, sizes=(1, 2, 4, 8), engine: dict | None = None) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, str(HERE / "tp_worker.py"), str(model_dir), ",".join(map(str, sizes))],
+    args = [sys.executable, str(HERE / "tp_worker.py"), str(model_dir), ",".join(map(str, sizes))]
+    out = subprocess.run(args + ([json.dumps(engine)] if engine else []),
                          env=env, capture_output=True, text=True, timeout=900, cwd=HERE.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
@@ -45,8 +46,8 @@ def check(results: dict, heads: int, kv_heads: int, intermediate: int) -> None:
 
 def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):
     """4 query heads, 2 KV heads: at 4 devices the query heads are split and the KV heads, which do
-    not divide, replicated (2 and 8 devices: the slow test below). The same checkpoint converted
-    to Orbax and restored into a 4-way mesh gives the same logits."""
+    not divide, replicated (2 devices, which split them: the next test; 8: the slow test below).
+    The same checkpoint converted to Orbax and restored into a 4-way mesh gives the same logits."""
     from tp_worker import run
 
     model, model_dir = hf_checkpoint("llama")
@@ -63,6 +64,21 @@ def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):
     restored = run_worker(orbax_dir, sizes=(4,))
     check({1: results[1], 4: restored[4]}, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
     np.testing.assert_array_equal(np.array(restored[4]["logits"]), np.array(results[4]["logits"]))
+
+
+def test_tensor_parallel_splits_the_kv_heads_over_2_devices(hf_checkpoint):
+    """4 query heads, 2 KV heads at 2 devices: each device holds one KV head of every page and
+    attends with its own two query heads; logits, greedy generations and prompt logprobs equal
+    those of one device. (Small settings: three step shapes to compile.)"""
+    from tp_worker import run
+
+    model, model_dir = hf_checkpoint("llama")
+    cfg = model.config
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    results = {1: json.loads(json.dumps(run(str(model_dir), [1], engine)))["1"],
+               **run_worker(model_dir, sizes=(2,), engine=engine)}
+    assert cfg.num_key_value_heads == 2 and results[2]["arrays"]["kv_pages"]["shard"][2] == 1
+    check(results, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Run by tests/test_sharding.py in a subprocess with 8 virtual CPU devices: for each tensor-parallel
 size, the logits of a prompt, greedy generations with their prompt logprobs, and where the weights
-and KV pages live (JSON)."""
+and KV pages live (JSON). Usage: tp_worker.py MODEL_DIR SIZES [ENGINE_SETTINGS_JSON]."""
 
 from __future__ import annotations
 
@@ -29,12 +29,16 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
     return np.asarray(logits)
 
 
-def run(model_dir: str, sizes: list[int]) -> dict:
+ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
+
+
+def run(model_dir: str, sizes: list[int], engine: dict | None = None) -> dict:
+    """`engine`: the LLM's settings (ENGINE when None)."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 30, 17, 1)]
     results = {}
     for tp in sizes:
-        llm = LLM(model_dir, tensor_parallel_size=tp, max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
+        llm = LLM(model_dir, tensor_parallel_size=tp, **(engine or ENGINE))
         engine = llm.engine
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                        prompt_logprobs=2), use_tqdm=False)
@@ -55,5 +59,6 @@ def run(model_dir: str, sizes: list[int]) -> dict:
     return results
 
 
-if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1], [int(s) for s in sys.argv[2].split(",")])))
+if __name__ == "__main__":  # model_dir sizes [engine settings as JSON]
+    engine = json.loads(sys.argv[3]) if len(sys.argv) > 3 else None
+    print(json.dumps(run(sys.argv[1], [int(s) for s in sys.argv[2].split(",")], engine)))
