@@ -1,53 +1,20 @@
-"""A request's choices as the API answers them: the updates of its sequences merged as they come
-(`merged`), and each choice's text, logprobs, token ids, tool calls and reasoning gathered for the
-whole answer or cut into stream chunks (`Choices`)."""
+"""A request's choices as the API answers them: each choice's text, logprobs, token ids, tool calls
+and reasoning gathered for the whole answer or cut into stream chunks (`Choices`)."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-
 from api.protocol import GenerationRequest
 from api.reasoning import ChoiceReasoning, split_reasoning
-from api.responses import CompletionLogprobs, chat_logprobs, merge_completion_logprobs, prompt_logprobs, usage
+from api.logprobs import CompletionLogprobs, chat_logprobs, merge_completion_logprobs, prompt_logprobs
 from api.tool_parsers import ToolParser
 from api.tools import ChoiceTools
 from jaxserve.async_engine import AsyncEngine, Update
 
 
-async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
-    """(stream index, update) from several streams as they come; cancelling cancels them all."""
-    if len(streams) == 1:
-        async for update in streams[0]:
-            yield 0, update
-        return
-    out: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, stream: AsyncIterator[Update]):
-        try:
-            async for update in stream:
-                await out.put((i, update))
-            await out.put((i, done))
-        except BaseException as e:
-            await out.put((i, e))
-            raise
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(streams)
-        while remaining:
-            i, item = await out.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Choices:

@@ -16,7 +16,7 @@ from server import MAX_MODEL_LEN, MODEL, post
 
 from api.app import create_app
 from api.cors import CorsPolicy
-from api.openai_responses import ResponseBuilder
+from api.responses import ResponseBuilder
 from api.reasoning import ChoiceReasoning, split_reasoning
 from api.protocol import Limits
 
@@ -324,9 +324,9 @@ def test_requests_are_logged_when_asked(served, caplog):
                                                                           "max_tokens": 1})
         return await response.get_json()
 
-    with caplog.at_level("INFO", logger="api.app"):
+    with caplog.at_level("INFO", logger="api.generation"):
         body = asyncio.run(check())
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "api.app"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "api.generation"]
     assert body["id"] in line and "[3]" in line
 
 
@@ -598,7 +598,7 @@ def test_reasoning_parser_puts_the_thinking_apart(served, monkeypatch):
     `reasoning_content`), the rest its content; whole and streamed alike, and a `reasoning` item in
     the Responses API. The outputs are forced into shape with a regex, applied here from the first
     token (a constraint otherwise waits for the thinking: see the end)."""
-    monkeypatch.setattr("api.app.thinking_first", lambda constraint, thinking: constraint)
+    monkeypatch.setattr("api.generation.thinking_first", lambda constraint, thinking: constraint)
     think = {"structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z]{2,6}"}}
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 1.0, "seed": 4}
 

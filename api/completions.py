@@ -1,0 +1,24 @@
+"""POST /v1/completions: OpenAI's legacy completions (and vLLM's extras) over the engine."""
+
+from __future__ import annotations
+
+from quart import Blueprint, Response
+
+from api.answer import answer
+from api.protocol import parse_completion
+from api.sse import new_id
+from api.state import api_state, json_body
+
+completions = Blueprint("completions", __name__)
+
+
+async def complete(body: dict) -> Response | dict:
+    """The answer to a completions request body."""
+    state = api_state()
+    req = await state.off_loop(parse_completion, body, state.limits, state.tokenizer)
+    return await answer(state, req, new_id("cmpl"), chat=False)
+
+
+@completions.post("/v1/completions")
+async def create_completion():
+    return await complete(await json_body())
