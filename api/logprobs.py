@@ -6,6 +6,7 @@ from __future__ import annotations
 import codecs
 import math
 
+from api.response_models import ChatLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
 from jaxserve.engine import logprob_entries
 from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
@@ -23,29 +24,27 @@ def token_name(tokenizer: Tokenizer, as_ids: bool):
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
-                  as_ids: bool = False) -> list[dict]:
+                  as_ids: bool = False) -> list[ChatLogprob]:
     """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
     bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
     name = token_name(tokenizer, as_ids)
-
-    def entry(token: int, logprob: float) -> dict:
-        return {"token": name(token), "logprob": _finite(logprob),
-                "bytes": list(tokenizer.token_bytes(token))}
-
-    return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids, top_lps)]}
+    return [ChatLogprob(token=name(token), logprob=_finite(logprob), bytes=list(tokenizer.token_bytes(token)),
+                        top_logprobs=[TopLogprob(token=name(t), logprob=_finite(lp),
+                                                 bytes=list(tokenizer.token_bytes(t)))
+                                      for t, lp in zip(top_ids, top_lps)])
             for token, (logprob, _, top_ids, top_lps) in zip(token_ids, logprobs)]
 
 
-def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict | None]:
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
     decoded_token}} for it and the top k."""
-    return [None, *({str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+    return [None, *({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
                      for t, lp in entry.items()}
                     for entry in logprob_entries(tokenizer, prompt_ids[1:], logprobs))]
 
 
-class CompletionLogprobs:
-    """The legacy completions shape, built up token by token: tokens, token_logprobs, top_logprobs, text_offset.
+class CompletionLogprobsWriter:
+    """The legacy completions shape (`CompletionLogprobs`), built up token by token.
 
     `top_logprobs` holds the k likeliest tokens in rank order and, as OpenAI's does, the sampled
     token too (up to k + 1 entries; `logprobs=0` gives the sampled token alone). `text_offset` is
@@ -58,27 +57,21 @@ class CompletionLogprobs:
         self.offset = offset  # characters of the choice's text before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def format(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> dict:
+    def format(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> CompletionLogprobs:
         """The entries of `token_ids`; a token without logprobs (None: a prompt's first) has None ones."""
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for token, logprobs_of_token in zip(token_ids, logprobs):
-            out["tokens"].append(self.name(token))
+            out.tokens.append(self.name(token))
             if logprobs_of_token is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
             else:
                 logprob, _, top_ids, top_lps = logprobs_of_token
-                out["token_logprobs"].append(_finite(logprob))
+                out.token_logprobs.append(_finite(logprob))
                 top: dict[str, float] = {}
                 for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
                     top.setdefault(self.name(t), _finite(lp))
-                out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
+                out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
             self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))
         return out
-
-
-def merge_completion_logprobs(parts: list[dict]) -> dict | None:
-    if not parts:
-        return None
-    return {key: [v for part in parts for v in part[key]] for key in parts[0]}

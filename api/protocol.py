@@ -17,6 +17,7 @@ from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from jaxserve.config import MAX_LOGPROBS
 from jaxserve.sampling_params import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS,
                                       SamplingParams)
+from api.response_models import ErrorDetail, ErrorResponse
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer, message_text, template_message, template_options_error
@@ -29,7 +30,8 @@ class APIError(Exception):
         self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return ErrorResponse(error=ErrorDetail(message=self.message, type=self.type, param=self.param,
+                                               code=self.code)).dump()
 
 
 @dataclasses.dataclass

@@ -11,14 +11,18 @@ false`, and `previous_response_id` (which needs a stored response) is a 400.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import AsyncIterator, Iterator
 
+from pydantic import MISSING
+from pydantic_core import to_jsonable_python
 from quart import Blueprint, Response
 
 from api.choices import Choices
 from api.generation import admit, generation, stream_error_status
 from api.protocol import APIError, GenerationRequest, number, parse_chat
+from api.response_models import (ChatLogprob, DeltaFunctionCall, DeltaMessage, FunctionCallItem, IncompleteDetails, MessageItem,
+                                 OutputItem, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
+                                 ResponseReasoning, ResponseUsage, Usage, given)
 from api.sse import new_id, now, sse
 from api.state import APIState, api_state, json_body
 from jaxserve.tokenizer import message_text
@@ -157,7 +161,7 @@ def chat_request(body: dict) -> dict:
 
 def _event(kind: str, sequence: int, **fields) -> str:
     """One server-sent event of the Responses stream: its type as the event name and in the data."""
-    return sse({"type": kind, "sequence_number": sequence, **fields}, event=kind)
+    return sse({"type": kind, "sequence_number": sequence, **to_jsonable_python(fields)}, event=kind)
 
 
 class ResponseBuilder:
@@ -167,39 +171,39 @@ class ResponseBuilder:
                  logprobs: bool):
         self.logprobs = logprobs
         self.sequence = 0
-        self.output: list[dict] = []
-        self.open: dict | None = None  # the item being streamed (its "done" events not yet sent)
-        self.pending_logprobs: list[dict] = []  # logprobs of text held back (a stop string being matched)
-        self.response = {
-            "id": response_id, "object": "response", "created_at": now(), "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "max_tool_calls": None, "model": model, "output": self.output,
-            "parallel_tool_calls": body.get("parallel_tool_calls", True), "previous_response_id": None,
-            "reasoning": {"effort": body["reasoning"].get("effort"), "summary": None} if body.get("reasoning") else None,
-            "service_tier": "default", "store": False, "temperature": temperature,
-            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
-            "tools": body.get("tools") or [], "top_logprobs": body.get("top_logprobs"), "top_p": top_p,
-            "truncation": "disabled", "usage": None, "user": body.get("user"), "metadata": body.get("metadata") or {},
-        }
+        self.open: OutputItem | None = None  # the item being streamed (its "done" events not yet sent)
+        self.pending_logprobs: list[ChatLogprob] = []  # logprobs of text held back (a stop string being matched)
+        reasoning = body.get("reasoning")
+        self.state = ResponseObject(
+            id=response_id, created_at=now(), instructions=body.get("instructions"),
+            max_output_tokens=body.get("max_output_tokens"), model=model,
+            parallel_tool_calls=body.get("parallel_tool_calls", True),
+            reasoning=ResponseReasoning(effort=reasoning.get("effort")) if reasoning else None,
+            temperature=temperature, text=body.get("text") or {"format": {"type": "text"}},
+            tool_choice=body.get("tool_choice", "auto"), tools=body.get("tools") or [],
+            top_logprobs=body.get("top_logprobs"), top_p=top_p, user=body.get("user"),
+            metadata=body.get("metadata") or {})
+        self.output = self.state.output
+
+    @property
+    def response(self) -> dict:
+        """The response as it stands."""
+        return self.state.dump()
 
     def _emit(self, kind: str, **fields) -> str:
         event = _event(kind, self.sequence, **fields)
         self.sequence += 1
         return event
 
-    def _snapshot(self) -> dict:
-        return copy.deepcopy(self.response)
-
     def start(self) -> Iterator[str]:
-        yield self._emit("response.created", response=self._snapshot())
-        yield self._emit("response.in_progress", response=self._snapshot())
+        yield self._emit("response.created", response=self.response)
+        yield self._emit("response.in_progress", response=self.response)
 
-    def _open(self, item: dict) -> Iterator[str]:
+    def _open(self, item: OutputItem) -> Iterator[str]:
         yield from self._close()
         self.open = item
         self.output.append(item)
-        added = {**item, "content": []} if "content" in item else item  # (its part comes next)
+        added = item.model_copy(update={"content": []}) if hasattr(item, "content") else item  # (its part comes next)
         yield self._emit("response.output_item.added", output_index=len(self.output) - 1, item=added)
 
     def _close(self, status: str = "completed") -> Iterator[str]:
@@ -208,91 +212,87 @@ class ResponseBuilder:
         if item is None:
             return
         index = len(self.output) - 1
-        item["status"] = status
-        if item["type"] == "message":
-            part = item["content"][0]
+        item.status = status
+        if isinstance(item, MessageItem):
+            part = item.content[0]
             if self.pending_logprobs:
-                part["logprobs"].extend(self.pending_logprobs)
+                part.logprobs.extend(self.pending_logprobs)
                 self.pending_logprobs = []
-            ids = dict(item_id=item["id"], output_index=index, content_index=0)
-            yield self._emit("response.output_text.done", **ids, text=part["text"], logprobs=part["logprobs"])
+            ids = dict(item_id=item.id, output_index=index, content_index=0)
+            yield self._emit("response.output_text.done", **ids, text=part.text, logprobs=part.logprobs)
             yield self._emit("response.content_part.done", **ids, part=part)
-        elif item["type"] == "reasoning":
-            yield self._emit("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
-                             text=item["content"][0]["text"])
+        elif isinstance(item, ReasoningItem):
+            yield self._emit("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0,
+                             text=item.content[0].text)
         else:
-            yield self._emit("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                             arguments=item["arguments"])
+            yield self._emit("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                             arguments=item.arguments)
         yield self._emit("response.output_item.done", output_index=index, item=item)
 
     def _open_message(self) -> Iterator[str]:
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        yield from self._open({"type": "message", "id": new_id("msg", "_"), "status": "in_progress",
-                               "role": "assistant", "content": [part]})
-        yield self._emit("response.content_part.added", item_id=self.open["id"], output_index=len(self.output) - 1,
-                         content_index=0, part=dict(part))
+        part = OutputText()
+        yield from self._open(MessageItem(id=new_id("msg", "_"), content=[part]))
+        yield self._emit("response.content_part.added", item_id=self.open.id, output_index=len(self.output) - 1,
+                         content_index=0, part=part)
 
-    def _text(self, text: str, logprobs: list[dict] | None) -> Iterator[str]:
+    def _text(self, text: str, logprobs: list[ChatLogprob] | None) -> Iterator[str]:
         if self.logprobs:
             self.pending_logprobs.extend(logprobs or [])
         if not text:
             return
-        if self.open is None or self.open["type"] != "message":
+        if not isinstance(self.open, MessageItem):
             yield from self._open_message()
-        part = self.open["content"][0]
-        part["text"] += text
+        part = self.open.content[0]
+        part.text += text
         shown, self.pending_logprobs = self.pending_logprobs, []
-        part["logprobs"].extend(shown)
-        yield self._emit("response.output_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
+        part.logprobs.extend(shown)
+        yield self._emit("response.output_text.delta", item_id=self.open.id, output_index=len(self.output) - 1,
                          content_index=0, delta=text, logprobs=shown)
 
     def _reasoning(self, text: str) -> Iterator[str]:
         """Thinking (--reasoning-parser): a `reasoning` item before the message."""
-        if self.open is None or self.open["type"] != "reasoning":
-            yield from self._open({"type": "reasoning", "id": new_id("rs", "_"), "summary": [],
-                                   "content": [{"type": "reasoning_text", "text": ""}], "encrypted_content": None,
-                                   "status": "in_progress"})
-        self.open["content"][0]["text"] += text
-        yield self._emit("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output) - 1,
+        if not isinstance(self.open, ReasoningItem):
+            yield from self._open(ReasoningItem(id=new_id("rs", "_"), content=[ReasoningText()]))
+        self.open.content[0].text += text
+        yield self._emit("response.reasoning_text.delta", item_id=self.open.id, output_index=len(self.output) - 1,
                          content_index=0, delta=text)
 
-    def delta(self, delta: dict, logprobs: list[dict] | None = None) -> Iterator[str]:
-        """A chat delta of the choice (reasoning, content, or tool_calls as `ChoiceTools` streams them)
-        and the logprobs of its tokens."""
-        if delta.get("reasoning"):  # (the logprobs of a delta with reasoning are the thinking's: not shown)
-            yield from self._reasoning(delta["reasoning"])
-        yield from self._text(delta.get("content") or "", None if delta.get("reasoning") else logprobs)
-        for call in delta.get("tool_calls") or []:
-            if "id" in call:  # a new call: its id and name come first
-                yield from self._open({"type": "function_call", "id": new_id("fc", "_"), "call_id": call["id"],
-                                       "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
-            arguments = call.get("function", {}).get("arguments") or ""
-            if arguments and self.open is not None and self.open["type"] == "function_call":
-                self.open["arguments"] += arguments
-                yield self._emit("response.function_call_arguments.delta", item_id=self.open["id"],
+    def delta(self, delta: DeltaMessage | dict, logprobs: list[ChatLogprob] | None = None) -> Iterator[str]:
+        """A chat delta of the choice (reasoning, content, or tool_calls as `ChoiceTools` streams them;
+        a model or its JSON) and the logprobs of its tokens."""
+        delta = DeltaMessage.model_validate(delta)
+        reasoning = given(delta.reasoning)
+        if reasoning:  # (the logprobs of a delta with reasoning are the thinking's: not shown)
+            yield from self._reasoning(reasoning)
+        yield from self._text(given(delta.content) or "", None if reasoning else logprobs)
+        for call in given(delta.tool_calls, []):
+            if call.id is not MISSING:  # a new call: its id and name come first
+                yield from self._open(FunctionCallItem(id=new_id("fc", "_"), call_id=call.id,
+                                                       name=call.function.name))
+            arguments = given(given(call.function, DeltaFunctionCall()).arguments) or ""
+            if arguments and isinstance(self.open, FunctionCallItem):
+                self.open.arguments += arguments
+                yield self._emit("response.function_call_arguments.delta", item_id=self.open.id,
                                  output_index=len(self.output) - 1, delta=arguments)
 
-    def finish(self, finish_reason: str | None, usage: dict) -> Iterator[str]:
+    def finish(self, finish_reason: str | None, usage: Usage | dict) -> Iterator[str]:
         """The last events: the open item closed, then response.completed (or .incomplete where the
         output reached max_output_tokens). `usage` is the chat usage."""
         if not self.output:  # an empty answer is still a message
             yield from self._open_message()
         incomplete = finish_reason == "length"
         yield from self._close("incomplete" if incomplete else "completed")
-        self.response.update(
-            status="incomplete" if incomplete else "completed",
-            incomplete_details={"reason": "max_output_tokens"} if incomplete else None,
-            usage={"input_tokens": usage["prompt_tokens"],
-                   "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                   "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                   "total_tokens": usage["total_tokens"]})
-        yield self._emit("response.incomplete" if incomplete else "response.completed", response=self._snapshot())
+        self.state.status = "incomplete" if incomplete else "completed"
+        self.state.incomplete_details = IncompleteDetails(reason="max_output_tokens") if incomplete else None
+        self.state.usage = ResponseUsage.of(Usage.model_validate(usage))
+        yield self._emit("response.incomplete" if incomplete else "response.completed", response=self.response)
 
     def failed(self, message: str, code: str) -> Iterator[str]:
         """After the stream has begun, an error ends it: an error event, then response.failed."""
         yield self._emit("error", code=code, message=message, param=None)
-        self.response.update(status="failed", error={"code": code, "message": message})
-        yield self._emit("response.failed", response=self._snapshot())
+        self.state.status = "failed"
+        self.state.error = ResponseError(code=code, message=message)
+        yield self._emit("response.failed", response=self.response)
 
 
 @responses.post("/v1/responses")
@@ -318,11 +318,11 @@ async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuil
     choices = Choices(req, True, state.engine, state.tool_parser)
     for event in builder.start():
         yield event
-    async for _, update in generation(state, req, builder.response["id"]):
+    async for _, update in generation(state, req, builder.state.id):
         answering = choices.reasoning is None or choices.reasoning[0].state == "content"
         text, logprobs = choices.add(0, update)
         logprobs = logprobs if answering else None  # (output_text's logprobs: none of the thinking's tokens)
-        for k, delta in enumerate(choices.deltas(0, text, update.finish_reason is not None) or [{}]):
+        for k, delta in enumerate(choices.deltas(0, text, update.finish_reason is not None) or [DeltaMessage()]):
             for event in builder.delta(delta, logprobs if k == 0 else None):
                 yield event
     for event in builder.finish(choices.finish_reason(0), choices.usage()):

@@ -9,6 +9,7 @@ import importlib.metadata
 from quart import Blueprint, Response
 
 from api.protocol import Limits, check_model
+from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
 from api.sse import new_id, now
 from api.state import api_state
 
@@ -18,13 +19,13 @@ server_info = Blueprint("server_info", __name__)
 @server_info.get("/health")
 @server_info.route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
 async def health():
-    return ("", 200) if api_state().engine.is_running else ({"error": "engine not running"}, 503)
+    return ("", 200) if api_state().engine.is_running else (EngineDown().dump(), 503)
 
 
 @server_info.get("/load")
 async def load():
     """vLLM's: the requests being generated."""
-    return {"server_load": api_state().in_flight}
+    return ServerLoad(server_load=api_state().in_flight).dump()
 
 
 @server_info.get("/metrics")
@@ -32,29 +33,25 @@ async def prometheus():
     return Response(api_state().metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def model_card(name: str, limits: Limits) -> dict:
+def model_card(name: str, limits: Limits) -> ModelCard:
     created = now()
-    return {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-            "root": limits.model_root or name, "parent": None, "max_model_len": limits.max_model_len,
-            "permission": [{"id": new_id("modelperm"), "object": "model_permission", "created": created,
-                            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                            "organization": "*", "group": None, "is_blocking": False}]}
+    return ModelCard(id=name, created=created, root=limits.model_root or name, max_model_len=limits.max_model_len,
+                     permission=[ModelPermission(id=new_id("modelperm"), created=created)])
 
 
 @server_info.get("/v1/models")
 async def models():
     limits = api_state().limits
-    return {"object": "list", "data": [model_card(name, limits) for name in limits.model_names]}
+    return ModelList(data=[model_card(name, limits) for name in limits.model_names]).dump()
 
 
 @server_info.get("/v1/models/<path:model>")
 async def model(model: str):
     limits = api_state().limits
     check_model({"model": model}, limits)
-    return model_card(model, limits)
+    return model_card(model, limits).dump()
 
 
 @server_info.get("/version")
 async def version():
-    return {"version": importlib.metadata.version("jaxserve")}
+    return Version(version=importlib.metadata.version("jaxserve")).dump()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from quart import Blueprint
 
 from api.protocol import APIError, check_model, parse_chat
+from api.response_models import DetokenizeResponse, TokenizeResponse
 from api.state import api_state, json_body
 
 tokenize = Blueprint("tokenize", __name__)
@@ -28,7 +29,7 @@ async def tokenize_text():
     else:
         raise APIError("send 'prompt' (a string) or 'messages'", param="prompt")
     strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.get("return_token_strs") is True else None
-    return {"count": len(ids), "max_model_len": limits.max_model_len, "tokens": ids, "token_strs": strs}
+    return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs).dump()
 
 
 @tokenize.post("/detokenize")
@@ -40,4 +41,4 @@ async def detokenize():
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                             and 0 <= t < vocab_size for t in ids):
         raise APIError(f"'tokens' must be a list of token ids in [0, {vocab_size})", param="tokens")
-    return {"prompt": state.tokenizer.decode(ids)}
+    return DetokenizeResponse(prompt=state.tokenizer.decode(ids)).dump()
