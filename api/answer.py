@@ -11,14 +11,16 @@ from quart import Response
 
 from api.choices import Choices
 from api.generation import admit, generation, stream_error_status
-from api.protocol import APIError, GenerationRequest
-from api.response_models import (ChatChunkChoice, ChatCompletionChunk, ChatLogprob, ChatLogprobs, CompletionChunk,
-                                 CompletionChunkChoice, CompletionLogprobs, DeltaMessage)
+from api.errors import APIError
+from api.protocol import GenerationRequest
+from api.response_models import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprob, ChatLogprobs,
+                                 Completion, CompletionChunk, CompletionChunkChoice, CompletionLogprobs, DeltaMessage)
 from api.sse import DONE, now, sse
 from api.state import APIState
 
 
-async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> Response | dict:
+async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool
+                 ) -> Response | ChatCompletion | Completion:
     admit(state, req, chat)
     if req.stream:
         chunks = ChunkStream(state, req, request_id, chat)
@@ -30,7 +32,7 @@ async def answer(state: APIState, req: GenerationRequest, request_id: str, chat:
             choices.add(choices.choice_index(i, update), update)
     except ValueError as e:
         raise APIError(str(e)) from e
-    return (choices.chat_completion(request_id, created) if chat else choices.completion(request_id, created)).dump()
+    return choices.chat_completion(request_id, created) if chat else choices.completion(request_id, created)
 
 
 class ChunkStream:

@@ -4,22 +4,27 @@ One module per endpoint family, each a Blueprint whose handlers read the app's `
 `api/chat.py` (POST /v1/chat/completions, /invocations), `api/completions.py` (POST
 /v1/completions), `api/responses.py` (POST /v1/responses), `api/tokenize.py` (POST /tokenize,
 /detokenize) and `api/server_info.py` (/health, /ping, /load, /metrics, /v1/models, /version).
-Every error is OpenAI's body `{"error": {message, type, param, code}}`.
+Every error is OpenAI's body `{"error": {message, type, param, code}}`. The OpenAPI document of
+the routes, generated from their request and response models (`api/request_models.py`,
+`api/response_models.py`), is served at /openapi.json, and read at /docs (also /redocs, /scalar).
 """
 
 from __future__ import annotations
 
 import hmac
+import importlib.metadata
 import logging
 
 from quart import Quart, request
+from quart_schema import Info, QuartSchema
 from werkzeug.exceptions import HTTPException
 
 from api.chat import chat
 from api.completions import completions
 from api.cors import CorsPolicy
 from api.metrics import Metrics
-from api.protocol import APIError, Limits
+from api.errors import APIError
+from api.protocol import Limits
 from api.responses import responses
 from api.server_info import server_info
 from api.state import APIState, api_state
@@ -43,6 +48,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     `reasoning_parser` (`api/reasoning.py`) puts a reasoning model's thinking apart from the answer."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
+    QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")))
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     APIState(engine, limits, tool_parser or parser_for_template(engine.tokenizer.hf.chat_template),
              Metrics(engine, limits.served_model_name), auto_tool_choice=auto_tool_choice,

@@ -12,7 +12,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from api.protocol import APIError, GenerationRequest
+from api.errors import APIError
+from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
 from jaxserve.async_engine import Update

@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator, Iterator
 from pydantic import MISSING
 from pydantic_core import to_jsonable_python
 from quart import Blueprint, Response
+from quart_schema import document_request, document_response
 
 from api.choices import Choices
 from api.generation import admit, generation, stream_error_status
-from api.protocol import APIError, GenerationRequest, number, parse_chat
+from api.errors import APIError
+from api.protocol import GenerationRequest, parse_chat
+from api.request_models import ResponsesRequest, validated
 from api.response_models import (ChatLogprob, DeltaFunctionCall, DeltaMessage, FunctionCallItem, IncompleteDetails, MessageItem,
                                  OutputItem, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
                                  ResponseReasoning, ResponseUsage, Usage, given)
@@ -148,7 +151,7 @@ def chat_request(body: dict) -> dict:
     chat = {"messages": _messages(body), **_tools(body), **_response_format(body)}
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
-    number(body, "max_output_tokens", None, 1, 2**31, integer=True)  # (a 400 names the Responses field)
+    body = validated(ResponsesRequest, body)  # (a 400 names the Responses field)
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
                          ("user", "user")):
@@ -296,7 +299,10 @@ class ResponseBuilder:
 
 
 @responses.post("/v1/responses")
+@document_request(ResponsesRequest)
+@document_response(ResponseObject)
 async def create_response():
+    """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
     req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.tokenizer)
     admit(state, req, chat=True)
@@ -310,7 +316,7 @@ async def create_response():
             pass
     except ValueError as e:
         raise APIError(str(e)) from e
-    return builder.response
+    return builder.state
 
 
 async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:

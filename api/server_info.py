@@ -19,13 +19,13 @@ server_info = Blueprint("server_info", __name__)
 @server_info.get("/health")
 @server_info.route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
 async def health():
-    return ("", 200) if api_state().engine.is_running else (EngineDown().dump(), 503)
+    return ("", 200) if api_state().engine.is_running else (EngineDown(), 503)
 
 
 @server_info.get("/load")
 async def load():
     """vLLM's: the requests being generated."""
-    return ServerLoad(server_load=api_state().in_flight).dump()
+    return ServerLoad(server_load=api_state().in_flight)
 
 
 @server_info.get("/metrics")
@@ -42,16 +42,16 @@ def model_card(name: str, limits: Limits) -> ModelCard:
 @server_info.get("/v1/models")
 async def models():
     limits = api_state().limits
-    return ModelList(data=[model_card(name, limits) for name in limits.model_names]).dump()
+    return ModelList(data=[model_card(name, limits) for name in limits.model_names])
 
 
 @server_info.get("/v1/models/<path:model>")
 async def model(model: str):
     limits = api_state().limits
     check_model({"model": model}, limits)
-    return model_card(model, limits).dump()
+    return model_card(model, limits)
 
 
 @server_info.get("/version")
 async def version():
-    return Version(version=importlib.metadata.version("jaxserve")).dump()
+    return Version(version=importlib.metadata.version("jaxserve"))

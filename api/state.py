@@ -17,7 +17,8 @@ from typing import TypeVar
 from quart import current_app, request
 
 from api.metrics import Metrics
-from api.protocol import APIError, Limits
+from api.errors import APIError
+from api.protocol import Limits
 from api.tool_parsers import ToolParser
 from jaxserve.async_engine import AsyncEngine
 from jaxserve.tokenizer import Tokenizer

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from quart import Blueprint
 
-from api.protocol import APIError, check_model, parse_chat
+from api.errors import APIError
+from api.protocol import check_model, parse_chat
 from api.response_models import DetokenizeResponse, TokenizeResponse
 from api.state import api_state, json_body
 
@@ -29,7 +30,7 @@ async def tokenize_text():
     else:
         raise APIError("send 'prompt' (a string) or 'messages'", param="prompt")
     strs = tokenizer.hf.convert_ids_to_tokens(ids) if body.get("return_token_strs") is True else None
-    return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs).dump()
+    return TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs)
 
 
 @tokenize.post("/detokenize")
@@ -41,4 +42,4 @@ async def detokenize():
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                             and 0 <= t < vocab_size for t in ids):
         raise APIError(f"'tokens' must be a list of token ids in [0, {vocab_size})", param="tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(ids)).dump()
+    return DetokenizeResponse(prompt=state.tokenizer.decode(ids))
