@@ -1,35 +1,26 @@
-"""OpenAI request validation and response shapes.
+"""A chat or completions request body (already parsed JSON) as a `GenerationRequest`: prompt token
+ids (one list per prompt), `SamplingParams`, and how the answer is sent.
 
-A request body (already parsed JSON) becomes a `GenerationRequest`: prompt token
-ids (one list per prompt), `SamplingParams`, and the stream flag. Anything out
-of range, of the wrong type, or not supported yet raises `APIError` (HTTP 400
-with OpenAI's error body); unknown extra fields are ignored, as OpenAI and
-vLLM do. This module knows the tokenizer and the limits, not the engine loop.
+The fields' JSON types and OpenAI's bounds are checked by the request models
+(`api/request_models.py`); here, what depends on the served model (its names, vocabulary,
+max_model_len, chat template) or on several fields together, and the structured fields (stop,
+logit_bias, constraints, tools). Anything out of range, of the wrong type, or not supported yet
+raises `APIError` (HTTP 400 with OpenAI's error body); unknown extra fields are ignored, as OpenAI
+and vLLM do. This module knows the tokenizer and the limits, not the engine loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from jaxserve.config import MAX_LOGPROBS
-from jaxserve.sampling_params import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_N, MAX_STOP, MAX_STOP_CHARS,
-                                      SamplingParams)
+from jaxserve.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, SamplingParams
+from api.errors import APIError
+from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer, message_text, template_message, template_options_error
-
-
-class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclasses.dataclass
@@ -73,43 +64,18 @@ class GenerationRequest:
     thinking: bool | None = None  # chat, --reasoning-parser: whether the output starts inside the thinking
 
 
-def number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False, lo_open: bool = False):
-    """body[name] as a number in [lo, hi] (or (lo, hi] with `lo_open`; a whole one where `integer`),
-    `default` where it is absent or null; a 400 naming the field otherwise."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if integer:
-        value = _whole(value)
-    kind = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise APIError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}", param=name)
-    out_of_range = value < lo or value > hi or (lo_open and value == lo)
-    if (isinstance(value, float) and not math.isfinite(value)) or out_of_range:
-        raise APIError(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}", param=name)
-    return value
-
-
-def _whole(value):
-    """A whole-number float as the integer it stands for (5.0 is 5, as vLLM's request models read it)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
 def _ids(value) -> list[int] | None:
     """A list of token ids (whole-number floats read as integers); None where `value` is not one."""
     if not isinstance(value, list):
         return None
-    ids = [_whole(t) for t in value]
+    ids = [whole(t) for t in value]
     return ids if all(isinstance(t, int) and not isinstance(t, bool) for t in ids) else None
 
 
-def _bool(body: dict, name: str, default: bool = False) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise APIError(f"'{name}' must be a boolean, got {value!r}", param=name)
-    return value
+def _given(body: dict, name: str, default=None):
+    """body[name] (its type and bounds checked by the request model), `default` where it is absent or null."""
+    value = body.get(name)
+    return default if value is None else value
 
 
 # Fields (OpenAI's and vLLM's) whose non-default values this server does not implement yet:
@@ -123,12 +89,6 @@ _NOT_YET = {
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
 }
-# Request fields whose types are checked here: OpenAI's that change nothing (`user`, `metadata`: the
-# client's own labels; `store`: nothing is stored, as in vLLM; `service_tier`), and
-# `parallel_tool_calls` (read by `api/tools.py`).
-_TYPED = {"user": (str, "a string"), "metadata": (dict, "an object"), "store": (bool, "a boolean"),
-          "service_tier": (str, "a string"), "parallel_tool_calls": (bool, "a boolean")}
-
 
 # With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
 _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
@@ -141,9 +101,9 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
 
 def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
     """vLLM's `use_beam_search` (with `length_penalty`): the request's n best beams become its n
-    choices (logprobs: see `app.beam_search`). Sampling controls that beam search has no use for
+    choices (logprobs: see `api/generation.py`). Sampling controls that beam search has no use for
     are a 400, not ignored."""
-    if not _bool(body, "use_beam_search"):
+    if not _given(body, "use_beam_search", False):
         if body.get("length_penalty") not in (None, 1):
             raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
         return req
@@ -160,7 +120,7 @@ def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> Generati
     max_tokens = params.max_tokens or limits.max_model_len - max(map(len, req.prompts))
     req.beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=params.temperature,
-                                length_penalty=float(number(body, "length_penalty", 1.0, -100.0, 100.0)))
+                                length_penalty=float(length_penalty(body, "length_penalty", 1.0)))
     return req
 
 
@@ -202,7 +162,7 @@ def _bad_words(body: dict) -> list[str]:
 
 
 def _truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
-    keep = number(body, "truncate_prompt_tokens", None, -1, 2**31, integer=True)
+    keep = _given(body, "truncate_prompt_tokens")
     if keep == 0 or (keep or 0) > max_model_len:
         raise APIError(f"'truncate_prompt_tokens' must be -1 (the model's context) or from 1 to max_model_len "
                        f"({max_model_len}), got {keep}", param="truncate_prompt_tokens")
@@ -234,12 +194,12 @@ def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
 def _logprobs(body: dict, chat: bool) -> int | None:
     """Top logprobs per token, or None for no logprobs."""
     if chat:
-        wanted = _bool(body, "logprobs")
-        top = number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        wanted = _given(body, "logprobs", False)
+        top = _given(body, "top_logprobs")
         if top and not wanted:  # 0 asks for nothing: vLLM takes it alone
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         return (top or 0) if wanted else None
-    return number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    return _given(body, "logprobs")
 
 
 # vLLM's `structured_outputs` keys -> the guided_* field each stands for
@@ -312,43 +272,37 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
-    for name, (kind, what) in _TYPED.items():
-        if body.get(name) is not None and not isinstance(body[name], kind):
-            raise APIError(f"'{name}' must be {what}, got {body[name]!r}", param=name)
     defaults = limits.sampling_defaults
-    max_tokens = number(body, "max_completion_tokens", None, 1, 2**31, integer=True)
-    if max_tokens is None:
-        max_tokens = number(body, "max_tokens", default_max_tokens, 1, 2**31, integer=True)
+    max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", default_max_tokens))
     if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
         max_tokens = min(defaults["max_tokens"], max_tokens)  # every request (without one: `_check_ids`)
-    prompt_logprobs = number(body, "prompt_logprobs", None, 0, MAX_LOGPROBS, integer=True)
-    if prompt_logprobs is not None and _bool(body, "stream"):
+    prompt_logprobs = _given(body, "prompt_logprobs")
+    if prompt_logprobs is not None and _given(body, "stream", False):
         raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
-    min_tokens = number(body, "min_tokens", 0, 0, 2**31, integer=True)
+    min_tokens = _given(body, "min_tokens", 0)
     if max_tokens is not None and min_tokens > max_tokens:
         raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
     fields = dict(
-        n=number(body, "n", 1, 1, MAX_N, integer=True),
+        n=_given(body, "n", 1),
         max_tokens=max_tokens,
         min_tokens=min_tokens,
-        temperature=float(number(body, "temperature", defaults.get("temperature", 1.0), 0.0, 2.0)),
-        top_p=float(number(body, "top_p", defaults.get("top_p", 1.0), 0.0, 1.0, lo_open=True)),
-        top_k=number(body, "top_k", defaults.get("top_k", -1), -1, 2**31, integer=True),
-        min_p=float(number(body, "min_p", defaults.get("min_p", 0.0), 0.0, 1.0)),
-        presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-        frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-        repetition_penalty=float(number(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0), 0.0,
-                                         100.0, lo_open=True)),
+        temperature=float(_given(body, "temperature", defaults.get("temperature", 1.0))),
+        top_p=float(_given(body, "top_p", defaults.get("top_p", 1.0))),
+        top_k=_given(body, "top_k", defaults.get("top_k", -1)),
+        min_p=float(_given(body, "min_p", defaults.get("min_p", 0.0))),
+        presence_penalty=float(_given(body, "presence_penalty", 0.0)),
+        frequency_penalty=float(_given(body, "frequency_penalty", 0.0)),
+        repetition_penalty=float(_given(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0))),
         logit_bias=_logit_bias(body, limits),
-        seed=number(body, "seed", None, -(2**63), 2**64 - 1, integer=True),
+        seed=_given(body, "seed"),
         stop=_stop(body),
         stop_token_ids=_token_ids(body, "stop_token_ids", limits),
         allowed_token_ids=_allowed_token_ids(body, limits),
         bad_words=_bad_words(body),
-        include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
-        ignore_eos=_bool(body, "ignore_eos"),
-        skip_special_tokens=_bool(body, "skip_special_tokens", True),
-        spaces_between_special_tokens=_bool(body, "spaces_between_special_tokens", True),
+        include_stop_str_in_output=_given(body, "include_stop_str_in_output", False),
+        ignore_eos=_given(body, "ignore_eos", False),
+        skip_special_tokens=_given(body, "skip_special_tokens", True),
+        spaces_between_special_tokens=_given(body, "spaces_between_special_tokens", True),
         truncate_prompt_tokens=_truncate_prompt_tokens(body, limits.max_model_len),
         logprobs=_logprobs(body, chat),
         prompt_logprobs=prompt_logprobs,
@@ -364,7 +318,7 @@ def _response_options(body: dict, limits: Limits) -> dict:
     """GenerationRequest's fields on how the response is sent: stream, include_usage,
     continuous_usage (vLLM's continuous_usage_stats, with include_usage only), tokens_as_ids
     (vLLM's return_tokens_as_token_ids) and return_token_ids."""
-    stream = _bool(body, "stream")
+    stream = _given(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise APIError("'stream_options' must be an object", param="stream_options")
@@ -373,8 +327,8 @@ def _response_options(body: dict, limits: Limits) -> dict:
         raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
     return dict(stream=stream, include_usage=include_usage,
                 continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
-                tokens_as_ids=_bool(body, "return_tokens_as_token_ids", limits.tokens_as_ids),
-                return_token_ids=_bool(body, "return_token_ids"))
+                tokens_as_ids=_given(body, "return_tokens_as_token_ids", limits.tokens_as_ids),
+                return_token_ids=_given(body, "return_token_ids", False))
 
 
 def check_model(body: dict, limits: Limits) -> str:
@@ -417,11 +371,12 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
     gives the prompt alone: OpenAI's way to score a text."""
     model = check_model(body, limits)
-    echo = _bool(body, "echo")
-    prompt_only = echo and type(_whole(body.get("max_tokens"))) is int and body["max_tokens"] == 0 and \
-        body.get("max_completion_tokens") is None
+    prompt_only = body.get("echo") is True and type(whole(body.get("max_tokens"))) is int and \
+        body["max_tokens"] == 0 and body.get("max_completion_tokens") is None
     if prompt_only:  # the one token sampled is dropped: nothing may make it a stop
         body = {**body, "max_tokens": 1, "min_tokens": 0, "stop": None, "stop_token_ids": None, "ignore_eos": True}
+    body = validated(CompletionRequest, body)
+    echo = _given(body, "echo", False)
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     options = _response_options(body, limits)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
@@ -435,7 +390,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                                                           or all(isinstance(p, list) for p in prompt)):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
-    special = _bool(body, "add_special_tokens", True)
+    special = _given(body, "add_special_tokens", True)
     ids = [_check_ids(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
                       params, "prompt")[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
@@ -481,13 +436,14 @@ def _template_options(body: dict, limits: Limits) -> dict:
 
 
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
-    return _beam_search(_parse_chat(body, limits, tokenizer), body, limits)
-
-
-def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     model = check_model(body, limits)
-    echo = _bool(body, "echo")  # vLLM's: the reply starts with the assistant message it continues
-    if echo and _bool(body, "logprobs"):
+    body = validated(ChatCompletionRequest, body)
+    return _beam_search(_parse_chat(body, model, limits, tokenizer), body, limits)
+
+
+def _parse_chat(body: dict, model: str, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+    echo = _given(body, "echo", False)  # vLLM's: the reply starts with the assistant message it continues
+    if echo and _given(body, "logprobs", False):
         raise APIError("'echo' with 'logprobs' on chat is not supported by this server yet", param="echo")
     params = sampling_params(body, limits, default_max_tokens=None, chat=True)  # the rest of the context
     response = {**_response_options(body, limits), "role": limits.response_role}
@@ -507,7 +463,7 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     messages = body.get("messages")
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
-        ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", True))
+        ids = tokenizer.encode(text, add_special_tokens=_given(body, "add_special_tokens", True))
         ids, params = _check_ids(ids, limits, params, "prompt")
         return GenerationRequest([ids], [text], params, model=model, **response)
     if not isinstance(messages, list) or not messages:
@@ -523,7 +479,7 @@ def _parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationR
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     # (vLLM's default: the template holds the special tokens it wants)
-    ids = tokenizer.encode(text, add_special_tokens=_bool(body, "add_special_tokens", False))
+    ids = tokenizer.encode(text, add_special_tokens=_given(body, "add_special_tokens", False))
     last = rendered[-1]
     echoed = message_text(last) if echo and last["role"] == "assistant" else ""
     if not options["add_generation_prompt"]:  # (vLLM's: the answer continues the last message, in its role)

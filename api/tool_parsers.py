@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 
+from api.response_models import FunctionCall, ToolCall as OpenAIToolCall
 from jaxserve.tokenizer import undecided_tail
 
 
@@ -26,8 +27,8 @@ class ToolCall:
     arguments: str  # JSON text
     id: str = dataclasses.field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
-    def to_openai(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+    def to_openai(self) -> OpenAIToolCall:
+        return OpenAIToolCall(id=self.id, function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
 def tool_call_from(obj, arguments_key: str) -> ToolCall:

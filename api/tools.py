@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from api.response_models import ChatMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from api.tool_parsers import ToolCall, ToolCallStreamer, ToolParser, tool_call_from
 from jaxserve.structured import Constraint
 
@@ -120,7 +121,7 @@ class ChoiceTools:
             return "stop"
         return "function_call" if self.request.legacy else "tool_calls"
 
-    def message(self, text: str) -> dict:
+    def message(self, text: str) -> ChatMessage:
         """The non-streamed message for the choice's whole text."""
         if self.named:
             content, calls = None, [dataclasses.replace(self.named, arguments=text)]
@@ -129,41 +130,43 @@ class ChoiceTools:
             calls = calls if self.request.parallel else calls[:1]
         self.has_calls = bool(calls)
         if not calls:
-            return {"role": "assistant", "content": text}
+            return ChatMessage(role="assistant", content=text)
         if self.request.legacy:
-            return {"role": "assistant", "content": content, "function_call": calls[0].to_openai()["function"]}
-        return {"role": "assistant", "content": content, "tool_calls": [c.to_openai() for c in calls]}
+            return ChatMessage(role="assistant", content=content, function_call=calls[0].to_openai().function)
+        return ChatMessage(role="assistant", content=content, tool_calls=[c.to_openai() for c in calls])
 
-    def _shaped(self, deltas: list[dict]) -> list[dict]:
-        """Streamed deltas in the legacy `function_call` shape where the request used `functions`."""
-        if not self.request.legacy:
-            return deltas
-        return [{"function_call": d["tool_calls"][0]["function"]} if "tool_calls" in d else d for d in deltas]
+    def _delta(self, index: int, call: ToolCall | None = None, arguments: str | None = None) -> DeltaMessage:
+        """A streamed call's head (id and name, `call`) or more of its arguments; in the legacy
+        `function_call` shape where the request used `functions`."""
+        if call is not None:
+            function = DeltaFunctionCall(name=call.name, arguments="")
+            delta = DeltaToolCall(index=index, id=call.id, type="function", function=function)
+        else:
+            function = DeltaFunctionCall(arguments=arguments)
+            delta = DeltaToolCall(index=index, function=function)
+        return DeltaMessage(function_call=function) if self.request.legacy else DeltaMessage(tool_calls=[delta])
 
-    def feed(self, text: str) -> list[dict]:
+    def feed(self, text: str) -> list[DeltaMessage]:
         """Streaming: deltas for newly released text."""
         if self.named:
             deltas = []
             if not self.has_calls:
                 self.has_calls = True
-                deltas.append({"tool_calls": [{"index": 0, **self.named.to_openai()}]})
+                deltas.append(self._delta(0, self.named))
             if text:
-                deltas.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
-            return self._shaped(deltas)
+                deltas.append(self._delta(0, arguments=text))
+            return deltas
         content = self.streamer.feed(text)
-        return [{"content": content}] if content else []
+        return [DeltaMessage(content=content)] if content else []
 
-    def finish(self) -> list[dict]:
+    def finish(self) -> list[DeltaMessage]:
         """Streaming: the deltas left at the end (content held back, then each call: id and name, arguments)."""
         if self.named:
             return []
         rest, calls = self.streamer.finish()
         calls = calls if self.request.parallel else calls[:1]
-        deltas = [{"content": rest}] if rest else []
+        deltas = [DeltaMessage(content=rest)] if rest else []
         for i, call in enumerate(calls):
-            head = call.to_openai()
-            head["function"] = {"name": call.name, "arguments": ""}
-            deltas.append({"tool_calls": [{"index": i, **head}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+            deltas += [self._delta(i, call), self._delta(i, arguments=call.arguments)]
         self.has_calls = bool(calls)
-        return self._shaped(deltas)
+        return deltas

@@ -12,7 +12,7 @@ import time
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
 
 from api.app import create_app
-from api.openai_responses import ResponseBuilder
+from api.responses import ResponseBuilder
 from api.protocol import Limits
 from api.tool_parsers import PARSERS
 
@@ -148,7 +148,7 @@ def test_reasoning_parser_puts_the_thinking_apart(served, monkeypatch):
     `reasoning_content`), the rest its content; whole and streamed alike, and a `reasoning` item in
     the Responses API. The outputs are forced into shape with a regex, applied here from the first
     token (a constraint otherwise waits for the thinking: see the end)."""
-    monkeypatch.setattr("api.app.thinking_first", lambda constraint, thinking: constraint)
+    monkeypatch.setattr("api.generation.thinking_first", lambda constraint, thinking: constraint)
     think = {"structured_outputs": {"regex": "<think>[a-z]{3,8}</think>[a-z]{2,6}"}}
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 1.0, "seed": 4}
 

@@ -184,9 +184,9 @@ def test_requests_are_logged_when_asked(served, caplog):
                                                                           "max_tokens": 1})
         return await response.get_json()
 
-    with caplog.at_level("INFO", logger="api.app"):
+    with caplog.at_level("INFO", logger="api.generation"):
         body = asyncio.run(check())
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "api.app"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "api.generation"]
     assert body["id"] in line and "[3]" in line
 
 

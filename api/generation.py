@@ -1,0 +1,135 @@
+"""Running a parsed request on the engine, for every generating route (chat, completions,
+Responses): the checks before anything is sent (`admit`), and the updates of all of the request's
+sequences as they come (`generation`), counted in the server's load meanwhile.
+
+A request fans out into one engine request per prompt, each with n sequences; choice `i * n + j`
+is sequence j of prompt i (`api/choices.py` gathers them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+from api.errors import APIError
+from api.protocol import GenerationRequest
+from api.reasoning import opens_thinking, thinking_first
+from api.state import APIState
+from jaxserve.async_engine import Update
+from jaxserve.beam_search import BeamSearchParams
+from jaxserve.outputs import Logprob
+from jaxserve.sequence import TokenLogprobs
+
+log = logging.getLogger(__name__)
+
+
+def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
+    """400 before anything is sent where the request cannot run: "auto" tools the server does not
+    serve, or a prompt the engine would refuse. A chat request's constraint waits for the thinking
+    (--reasoning-parser)."""
+    if chat and state.reasoning_parser:
+        if req.echo:
+            raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
+        req.thinking = opens_thinking(state.reasoning_parser, state.tokenizer, req.prompts[0])  # (chat: one prompt)
+        req.params = req.params.with_constraint(thinking_first(req.params.constraint, req.thinking))
+    auto_tools = req.tools is not None and req.tools.mode == "auto"
+    if auto_tools and not state.auto_tool_choice:
+        raise APIError('"auto" tool choice requires --enable-auto-tool-choice (the server runs with '
+                       '--no-enable-auto-tool-choice)', param="tool_choice")
+    if auto_tools and state.tool_parser.name == "mistral":
+        req.params = dataclasses.replace(req.params, skip_special_tokens=False)  # [TOOL_CALLS] is special
+    try:
+        for ids in req.prompts:
+            state.engine.check(ids, req.params)
+    except ValueError as e:
+        raise APIError(str(e)) from e
+
+
+async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
+    """(prompt index, update) of all the request's sequences as they come (`merged`), counted in the
+    server's load meanwhile."""
+    state.in_flight += 1
+    try:
+        async for item in merged(_streams(state, req, request_id)):
+            yield item
+    finally:
+        state.in_flight -= 1
+
+
+def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:
+    """One timed stream of updates per prompt."""
+    if state.log_requests:
+        log.info("request %s: prompt tokens %s, %s", request_id, [len(ids) for ids in req.prompts],
+                 req.beam or req.params)
+    return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
+                                if req.beam is not None else
+                                state.engine.generate(f"{request_id}-{i}", ids, req.params),
+                                req.params.n)
+            for i, ids in enumerate(req.prompts)]
+
+
+async def _beam_search(state: APIState, request_id: str, ids: list[int], params: BeamSearchParams,
+                       logprobs: int | None) -> AsyncIterator[Update]:
+    """The best beams, best first, as the n choices' one update each (once the search is over).
+    With `logprobs` k, each token's are those of the round that chose it: its logprob and rank,
+    and the top k of the 2 x n candidates the round weighed (as vLLM's, at most 2 x n)."""
+    result = await state.engine.beam_search(request_id, ids, params)
+    for index, beam in enumerate(result.sequences):
+        tokens = beam.tokens[len(ids):]
+        yield Update(index=index, text=beam.text, token_ids=tokens, num_prompt_tokens=len(ids),
+                     logprobs=[] if logprobs is None else [
+                         _round_logprobs(token, candidates, logprobs)
+                         for token, candidates in zip(tokens, beam.logprobs)],
+                     num_cached_tokens=0, num_output_tokens=len(tokens), finish_reason=beam.finish_reason,
+                     stop_reason=None)  # (an EOS, as a sampled one reports it)
+
+
+def _round_logprobs(token: int, candidates: dict[int, Logprob], k: int) -> TokenLogprobs:
+    """A beam search round's candidates as the sampler's logprobs of `token`: its own and the top k."""
+    top = sorted(candidates.items(), key=lambda item: item[1].rank)[:k]
+    chosen = candidates[token]
+    return chosen.logprob, chosen.rank, [t for t, _ in top], [lp.logprob for _, lp in top]
+
+
+async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:
+    """(stream index, update) from several streams as they come; cancelling cancels them all."""
+    if len(streams) == 1:
+        async for update in streams[0]:
+            yield 0, update
+        return
+    out: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, stream: AsyncIterator[Update]):
+        try:
+            async for update in stream:
+                await out.put((i, update))
+            await out.put((i, done))
+        except BaseException as e:
+            await out.put((i, e))
+            raise
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await out.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stream_error_status(state: APIState, e: Exception) -> int:
+    """The status of an error met after a stream's 200 (a request the engine refused: 400), counted."""
+    status = 400 if isinstance(e, ValueError) else 500
+    state.metrics.error(status)
+    return status

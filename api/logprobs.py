@@ -1,0 +1,77 @@
+"""Logprobs in OpenAI's shapes: chat `logprobs.content`, the legacy completions form, and vLLM's
+`prompt_logprobs`."""
+
+from __future__ import annotations
+
+import codecs
+import math
+
+from api.response_models import ChatLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
+from jaxserve.outputs import logprob_entries
+from jaxserve.sequence import TokenLogprobs
+from jaxserve.tokenizer import Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def token_name(tokenizer: Tokenizer, as_ids: bool):
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (`return_tokens_as_token_ids`)."""
+    return (lambda token: f"token_id:{token}") if as_ids else tokenizer.decode_token
+
+
+def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+                  as_ids: bool = False) -> list[ChatLogprob]:
+    """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
+    bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
+    name = token_name(tokenizer, as_ids)
+    return [ChatLogprob(token=name(token), logprob=_finite(logprob), bytes=list(tokenizer.token_bytes(token)),
+                        top_logprobs=[TopLogprob(token=name(t), logprob=_finite(lp),
+                                                 bytes=list(tokenizer.token_bytes(t)))
+                                      for t, lp in zip(top_ids, top_lps)])
+            for token, (logprob, _, top_ids, top_lps) in zip(token_ids, logprobs)]
+
+
+def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
+    decoded_token}} for it and the top k."""
+    return [None, *({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+                     for t, lp in entry.items()}
+                    for entry in logprob_entries(tokenizer, prompt_ids[1:], logprobs))]
+
+
+class CompletionLogprobsWriter:
+    """The legacy completions shape (`CompletionLogprobs`), built up token by token.
+
+    `top_logprobs` holds the k likeliest tokens in rank order and, as OpenAI's does, the sampled
+    token too (up to k + 1 entries; `logprobs=0` gives the sampled token alone). `text_offset` is
+    where each token's text starts in the choice's text, counting whole characters: a token that
+    holds the first bytes of a character starts where that character does."""
+
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0, as_ids: bool = False):
+        self.tokenizer = tokenizer
+        self.name = token_name(tokenizer, as_ids)
+        self.offset = offset  # characters of the choice's text before the next token
+        self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def format(self, token_ids: list[int], logprobs: list[TokenLogprobs | None]) -> CompletionLogprobs:
+        """The entries of `token_ids`; a token without logprobs (None: a prompt's first) has None ones."""
+        out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for token, logprobs_of_token in zip(token_ids, logprobs):
+            out.tokens.append(self.name(token))
+            if logprobs_of_token is None:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                logprob, _, top_ids, top_lps = logprobs_of_token
+                out.token_logprobs.append(_finite(logprob))
+                top: dict[str, float] = {}
+                for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
+                    top.setdefault(self.name(t), _finite(lp))
+                out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))
+        return out

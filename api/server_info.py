@@ -1,0 +1,57 @@
+"""The server's own routes: health (GET /health; vLLM's /ping, GET and POST), load (vLLM's
+/load), Prometheus metrics (/metrics), the served models (/v1/models, /v1/models/<name>) and the
+version (/version)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from quart import Blueprint, Response
+
+from api.protocol import Limits, check_model
+from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
+from api.sse import new_id, now
+from api.state import api_state
+
+server_info = Blueprint("server_info", __name__)
+
+
+@server_info.get("/health")
+@server_info.route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
+async def health():
+    return ("", 200) if api_state().engine.is_running else (EngineDown(), 503)
+
+
+@server_info.get("/load")
+async def load():
+    """vLLM's: the requests being generated."""
+    return ServerLoad(server_load=api_state().in_flight)
+
+
+@server_info.get("/metrics")
+async def prometheus():
+    return Response(api_state().metrics.render(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def model_card(name: str, limits: Limits) -> ModelCard:
+    created = now()
+    return ModelCard(id=name, created=created, root=limits.model_root or name, max_model_len=limits.max_model_len,
+                     permission=[ModelPermission(id=new_id("modelperm"), created=created)])
+
+
+@server_info.get("/v1/models")
+async def models():
+    limits = api_state().limits
+    return ModelList(data=[model_card(name, limits) for name in limits.model_names])
+
+
+@server_info.get("/v1/models/<path:model>")
+async def model(model: str):
+    limits = api_state().limits
+    check_model({"model": model}, limits)
+    return model_card(model, limits)
+
+
+@server_info.get("/version")
+async def version():
+    return Version(version=importlib.metadata.version("jaxserve"))

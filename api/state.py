@@ -1,0 +1,80 @@
+"""What every route reads: the serving state of one app (`APIState`), kept on the app, and the
+request body as a JSON object.
+
+The state is built once by `create_app`; the routes find it with `api_state()` and hold no state
+of their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from quart import current_app, request
+
+from api.metrics import Metrics
+from api.errors import APIError
+from api.protocol import Limits
+from api.tool_parsers import ToolParser
+from jaxserve.async_engine import AsyncEngine
+from jaxserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
+_EXTENSION = "jaxserve"  # the key of the state in `app.extensions`
+
+
+@dataclasses.dataclass
+class APIState:
+    engine: AsyncEngine
+    limits: Limits
+    tool_parser: ToolParser  # reads "auto" tool calls
+    metrics: Metrics
+    api_key: str | None = None  # --api-key: what the /v1 routes ask for
+    auto_tool_choice: bool = True  # vLLM's --enable-auto-tool-choice: "auto" tools are served
+    log_requests: bool = False  # one log line per request as it starts
+    reasoning_parser: str | None = None  # `api/reasoning.py`: the thinking apart from the answer
+    # renders and tokenizes prompts: one thread, in order, as vLLM's
+    tokenizing: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
+    in_flight: int = 0  # requests being generated (vLLM's server load)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """fn(*args), which renders or tokenizes prompts, on the tokenizing thread: a long prompt must
+        not hold up the event loop, and every stream and request with it."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, fn, *args)
+
+    def install(self, app) -> None:
+        app.extensions[_EXTENSION] = self
+        app.after_serving(self._stop_tokenizing)
+
+    async def _stop_tokenizing(self) -> None:
+        self.tokenizing.shutdown(wait=False)
+
+
+def api_state() -> APIState:
+    """The state of the app serving the current request."""
+    return current_app.extensions[_EXTENSION]
+
+
+async def json_body() -> dict:
+    """The request's body, a JSON object of valid Unicode (whatever its Content-Type says)."""
+    raw = await request.get_data()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from e
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:  # lone surrogates ("\ud800") cannot be tokenized
+        raise APIError(f"the request body holds text that is not valid Unicode: {e}") from e
+    return body

@@ -1,0 +1,37 @@
+"""The OpenAPI document: /openapi.json describes the generating routes' request bodies (from the
+request models that check them) and their answers."""
+
+from __future__ import annotations
+
+import httpx
+
+
+def request_schema(document: dict, path: str) -> dict:
+    return document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+def test_openapi_json_has_the_chat_completions_and_responses_request_schemas(served):
+    r = httpx.get(served[0].url + "/openapi.json")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    document = r.json()
+    assert document["openapi"].startswith("3.") and document["info"]["title"] == "jaxserve"
+    chat, completions, responses = (request_schema(document, path) for path in (
+        "/v1/chat/completions", "/v1/completions", "/v1/responses"))
+    assert (chat["title"], completions["title"], responses["title"]) == (
+        "ChatCompletionRequest", "CompletionRequest", "ResponsesRequest")
+    assert {"messages", "tools", "logprobs", "top_logprobs", "response_format"} <= set(chat["properties"])
+    assert {"prompt", "echo", "logprobs", "stop"} <= set(completions["properties"])
+    assert {"input", "instructions", "max_output_tokens", "text"} <= set(responses["properties"])
+    assert completions["required"] == ["prompt"] and responses["required"] == ["input"]
+    # the bounds the models check, in the schema; unknown fields are allowed (and ignored)
+    temperature = {"type": "number", "minimum": 0.0, "maximum": 2.0}
+    for schema in (chat, completions, responses):
+        assert temperature in schema["properties"]["temperature"]["anyOf"]
+    assert {"type": "integer", "minimum": 1, "maximum": 16384} in chat["properties"]["n"]["anyOf"]
+    assert chat["additionalProperties"] is True
+    answers = {path: document["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+               for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")}
+    assert answers["/v1/chat/completions"]["properties"]["object"]["const"] == "chat.completion"
+    assert answers["/v1/responses"]["properties"]["object"]["const"] == "response"
+    docs = httpx.get(served[0].url + "/docs")
+    assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
