@@ -110,6 +110,8 @@ def _add_api_arguments(p) -> None:
     p.add_argument("--response-role", default="assistant", help="the role of chat answers (default: assistant)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, asked for or not (vLLM's)")
+    p.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="vLLM's: serve no /openapi.json and no API docs pages (/docs, /redocs, /scalar)")
 
 
 def _add_multihost_arguments(p) -> None:
@@ -151,7 +153,6 @@ VLLM_SERVER_NO_EFFECT = {
     "enable_prompt_tokens_details": "usage always has prompt_tokens_details.cached_tokens",
     "enable_server_load_tracking": "GET /load always counts the requests being generated",
     "disable_uvicorn_access_log": "Hypercorn logs no access lines",
-    "disable_fastapi_docs": "there are no generated API docs",
     "disable_frontend_multiprocessing": "the API and the engine share one process",
 }
 CLI_REFERENCE = Path(__file__).resolve().parent / "docs" / "cli.md"
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
-                     reasoning_parser=args.reasoning_parser)
+                     reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs)
     async_engine.start()
     try:
         asyncio.run(serve(app, args, async_engine))

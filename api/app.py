@@ -40,15 +40,18 @@ KEYED_PATHS = ("/v1", "/invocations")  # the routes --api-key guards
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
-               reasoning_parser: str | None = None) -> Quart:
+               reasoning_parser: str | None = None, docs: bool = True) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
     logs each request as it starts. `cors` says which web pages may call the API (any, by default).
-    `reasoning_parser` (`api/reasoning.py`) puts a reasoning model's thinking apart from the answer."""
+    `reasoning_parser` (`api/reasoning.py`) puts a reasoning model's thinking apart from the answer.
+    `docs`: serve /openapi.json and its pages (/docs, /redocs, /scalar); off, as vLLM's
+    --disable-fastapi-docs, none of them."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
-    QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")))
+    paths = {} if docs else dict(openapi_path=None, redoc_ui_path=None, scalar_ui_path=None, swagger_ui_path=None)
+    QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")), **paths)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     APIState(engine, limits, tool_parser or parser_for_template(engine.tokenizer.hf.chat_template),
              Metrics(engine, limits.served_model_name), auto_tool_choice=auto_tool_choice,

@@ -3,7 +3,13 @@ request models that check them) and their answers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
+from server import MAX_MODEL_LEN, MODEL
+
+from api.app import create_app
+from api.protocol import Limits
 
 
 def request_schema(document: dict, path: str) -> dict:
@@ -35,3 +41,14 @@ def test_openapi_json_has_the_chat_completions_and_responses_request_schemas(ser
     assert answers["/v1/responses"]["properties"]["object"]["const"] == "response"
     docs = httpx.get(served[0].url + "/docs")
     assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
+
+
+def test_disable_fastapi_docs_serves_no_document_and_no_pages(served):
+    """vLLM's --disable-fastapi-docs: the document and its pages are gone; the API is not."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), docs=False)
+
+    async def statuses():
+        test = app.test_client()
+        return [(await test.get(path)).status_code for path in ("/openapi.json", "/docs", "/redocs", "/v1/models")]
+
+    assert asyncio.run(statuses()) == [404, 404, 404, 200]
