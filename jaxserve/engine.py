@@ -164,6 +164,7 @@ class Engine:
         changed = self.scheduler.update(batch, self.runner.collect(batch, launched))
         self.output.advance_grammars(changed)
         released = self.output.process(changed)  # a stop string found here drops the sequence's row
+        self.stats = self.scheduler.stats()  # before any release: whoever hears of a finish sees it counted
         for out in released if on_release else ():  # in the step already launched
             on_release(out)
         return released
