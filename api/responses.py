@@ -60,8 +60,8 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
         return {"token": name(token), "logprob": _finite(logprob),
                 "bytes": list(tokenizer.token_bytes(token))}
 
-    return [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in zip(top_ids, top_lps)]}
-            for token, (logprob, _, top_ids, top_lps) in zip(token_ids, logprobs)]
+    return [{**entry(token, lp.logprob), "top_logprobs": [entry(t, top) for t, top in zip(lp.top_ids, lp.top_logprobs)]}
+            for token, lp in zip(token_ids, logprobs)]
 
 
 def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> list[dict | None]:
@@ -95,10 +95,11 @@ class CompletionLogprobs:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
             else:
-                logprob, _, top_ids, top_lps = logprobs_of_token
+                logprob = logprobs_of_token.logprob
                 out["token_logprobs"].append(_finite(logprob))
                 top: dict[str, float] = {}
-                for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
+                candidates = zip(logprobs_of_token.top_ids, logprobs_of_token.top_logprobs)
+                for t, lp in [*candidates, (token, logprob)]:  # tokens that decode alike: the likelier
                     top.setdefault(self.name(t), _finite(lp))
                 out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
