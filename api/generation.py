@@ -90,7 +90,8 @@ def _round_logprobs(token: int, candidates: dict[int, Logprob], k: int) -> Token
     """A beam search round's candidates as the sampler's logprobs of `token`: its own and the top k."""
     top = sorted(candidates.items(), key=lambda item: item[1].rank)[:k]
     chosen = candidates[token]
-    return chosen.logprob, chosen.rank, [t for t, _ in top], [lp.logprob for _, lp in top]
+    return TokenLogprobs(logprob=chosen.logprob, rank=chosen.rank, top_ids=[t for t, _ in top],
+                         top_logprobs=[lp.logprob for _, lp in top])
 
 
 async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[int, Update]]:

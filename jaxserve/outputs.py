@@ -62,10 +62,10 @@ def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[T
     without `detokenize`)."""
     decode = tokenizer.decode_token if detokenize else (lambda token: None)
     out = []
-    for token, (logprob, rank, top_ids, top_lps) in zip(token_ids, logprobs):
-        entry = {token: Logprob(logprob, rank, decode(token))}
-        for r, (t, lp) in enumerate(zip(top_ids, top_lps), 1):
-            entry.setdefault(t, Logprob(lp, r, decode(t)))
+    for token, lp in zip(token_ids, logprobs):
+        entry = {token: Logprob(lp.logprob, lp.rank, decode(token))}
+        for r, (t, top) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
+            entry.setdefault(t, Logprob(top, r, decode(t)))
         out.append(entry)
     return out
 

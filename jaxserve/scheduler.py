@@ -113,7 +113,8 @@ def prompt_targets(row: ScheduledSeq) -> list[int]:
 
 def _entry(out: StepOutput | PromptLogprobs, i: int, k: int) -> TokenLogprobs:
     """Entry i of a step's logprobs (sampled or prompt tokens': the same fields), with the top k."""
-    return float(out.logprobs[i]), int(out.ranks[i]), out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()
+    return TokenLogprobs(logprob=float(out.logprobs[i]), rank=int(out.ranks[i]), top_ids=out.top_ids[i, :k].tolist(),
+                         top_logprobs=out.top_logprobs[i, :k].tolist())
 
 
 @dataclasses.dataclass(frozen=True)

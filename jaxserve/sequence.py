@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import NamedTuple
 
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 
 
-# A token's logprobs: (its logprob, its rank (1 = most likely), the top ids, their logprobs)
-TokenLogprobs = tuple[float, int, list[int], list[float]]
+class TokenLogprobs(NamedTuple):
+    """A token's logprobs, as the sampler gives them (of a sampled token, or of a prompt token)."""
+
+    logprob: float
+    rank: int  # 1 = most likely
+    top_ids: list[int]  # the top k, most likely first
+    top_logprobs: list[float]  # theirs
 
 
 class SequenceStatus(enum.Enum):

@@ -125,7 +125,7 @@ def test_prompt_logprobs_come_once_each_in_order_through_chunks_and_preemption()
     while owing.owes_prompt_logprobs:
         run_step(sched)
     assert owing.num_preemptions >= 1 and owing.num_cached_tokens == 0
-    assert [lp for lp, *_ in owing.prompt_logprobs] == [-p for p in range(19)]
+    assert [lp.logprob for lp in owing.prompt_logprobs] == [-p for p in range(19)]
     sched.add(make_seq(2, 20, max_tokens=4))  # the same prompt, not asking: its pages are cached
     while not (rows := [r for r in run_step(sched).rows if r.seq_id == 2]):
         pass
