@@ -16,7 +16,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def run_worker(model_dir: Path, sizes=(1, 2, 4, 8), engine: dict | None = None) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # (the worker imports this checkout's packages, as the tests do, not an installed copy)
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": path}
     args = [sys.executable, str(HERE / "tp_worker.py"), str(model_dir), ",".join(map(str, sizes))]
     out = subprocess.run(args + ([json.dumps(engine)] if engine else []),
                          env=env, capture_output=True, text=True, timeout=900, cwd=HERE.parent)
