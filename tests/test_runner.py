@@ -12,6 +12,7 @@ from conftest import CROWDED_ENGINE
 from jaxserve import LLM, SamplingParams
 from jaxserve.runner import StepInputs
 from jaxserve.sampling import Padding
+from jaxserve.sampling_params import RequestSampling
 from jaxserve.scheduler import ScheduledBatch, ScheduledSeq
 
 
@@ -23,7 +24,8 @@ def runner():
 def batch(params: SamplingParams) -> ScheduledBatch:
     """One row: a 3-token prompt on page 1 that asks for its prompt logprobs; page 2 copied to 3 first."""
     row = ScheduledSeq(seq_id=0, token_ids=[5, 6, 7], start_position=0, pending_row=-1, page_ids=[1], sample=True,
-                       params=params, seed=0, all_token_ids=[5, 6, 7], num_prompt_tokens=3, prompt_logprobs=True)
+                       params=params, sampling=RequestSampling(), seed=0, all_token_ids=[5, 6, 7], num_prompt_tokens=3,
+                       prompt_logprobs=True)
     return ScheduledBatch(rows=[row], num_tokens=3, preempted=[], page_copies=[(2, 3)])
 
 
