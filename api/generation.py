@@ -19,6 +19,7 @@ from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
 from jaxserve.async_engine import Update
 from jaxserve.beam_search import BeamSearchParams
+from jaxserve.config import RequestError
 from jaxserve.outputs import Logprob
 from jaxserve.sequence import TokenLogprobs
 
@@ -43,6 +44,8 @@ def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
     try:
         for ids in req.prompts:
             state.engine.check(ids, req.params)
+    except RequestError as e:  # the engine's one check of what depends on the model
+        raise APIError(str(e), param=req.prompt_field if e.field == "prompt" else e.field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
 

@@ -15,7 +15,8 @@ import dataclasses
 import json
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from jaxserve.sampling_params import MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, SamplingParams
+from jaxserve.config import RequestError
+from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from api.errors import APIError
 from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
 from api.tools import ToolError, ToolRequest, parse_tool_request
@@ -62,6 +63,7 @@ class GenerationRequest:
     model: str = ""  # the served name the answer carries (`check_model`)
     role: str = "assistant"  # chat: the answer's role (--response-role; with no generation prompt, the last message's)
     thinking: bool | None = None  # chat, --reasoning-parser: whether the output starts inside the thinking
+    prompt_field: str = "prompt"  # the field the prompts came from, which errors about them name
 
 
 def _ids(value) -> list[int] | None:
@@ -117,7 +119,8 @@ def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> Generati
                        "prompt tokens", param="logprobs")
     if params.n > MAX_BEAM_WIDTH:
         raise APIError(f"'n' (the beam width) must be at most {MAX_BEAM_WIDTH} with 'use_beam_search'", param="n")
-    max_tokens = params.max_tokens or limits.max_model_len - max(map(len, req.prompts))
+    # (a prompt that leaves no room is the engine's 400, in `admit`)
+    max_tokens = params.max_tokens or max(1, limits.max_model_len - max(map(len, req.prompts)))
     req.beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
                                 temperature=params.temperature,
                                 length_penalty=float(length_penalty(body, "length_penalty", 1.0)))
@@ -129,10 +132,8 @@ def _stop(body: dict) -> list[str]:
     if stop is None:
         return []
     stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(
-            isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise APIError(f"'stop' must be a string or a list of at most {MAX_STOP} strings, each of 1 to "
-                       f"{MAX_STOP_CHARS} characters", param="stop")
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):  # (SamplingParams: its bounds)
+        raise APIError("'stop' must be a string or a list of strings", param="stop")
     return stop
 
 
@@ -154,10 +155,8 @@ def _allowed_token_ids(body: dict, limits: Limits) -> list[int] | None:
 
 def _bad_words(body: dict) -> list[str]:
     words = body.get("bad_words") or []
-    if not isinstance(words, list) or len(words) > MAX_BAD_WORDS or not all(
-            isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_CHARS for w in words):
-        raise APIError(f"'bad_words' must be a list of at most {MAX_BAD_WORDS} non-blank strings of at most "
-                       f"{MAX_STOP_CHARS} characters", param="bad_words")
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):  # (SamplingParams: its bounds)
+        raise APIError("'bad_words' must be a list of strings", param="bad_words")
     return words
 
 
@@ -275,17 +274,14 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     defaults = limits.sampling_defaults
     max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", default_max_tokens))
     if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
-        max_tokens = min(defaults["max_tokens"], max_tokens)  # every request (without one: `_check_ids`)
+        max_tokens = min(defaults["max_tokens"], max_tokens)  # every request (without one: `_as_run`)
     prompt_logprobs = _given(body, "prompt_logprobs")
     if prompt_logprobs is not None and _given(body, "stream", False):
         raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
-    min_tokens = _given(body, "min_tokens", 0)
-    if max_tokens is not None and min_tokens > max_tokens:
-        raise APIError(f"'min_tokens' ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
     fields = dict(
         n=_given(body, "n", 1),
         max_tokens=max_tokens,
-        min_tokens=min_tokens,
+        min_tokens=_given(body, "min_tokens", 0),
         temperature=float(_given(body, "temperature", defaults.get("temperature", 1.0))),
         top_p=float(_given(body, "top_p", defaults.get("top_p", 1.0))),
         top_k=_given(body, "top_k", defaults.get("top_k", -1)),
@@ -310,7 +306,9 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     )
     try:
         return SamplingParams(**fields)
-    except ValueError as e:  # a combination the checks above let through
+    except RequestError as e:  # SamplingParams' own bounds (stop strings, bad words, min_tokens, ...)
+        raise APIError(str(e), param=e.field) from e
+    except ValueError as e:
         raise APIError(str(e)) from e
 
 
@@ -342,28 +340,15 @@ def check_model(body: dict, limits: Limits) -> str:
     return limits.served_model_name if model is None else model
 
 
-def _check_ids(ids: list[int], limits: Limits, params: SamplingParams, param: str
-               ) -> tuple[list[int], SamplingParams]:
+def _as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[list[int], SamplingParams]:
     """The prompt's ids as they will run (truncated, see SamplingParams.truncate), and the params they
-    run with; 400 if they cannot. A request without max_tokens (chat) under a model's max_new_tokens
+    run with: a request without max_tokens (chat) under a model's max_new_tokens
     (`Limits.sampling_defaults`) gets the rest of the context up to that cap here, where the prompt's
-    length is known."""
+    length is known. Whether they can run is the engine's check (`api.generation.admit`)."""
     ids = params.truncate(ids, limits.max_model_len)
-    if not ids:
-        raise APIError("the prompt is empty", param=param)
-    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise APIError(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})", param=param)
     cap = limits.sampling_defaults.get("max_tokens")
     if params.max_tokens is None and cap is not None:  # the rest of the context, at most the model's cap
         params = dataclasses.replace(params, max_tokens=max(1, min(cap, limits.max_model_len - len(ids))))
-    wanted = len(ids) + (params.max_tokens or 1)
-    if wanted > limits.max_model_len:
-        what = (f"{len(ids)} prompt tokens + {params.max_tokens} max_tokens = {wanted}. Shorten the prompt or "
-                f"lower max_tokens." if params.max_tokens else
-                f"{len(ids)} prompt tokens, which leave no room for an output token. Shorten the prompt.")
-        raise APIError(f"This model's maximum context length is {limits.max_model_len} tokens, but the request "
-                       f"has {what}", param=param)
     return ids, params
 
 
@@ -391,8 +376,8 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
     special = _given(body, "add_special_tokens", True)
-    ids = [_check_ids(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
-                      params, "prompt")[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
+    ids = [_as_run(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
+                   params)[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
     texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
              for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
@@ -464,7 +449,7 @@ def _parse_chat(body: dict, model: str, limits: Limits, tokenizer: Tokenizer) ->
     if messages is None and isinstance(body.get("prompt"), str):
         text = body["prompt"]  # a raw prompt, no chat template
         ids = tokenizer.encode(text, add_special_tokens=_given(body, "add_special_tokens", True))
-        ids, params = _check_ids(ids, limits, params, "prompt")
+        ids, params = _as_run(ids, limits, params)
         return GenerationRequest([ids], [text], params, model=model, **response)
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages")
@@ -484,7 +469,7 @@ def _parse_chat(body: dict, model: str, limits: Limits, tokenizer: Tokenizer) ->
     echoed = message_text(last) if echo and last["role"] == "assistant" else ""
     if not options["add_generation_prompt"]:  # (vLLM's: the answer continues the last message, in its role)
         response["role"] = last["role"]
-    ids, params = _check_ids(ids, limits, params, "messages")
-    return GenerationRequest([ids], [echoed], params, echo=echo,
+    ids, params = _as_run(ids, limits, params)
+    return GenerationRequest([ids], [echoed], params, echo=echo, prompt_field="messages",
                              tools=tools if tools is not None and tools.mode != "none" else None, model=model,
                              **response)

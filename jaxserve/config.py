@@ -25,6 +25,15 @@ log = logging.getLogger("jaxserve.config")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+class RequestError(ValueError):
+    """A request the engine cannot run, and the request field it is about (None: no one field), so
+    that the API reports the engine's own check, once, under the field's name."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding settings (HF `rope_parameters` / `rope_scaling`)."""
@@ -294,12 +303,13 @@ class EngineConfig:
         length: the engine's, which the API and beam search call too.)"""
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} "
-                             f"exceeds max_model_len ({self.max_model_len})")
+            raise RequestError(f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                               f"request has {num_prompt_tokens} prompt tokens + {max_tokens} max_tokens = {total} "
+                               f"(exceeds max_model_len). Shorten the prompt or lower max_tokens.", "prompt")
         pages = math.ceil(total / self.page_size)
         if pages > self.num_pages - 1:
-            raise ValueError(f"a sequence of {total} tokens needs {pages} KV pages but the cache has "
-                             f"{self.num_pages - 1}; raise num_pages")
+            raise RequestError(f"a sequence of {total} tokens needs {pages} KV pages but the cache has "
+                               f"{self.num_pages - 1}; raise num_pages", "prompt")
 
     @property
     def kv_dtype(self) -> str:

@@ -24,7 +24,7 @@ from flax import nnx
 
 from checkpoints import resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig, resolve_dtype, sampling_defaults
+from jaxserve.config import EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
 from jaxserve.output import OutputProcessor, SequenceOutput
@@ -107,23 +107,24 @@ class Engine:
         the configuration: any thread may call it, e.g. to refuse a streamed request before its
         response starts."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.config.max_model_len - len(prompt_token_ids)
             if max_tokens < 1:
-                raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
-                                 f"max_model_len ({self.config.max_model_len})")
+                raise RequestError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
+                                   f"but the request has {len(prompt_token_ids)} prompt tokens, which leave no room "
+                                   "for an output token. Shorten the prompt.", "prompt")
         self.config.check_fits(len(prompt_token_ids), max_tokens)
         bad = [t for t in [*params.stop_token_ids, *params.logit_bias, *(params.allowed_token_ids or [])]
                if t >= vocab]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} in stop_token_ids, logit_bias or allowed_token_ids are outside "
-                             f"the vocabulary [0, {vocab})")
+            raise RequestError(f"token ids {bad[:5]} in stop_token_ids, logit_bias or allowed_token_ids are "
+                               f"outside the vocabulary [0, {vocab})")
         for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
             if value is not None and value > self.config.max_logprobs:
                 raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import MAX_LOGPROBS
+from jaxserve.config import MAX_LOGPROBS, RequestError
 from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
@@ -21,8 +21,10 @@ MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
 
 
 def _check(ok: bool, message: str) -> None:
+    """RequestError(message), about the field the message opens with, unless ok."""
     if not ok:
-        raise ValueError(message)
+        name = message.split(" ", 1)[0]
+        raise RequestError(message, name if name in SamplingParams.__dataclass_fields__ else None)
 
 
 def _is_int(v) -> bool:
