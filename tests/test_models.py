@@ -35,7 +35,6 @@ def test_every_registered_architecture_has_a_parity_model():
 
     assert set(OPTIONS) == set(ARCHITECTURES)
     assert set(MODEL_REGISTRY) == {model_cls for _, model_cls, _ in ARCHITECTURES.values()}
-    assert {family.name for family in MODEL_REGISTRY.values()} == {"llama"}
     assert all(MODEL_REGISTRY[a] is LLAMA for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                     "Qwen3ForCausalLM"))
 
@@ -67,31 +66,37 @@ def test_the_first_registered_architecture_of_a_config_is_taken(hf_checkpoint, t
 
 def _target(model_dir):
     cfg = ModelConfig.from_hf(model_dir)
-    return param_target(cfg, nnx.state(abstract_model(cfg, jnp.float32)))
+    return MODEL_REGISTRY[cfg.architecture], param_target(cfg, nnx.state(abstract_model(cfg, jnp.float32)))
 
 
-def test_name_map_and_partition_rules_fit_the_family_parameters(hf_checkpoint, tmp_path):
-    """Over the parity models: every HF tensor maps to a parameter of the model and every map entry
-    is used; every partition rule splits some parameter (of those models, or one with MLP biases),
-    and every projection, the embedding and the LM head are split by one."""
+def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, tmp_path):
+    """Over the parity models: every HF tensor maps to a parameter of its model and every entry of a
+    family's name map is used; every partition rule splits some parameter (of those models, or a
+    Llama with MLP biases), and every projection, the embedding and the LM head are split by one."""
     _, llama_dir = hf_checkpoint("llama")
     hf = json.loads((llama_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
-    paths, used_names, used_rules = set(_target(tmp_path).shapes), set(), set()
+    family, target = _target(tmp_path)
+    paths = {family.name: set(target.shapes)}
+    used_names = {}
     for name in OPTIONS:
         _, model_dir = hf_checkpoint(name)
-        target = _target(model_dir)
-        paths |= set(target.shapes)
+        family, target = _target(model_dir)
+        paths.setdefault(family.name, set()).update(target.shapes)
         with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
             for hf_name in f.keys():
-                (pattern,) = [p for p in LLAMA.hf_name_map if re.fullmatch(p, hf_name)]
-                used_names.add(pattern)
-                path = re.sub(pattern, LLAMA.hf_name_map[pattern], hf_name)
+                (pattern,) = [p for p in family.hf_name_map if re.fullmatch(p, hf_name)]
+                used_names.setdefault(family.name, set()).add(pattern)
+                path = re.sub(pattern, family.hf_name_map[pattern], hf_name)
                 assert path in target.shapes or path in target.unused, (name, hf_name)
-    assert used_names == set(LLAMA.hf_name_map)
-    for path in paths:
-        rules = [pattern for pattern, _, _ in LLAMA.partition_rules if re.fullmatch(pattern, path)]
-        assert len(rules) <= 1, path
-        used_rules.update(rules)
-        assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
-    assert used_rules == {pattern for pattern, _, _ in LLAMA.partition_rules}
+    families = {family.name: family for family in MODEL_REGISTRY.values()}
+    assert set(paths) == set(used_names) == set(families)
+    for family in families.values():
+        assert used_names[family.name] == set(family.hf_name_map)
+        used_rules = set()
+        for path in paths[family.name]:
+            rules = [pattern for pattern, _, _ in family.partition_rules if re.fullmatch(pattern, path)]
+            assert len(rules) <= 1, path
+            used_rules.update(rules)
+            assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
+        assert used_rules == {pattern for pattern, _, _ in family.partition_rules}
