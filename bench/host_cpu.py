@@ -44,7 +44,7 @@ def in_process(model_dir: Path, dtype: str, runs: int) -> None:
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     calls = []
     run_step = runner._run
-    runner._run = lambda shape, plan: calls.append((shape, plan)) or run_step(shape, plan)
+    runner._run = lambda shape, inputs: calls.append((shape, inputs)) or run_step(shape, inputs)
     for r in range(runs + 1):  # (the first run warms up)
         engine.add_request(f"run-{r}", prompts(1, 5000)[0], params)
         steps, cpu, wall = 0, time.thread_time(), time.perf_counter()
@@ -55,16 +55,16 @@ def in_process(model_dir: Path, dtype: str, runs: int) -> None:
             print(f"engine: {1e3 * (time.thread_time() - cpu) / steps:.2f} ms CPU and "
                   f"{1e3 * (time.perf_counter() - wall) / steps:.2f} ms wall per step", flush=True)
     runner._run = run_step
-    shape, plan = calls[-2]  # a decode step of the last run
-    args = runner._args(plan, shape)
+    shape, inputs = calls[-2]  # a decode step of the last run
+    args = runner._args(inputs, shape)
     step = runner._executable(shape, args)
     weights, kv, packed, previous = args
     kv = runner.kv
     for _ in range(3):
         wall = time.perf_counter()
         for _ in range(50):
-            kv, samples, _, _ = step(weights, kv, packed, previous)
-            jax.block_until_ready(samples)
+            kv, launched, _ = step(weights, kv, packed, previous)
+            jax.block_until_ready(launched.samples)
         print(f"bare step: {1e3 * (time.perf_counter() - wall) / 50:.2f} ms wall", flush=True)
     runner.kv = kv
 

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +32,7 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.inputs import PromptType
 from jaxserve.model import abstract_decoder
 from jaxserve.output import OutputProcessor, SequenceOutput
-from jaxserve.runner import Launched, Runner
+from jaxserve.runner import LaunchedStep, Runner
 from jaxserve.sampling import MAX_SUPPRESSED
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler
@@ -96,6 +97,13 @@ def compilation_cache() -> ExecutableCache:
     return ExecutableCache(cache_root() / "executables")
 
 
+class InFlight(NamedTuple):
+    """A step launched and not yet finished: its plan, and its outputs still on the device."""
+
+    batch: ScheduledBatch
+    launched: LaunchedStep
+
+
 class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
@@ -115,7 +123,7 @@ class Engine:
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
-        self._in_flight: tuple[ScheduledBatch, Launched] | None = None  # launched, not yet finished
+        self._in_flight: InFlight | None = None
         if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
             self.runner.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
@@ -187,23 +195,22 @@ class Engine:
         runs while the device computes. Only when the previous step's tokens feed the host side of
         the next (a grammar's mask) is it finished first."""
         released = []
-        if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight[0]):
+        if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight.batch):
             released = self._finish_in_flight(on_release)
         batch = self.scheduler.schedule()
-        launched = None
+        in_flight = None
         if batch.rows:
             self.output.constrain(batch)
-            launched = batch, self.runner.launch(batch)
+            in_flight = InFlight(batch, self.runner.launch(batch))
         if self._in_flight is not None:
             released = self._finish_in_flight(on_release)
-        self._in_flight = launched
+        self._in_flight = in_flight
         return released
 
     def _finish_in_flight(self, on_release: Callable[[SequenceOutput], None] | None) -> list[SequenceOutput]:
         """Wait for the launched step; record its tokens, advance grammars, release text."""
-        batch, launched = self._in_flight
-        self._in_flight = None
-        changed = self.scheduler.update(batch, self.runner.collect(batch, launched))
+        in_flight, self._in_flight = self._in_flight, None
+        changed = self.scheduler.update(in_flight.batch, self.runner.collect(in_flight.batch, in_flight.launched))
         self.output.advance_grammars(changed)
         released = self.output.process(changed)  # a stop string found here drops the sequence's row
         for out in released if on_release else ():  # in the step already launched

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import flax
 import jax
@@ -30,7 +31,8 @@ from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.model import KVCache, ModelInputs, forward, head_logits, rope_table
-from jaxserve.sampling import PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs, sample
+from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs,
+                               sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.sharding import broadcast_plan, is_leader, place
 
@@ -39,25 +41,46 @@ RUN, KEEPALIVE, STOP = 0, 1, 2
 WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at once
 KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
 PACKED_MAX_BYTES = 16384  # host inputs up to this size travel to the device together, in one buffer
-Launched = tuple[jax.Array, PromptLogprobs]  # a step's outputs still on the device: packed samples, prompt logprobs
+
+
+@flax.struct.dataclass
+class StepInputs:
+    """One step's inputs, padded to its bucket: T tokens, B sequences (`Runner.shape`). Built on the
+    host by `Runner.prepare`, where an input no row uses may be a `Padding`; read by name in the step."""
+
+    page_copies: jax.Array  # i32[B, 2] (src, dst) pages to copy first (`copy_pages`); padding (NULL_PAGE, NULL_PAGE)
+    pending: jax.Array  # i32[T] for a token still being sampled, the row of the step before that samples it; else -1
+    model: ModelInputs
+    sampling: SamplingTensors
+    prompt_rows: jax.Array  # i32[T] the tokens, by row, whose next prompt token's logprob a row asks for, first
+    prompt_targets: jax.Array  # i32[T] those next prompt tokens (`scheduler.prompt_targets`); -1 past them
+
+
+class LaunchedStep(NamedTuple):
+    """A step's outputs, still on the device until `Runner.collect` fetches them."""
+
+    samples: jax.Array  # i32[B * (3 + 2K)] every row's token and logprobs (`SampleOutput.packed`)
+    prompt: PromptLogprobs  # of the prompt tokens asked about (`StepInputs.prompt_rows`), per token of the step
 
 
 @flax.struct.dataclass
 class PackedPlan:
-    """A step's host inputs as few device arrays: every small input in one buffer of 32-bit words
+    """A step's inputs as few device arrays: every small input in one buffer of 32-bit words
     (one transfer instead of ~25, each of which costs ~0.1 ms on CPU), the large ones (the penalty
     history, the grammar masks: usually padding, sent once) on their own. `layout` gives each leaf
-    of the plan, in order: (shape, dtype, offset into `words`, or -1 for the next of `large`). It
-    depends only on the step's bucket, so it is part of the compiled signature (a static field)."""
+    of the `StepInputs` (`treedef`), in order: (shape, dtype, offset into `words`, or -1 for the
+    next of `large`). Both depend only on the step's bucket, so they are part of the compiled
+    signature (static fields)."""
 
     words: jax.Array  # i32[n]
     large: tuple[jax.Array, ...]
     layout: tuple[tuple[tuple[int, ...], str, int], ...] = flax.struct.field(pytree_node=False)
+    treedef: jax.tree_util.PyTreeDef = flax.struct.field(pytree_node=False)  # StepInputs' structure
 
     @staticmethod
-    def layout_of(leaves: list[np.ndarray]) -> tuple[tuple[tuple[int, ...], str, int], ...]:
+    def layout_of(leaves: list[np.ndarray | Padding]) -> tuple[tuple[tuple[int, ...], str, int], ...]:
         layout, offset = [], 0
-        for leaf in leaves:
+        for leaf in map(np.asarray, leaves):
             if leaf.dtype.itemsize != 4 and leaf.dtype != bool:
                 raise TypeError(f"a step input of dtype {leaf.dtype} does not pack into 32-bit words")
             packed = leaf.nbytes <= PACKED_MAX_BYTES
@@ -66,14 +89,14 @@ class PackedPlan:
         return tuple(layout)
 
     @staticmethod
-    def words_of(leaves: list[np.ndarray], layout) -> np.ndarray:
+    def words_of(leaves: list[np.ndarray | Padding], layout) -> np.ndarray:
         """The packed buffer on the host: 4-byte values bit for bit, booleans as 0 or 1."""
-        parts = [(leaf.astype(np.int32) if leaf.dtype == bool else leaf.view(np.int32)).ravel()
-                 for leaf, (_, _, offset) in zip(leaves, layout) if offset >= 0]
+        packed = [np.asarray(leaf) for leaf, (_, _, offset) in zip(leaves, layout) if offset >= 0]
+        parts = [(leaf.astype(np.int32) if leaf.dtype == bool else leaf.view(np.int32)).ravel() for leaf in packed]
         return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
-    def unpack(self) -> list[jax.Array]:
-        """The plan's leaves again (inside the step)."""
+    def unpack(self) -> StepInputs:
+        """The step's inputs again (inside the step)."""
         large = iter(self.large)
         leaves = []
         for shape, dtype, offset in self.layout:
@@ -82,7 +105,7 @@ class PackedPlan:
                 continue
             words = self.words[offset:offset + int(np.prod(shape))].reshape(shape)
             leaves.append(words != 0 if dtype == "bool" else jax.lax.bitcast_convert_type(words, jnp.dtype(dtype)))
-        return leaves
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
@@ -97,38 +120,39 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     return jax.lax.fori_loop(0, jnp.sum(page_copies[:, 0] != page_copies[:, 1]), copy, kv)
 
 
-def make_step_fn(graphdef: nnx.GraphDef, state_treedef, plan_treedef, kv_sharding: NamedSharding,
-                 replicated: NamedSharding, logprobs_mode: str):
-    """The jitted step: (weights, cache, packed plan, the step before's tokens) -> (cache, sampled
-    tokens and logprobs of every row (`SampleOutput.packed`), the prompt logprobs the plan asks for
-    (`prompt_rows`, `prompt_targets`), the tokens again padded to max_num_seqs rows: the next step's `previous`).
-    A token the plan marks pending (`pending` >= 0: a row of the step before) is read from
+def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
+                 logprobs_mode: str):
+    """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
+    launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
+    logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
+    A token the inputs mark pending (`pending` >= 0: a row of the step before) is read from
     `previous` on the device, so the next step is launched before this one's tokens reach the host.
     `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
-    closed over, so a call hashes no module structure; so is the plan's (`plan_treedef`: page
-    copies, pending rows, model inputs, sampling tensors, prompt targets; see `Runner.prepare`).
+    closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
     the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
-             ) -> tuple[KVCache, jax.Array, PromptLogprobs, jax.Array]:
-        page_copies, pending, inputs, sampling, (prompt_rows, prompt_targets) = jax.tree.unflatten(
-            plan_treedef, plan.unpack())
-        inputs = inputs.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], inputs.token_ids))
+             ) -> tuple[KVCache, LaunchedStep, jax.Array]:
+        inputs = plan.unpack()
+        pending, model = inputs.pending, inputs.model
+        model = model.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], model.token_ids))
         # the penalties' history (from the host) lacks a pending token: each row's last input token
         # goes in at its position (for other rows it is there already, or the row uses no penalty)
-        last = inputs.logits_indices
-        sampling = sampling.replace(history=sampling.history.at[jnp.arange(last.shape[0]), inputs.positions[last]].set(
-            inputs.token_ids[last], mode="drop"))
-        kv = copy_pages(kv, page_copies)
+        last, history = model.logits_indices, inputs.sampling.history
+        sampling = inputs.sampling.replace(history=history.at[jnp.arange(last.shape[0]), model.positions[last]].set(
+            model.token_ids[last], mode="drop"))
+        kv = copy_pages(kv, inputs.page_copies)
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits, hidden = forward(graphdef, state, kv, inputs)
-            prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, prompt_rows, prompt_targets)
+            kv, logits, hidden = forward(graphdef, state, kv, model)
+            prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
+                                     inputs.prompt_targets)
         out = sample(logits, sampling, logprobs_mode)
-        return kv, out.packed(), prompt, jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
+        previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
+        return kv, LaunchedStep(samples=out.packed(), prompt=prompt), previous
 
-    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated, replicated))
+    return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
 
 
 def _bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -145,50 +169,48 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
-        plan_treedef = jax.tree.structure(self.prepare(ScheduledBatch(rows=[], num_tokens=0, preempted=[]),
-                                                       config.step_buckets[0]))
-        self.step_fn = make_step_fn(graphdef, state_treedef, plan_treedef, kv_sharding, replicated,
-                                    config.logprobs_mode)
+        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
-        self._constants: dict[int, jax.Array] = {}  # device copies of unused (all-padding) inputs
+        self._paddings: dict[Padding, jax.Array] = {}  # device copies of the inputs no row uses
         self._layouts: dict[tuple[int, int, int], tuple] = {}  # step bucket -> its PackedPlan layout
         self._previous = place(np.zeros(config.max_num_seqs, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
 
-    def launch(self, batch: ScheduledBatch) -> Launched:
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
         shape = self.shape(batch)
         return self._run(shape, self.prepare(batch, shape))
 
-    def _run(self, shape: tuple[int, int, int], plan) -> Launched:
-        if self._leads:  # the other processes run the same step on the same plan
+    def _run(self, shape: tuple[int, int, int], inputs: StepInputs) -> LaunchedStep:
+        if self._leads:  # the other processes run the same step on the same inputs
             self._command(RUN, shape)
-            broadcast_plan(plan)
-        args = self._args(plan, shape)
-        self.kv, out, prompt, self._previous = self._executable(shape, args)(*args)
-        return out, prompt
+            broadcast_plan(jax.tree.map(np.asarray, inputs))  # (paddings as arrays)
+        args = self._args(inputs, shape)
+        self.kv, launched, self._previous = self._executable(shape, args)(*args)
+        return launched
 
-    def _args(self, plan, shape: tuple[int, int, int]) -> tuple:
+    def _args(self, inputs: StepInputs, shape: tuple[int, int, int]) -> tuple:
         """The step's arguments: the host inputs packed (`PackedPlan`) and replicated on the mesh, the
-        same way every step, in one transfer; the padding of an unused large input goes to the device
-        only once. A single process hands the host arrays to the compiled step, which places them
+        same way every step, in one transfer; a large input no row uses (a `Padding`) goes to the
+        device only once. A single process hands the host arrays to the compiled step, which places them
         itself (about 0.2 ms of CPU less per step than placing them first); the compiling call and
         several processes place them (`place`), so the executable's inputs are always replicated."""
-        leaves = jax.tree.leaves(plan)
+        leaves, treedef = jax.tree.flatten(inputs)
         if shape not in self._layouts:
             self._layouts[shape] = PackedPlan.layout_of(leaves)
         layout = self._layouts[shape]
         large = [leaf for leaf, (_, _, offset) in zip(leaves, layout) if offset < 0]
-        fresh = [i for i, array in enumerate(large) if array.flags.writeable]
+        fresh = [i for i, leaf in enumerate(large) if not isinstance(leaf, Padding)]
         words, *placed = host = [PackedPlan.words_of(leaves, layout), *[large[i] for i in fresh]]
         if jax.process_count() > 1 or shape not in self.executables:
             words, *placed = place(host, self.replicated)
         placed = dict(zip(fresh, placed))
-        large = tuple(placed[i] if i in placed else self._constant(array) for i, array in enumerate(large))
-        return self.weights, self.kv, PackedPlan(words=words, large=large, layout=layout), self._previous
+        large = tuple(placed[i] if i in placed else self.padding_on_device(leaf) for i, leaf in enumerate(large))
+        plan = PackedPlan(words=words, large=large, layout=layout, treedef=treedef)
+        return self.weights, self.kv, plan, self._previous
 
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
@@ -224,13 +246,14 @@ class Runner:
             if command == STOP:
                 return
             if command == RUN:
-                self._run(tuple(shape), broadcast_plan(self.prepare(empty, tuple(shape))))
+                inputs = jax.tree.map(np.asarray, self.prepare(empty, tuple(shape)))  # (paddings as arrays)
+                self._run(tuple(shape), broadcast_plan(inputs))
 
-    def collect(self, batch: ScheduledBatch, launched: Launched) -> StepOutput:
+    def collect(self, batch: ScheduledBatch, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and bring its outputs to the host (the prompt logprobs only when
         some row asked for them)."""
-        samples, prompt = launched
-        samples, prompt = jax.device_get((samples, prompt if any(r.prompt_logprobs for r in batch.rows) else None))
+        asked = any(r.prompt_logprobs for r in batch.rows)
+        samples, prompt = jax.device_get((launched.samples, launched.prompt if asked else None))
         out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size))
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
@@ -243,13 +266,9 @@ class Runner:
         return (tokens, _bucket(max(len(batch.rows), 1), cfg.seqs_buckets(tokens)),
                 _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
 
-    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, ModelInputs, SamplingTensors, tuple[np.ndarray, np.ndarray]]:
-        """The plan as host arrays, padded to its buckets (or to `shape`, see `shape`): page copies,
-        pending (i32[T]: for each token still being sampled, the row of the step before that samples
-        it; else -1), model inputs, sampling tensors and the prompt logprobs asked for: (i32[T] the
-        tokens, by row, whose next prompt token's logprob a row asks for (`scheduler.prompt_targets`),
-        i32[T] those next tokens; -1 past them)."""
+    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None) -> StepInputs:
+        """The step's inputs as host arrays, padded to the batch's buckets (or to `shape`, see
+        `shape`); an input no row uses is a `Padding`."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -282,24 +301,25 @@ class Runner:
             query_start[b + 1] = start
             logits_indices[b] = start - 1
         query_start[len(batch.rows) + 1:] = start
-        inputs = ModelInputs(token_ids=token_ids, positions=positions, rope=rope_table(self.model_config, positions),
+        model = ModelInputs(token_ids=token_ids, positions=positions, rope=rope_table(self.model_config, positions),
                              kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
-                                             self.model_config.eos_token_ids, batch.token_masks)
+                                             self.model_config.eos_token_ids, batch.token_masks, keep_padding=True)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst
-        return copies, pending, inputs, sampling, (prompt_rows, targets)
+        return StepInputs(page_copies=copies, pending=pending, model=model, sampling=sampling, prompt_rows=prompt_rows,
+                          prompt_targets=targets)
 
-    def _constant(self, array: np.ndarray) -> jax.Array:
-        key = id(array)  # `sampling.padding` (read-only, lru-cached): the same object every step
-        if key not in self._constants:
-            self._constants[key] = place(array, self.replicated)
-        return self._constants[key]
+    def padding_on_device(self, padding: Padding) -> jax.Array:
+        """The device copy of `padding`, placed on first use (keyed by its value: the same contents)."""
+        if padding not in self._paddings:
+            self._paddings[padding] = place(np.asarray(padding), self.replicated)
+        return self._paddings[padding]
 
     def warmup(self, progress: bool = True) -> None:
         """Compile (or load) every step bucket, WARMUP_THREADS at a time (XLA compiles and loads

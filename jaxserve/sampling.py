@@ -46,11 +46,24 @@ class SamplingRow:
     num_prompt_tokens: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Padding:
+    """The value of a large per-row input no row uses this step: `shape` filled with `fill`. A value,
+    not an array: equal Paddings have equal contents, so the runner keeps one device copy of each
+    and sends none per step. `np.asarray` gives it as a host array (shared, so read-only)."""
+
+    shape: tuple[int, ...]
+    fill: int
+    dtype: str  # numpy's name
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        array = _filled(self)
+        return array if dtype is None and not copy else np.array(array, dtype=dtype)
+
+
 @functools.lru_cache(maxsize=64)
-def padding(shape: tuple[int, ...], fill: int, dtype) -> np.ndarray:
-    """A shared, read-only array of `fill`: the value of a per-row input no row uses this step.
-    The runner recognises it (not writeable) and sends it to the device only once."""
-    array = np.full(shape, fill, dtype)
+def _filled(padding: Padding) -> np.ndarray:
+    array = np.full(padding.shape, padding.fill, padding.dtype)
     array.flags.writeable = False
     return array
 
@@ -72,21 +85,21 @@ class SamplingTensors:
     bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS]; V (dropped) where unused
     bias_values: jax.Array  # f32[B, MAX_LOGIT_BIAS]
     suppress_ids: jax.Array  # i32[B, MAX_SUPPRESSED] ids masked to -inf; V where unused
-    history: jax.Array  # i32[B, H] prompt + generated ids for penalties; V where unused
+    history: jax.Array  # i32[B, H] prompt + generated ids for penalties; V where unused (a Padding if all is)
     num_prompt: jax.Array  # i32[B] how many of history are prompt tokens
-    token_mask: jax.Array  # i32[B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32
+    token_mask: jax.Array  # i32[B, ceil(V / 32)] allowed tokens, bit t % 32 of word t // 32 (or a Padding)
     has_mask: jax.Array  # bool[B] whether the row's token_mask applies
     wants_top: jax.Array  # bool[B] the row asked for top logprobs
     wants_rank: jax.Array  # bool[B] the row asked for logprobs (the sampled token's rank)
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
-                  eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None
-                  ) -> SamplingTensors:
-        """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
-        only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
-        row -> its packed allowed-token mask (a grammar's), which a row's `allowed_token_ids`
-        narrow further."""
+                  eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None,
+                  keep_padding: bool = False) -> SamplingTensors:
+        """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled only when some
+        row uses a penalty (otherwise it is all padding); `token_masks` maps row -> its packed allowed-token
+        mask (a grammar's), which a row's `allowed_token_ids` narrow further. `keep_padding`: an input no
+        row uses stays a `Padding` (the runner sends each to the device once) rather than an array."""
         pad = num_rows - len(rows)
         params = [r.params for r in rows]
 
@@ -97,11 +110,11 @@ class SamplingTensors:
         bias_ids = np.full((num_rows, MAX_LOGIT_BIAS), vocab_size, np.int32)
         bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
+        unused = Padding if keep_padding else lambda *padding: np.asarray(Padding(*padding))
         uses_penalties = any(r.params.uses_penalties for r in rows)
-        history = (np.full if uses_penalties else padding)((num_rows, history_len), vocab_size, np.int32)
+        history = (np.full if uses_penalties else unused)((num_rows, history_len), vocab_size, "int32")
         masked = token_masks or any(p.allowed_token_ids is not None for p in params)
-        token_mask = (np.zeros if masked else lambda shape, dtype: padding(shape, 0, dtype))(
-            (num_rows, mask_width(vocab_size)), np.int32)
+        token_mask = (np.full if masked else unused)((num_rows, mask_width(vocab_size)), 0, "int32")
         has_mask = np.zeros(num_rows, bool)
         for b, mask in (token_masks or {}).items():
             token_mask[b], has_mask[b] = mask, True
