@@ -16,7 +16,7 @@ import json
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from jaxserve.config import RequestError
-from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
+from jaxserve.sampling_params import SamplingParams
 from api.errors import APIError
 from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
 from api.tools import ToolError, ToolRequest, parse_tool_request
@@ -137,20 +137,16 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
-def _token_ids(body: dict, name: str, limits: Limits) -> list[int]:
+def _token_ids(body: dict, name: str) -> list[int]:
+    """A list of integers (in the vocabulary: the engine's check)."""
     value = _ids(body.get(name) or [])
-    if value is None or not all(0 <= t < limits.vocab_size for t in value):
-        raise APIError(f"'{name}' must be a list of token ids in [0, {limits.vocab_size})", param=name)
+    if value is None:
+        raise APIError(f"'{name}' must be a list of token ids", param=name)
     return value
 
 
-def _allowed_token_ids(body: dict, limits: Limits) -> list[int] | None:
-    if body.get("allowed_token_ids") is None:
-        return None
-    allowed = _token_ids(body, "allowed_token_ids", limits)
-    if not 0 < len(allowed) <= limits.vocab_size:
-        raise APIError(f"'allowed_token_ids' must hold 1 to {limits.vocab_size} ids", param="allowed_token_ids")
-    return allowed
+def _allowed_token_ids(body: dict) -> list[int] | None:
+    return None if body.get("allowed_token_ids") is None else _token_ids(body, "allowed_token_ids")
 
 
 def _bad_words(body: dict) -> list[str]:
@@ -168,25 +164,19 @@ def _truncate_prompt_tokens(body: dict, max_model_len: int) -> int | None:
     return keep
 
 
-def _logit_bias(body: dict, limits: Limits) -> dict[int, float]:
+def _logit_bias(body: dict) -> dict[int, float]:
     bias = body.get("logit_bias")
     if bias is None:
         return {}
     if not isinstance(bias, dict):
         raise APIError(f"'logit_bias' must be an object of token ids to biases, got {bias!r}", param="logit_bias")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(f"'logit_bias' must map at most {MAX_LOGIT_BIAS} token ids to biases", param="logit_bias")
-    out = {}
+    out = {}  # (its bounds: SamplingParams'; its ids in the vocabulary: the engine's)
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise APIError(f"'logit_bias' key {key!r} is not a token id", param="logit_bias")
-        token = int(key)
-        if not 0 <= token < limits.vocab_size:
-            raise APIError(f"'logit_bias' token id {token} is outside the vocabulary [0, {limits.vocab_size})",
-                           param="logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
-        out[token] = float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(f"'logit_bias' values must be numbers, got {value!r}", param="logit_bias")
+        out[int(key)] = float(value)
     return out
 
 
@@ -289,11 +279,11 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         presence_penalty=float(_given(body, "presence_penalty", 0.0)),
         frequency_penalty=float(_given(body, "frequency_penalty", 0.0)),
         repetition_penalty=float(_given(body, "repetition_penalty", defaults.get("repetition_penalty", 1.0))),
-        logit_bias=_logit_bias(body, limits),
+        logit_bias=_logit_bias(body),
         seed=_given(body, "seed"),
         stop=_stop(body),
-        stop_token_ids=_token_ids(body, "stop_token_ids", limits),
-        allowed_token_ids=_allowed_token_ids(body, limits),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        allowed_token_ids=_allowed_token_ids(body),
         bad_words=_bad_words(body),
         include_stop_str_in_output=_given(body, "include_stop_str_in_output", False),
         ignore_eos=_given(body, "ignore_eos", False),

@@ -120,11 +120,11 @@ class Engine:
                                    f"but the request has {len(prompt_token_ids)} prompt tokens, which leave no room "
                                    "for an output token. Shorten the prompt.", "prompt")
         self.config.check_fits(len(prompt_token_ids), max_tokens)
-        bad = [t for t in [*params.stop_token_ids, *params.logit_bias, *(params.allowed_token_ids or [])]
-               if t >= vocab]
-        if bad:
-            raise RequestError(f"token ids {bad[:5]} in stop_token_ids, logit_bias or allowed_token_ids are "
-                               f"outside the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise RequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", name)
         for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
             if value is not None and value > self.config.max_logprobs:
                 raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")
