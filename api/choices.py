@@ -71,7 +71,8 @@ class Choices:
             if self.req.params.logprobs is not None:
                 ids = self.req.prompts[p]
                 k = self.req.params.logprobs  # (prompt_logprobs may ask for more alternatives)
-                prompt = [(lp, rank, top_ids[:k], top_lps[:k]) for lp, rank, top_ids, top_lps in update.prompt_logprobs]
+                prompt = [lp._replace(top_ids=lp.top_ids[:k], top_logprobs=lp.top_logprobs[:k])
+                          for lp in update.prompt_logprobs]
                 parts.append(CompletionLogprobsWriter(self.tokenizer, as_ids=self.req.tokens_as_ids).format(
                     ids, [None, *prompt]))
         self.texts[c].append(text)

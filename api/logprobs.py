@@ -28,11 +28,11 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
     """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
     bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
     name = token_name(tokenizer, as_ids)
-    return [ChatLogprob(token=name(token), logprob=_finite(logprob), bytes=list(tokenizer.token_bytes(token)),
-                        top_logprobs=[TopLogprob(token=name(t), logprob=_finite(lp),
+    return [ChatLogprob(token=name(token), logprob=_finite(lp.logprob), bytes=list(tokenizer.token_bytes(token)),
+                        top_logprobs=[TopLogprob(token=name(t), logprob=_finite(top),
                                                  bytes=list(tokenizer.token_bytes(t)))
-                                      for t, lp in zip(top_ids, top_lps)])
-            for token, (logprob, _, top_ids, top_lps) in zip(token_ids, logprobs)]
+                                      for t, top in zip(lp.top_ids, lp.top_logprobs)])
+            for token, lp in zip(token_ids, logprobs)]
 
 
 def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> PromptLogprobs:
@@ -66,10 +66,11 @@ class CompletionLogprobsWriter:
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
             else:
-                logprob, _, top_ids, top_lps = logprobs_of_token
+                logprob = logprobs_of_token.logprob
                 out.token_logprobs.append(_finite(logprob))
                 top: dict[str, float] = {}
-                for t, lp in [*zip(top_ids, top_lps), (token, logprob)]:  # tokens that decode alike: the likelier
+                candidates = zip(logprobs_of_token.top_ids, logprobs_of_token.top_logprobs)
+                for t, lp in [*candidates, (token, logprob)]:  # tokens that decode alike: the likelier
                     top.setdefault(self.name(t), _finite(lp))
                 out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
