@@ -9,7 +9,6 @@ step launched before: update, release text). `build_engine` makes one from an
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from collections.abc import Callable
