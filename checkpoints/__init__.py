@@ -35,7 +35,7 @@ def resolve_model(model: str | None) -> Path:
 
 
 def load_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str, jax.Array]:
-    """The parameters of `target`, by path, from an Orbax directory made by `checkpoints.convert`,
+    """The parameters of `target`, by path, from an Orbax directory made by `jaxserve.convert`,
     or from HF safetensors."""
     from checkpoints.orbax_io import is_orbax_dir, restore
 

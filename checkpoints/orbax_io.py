@@ -56,7 +56,7 @@ def restore(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str,
     made = json.loads((Path(model_dir) / MARKER).read_text())
     if made.get("format", 1) != FORMAT:
         raise ValueError(f"{model_dir} was converted by an older jaxserve (format {made.get('format', 1)}, this one "
-                         f"reads {FORMAT}); convert it again: python -m checkpoints.convert --model "
+                         f"reads {FORMAT}); convert it again: python -m jaxserve.convert --model "
                          f"{made.get('source', 'HF_DIR')} --out {model_dir}")
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shapes = {path.replace(".", "/"): jax.ShapeDtypeStruct(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import shutil
@@ -143,7 +144,7 @@ def test_an_orbax_conversion_of_an_older_format_is_refused_with_the_fix(tmp_path
     from checkpoints.orbax_io import MARKER
 
     (tmp_path / MARKER).write_text(json.dumps({"source": "/models/llama", "dtype": "float32"}))  # no format: 1
-    with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m checkpoints.convert --model "
+    with pytest.raises(ValueError, match=r"format 1.*convert it again: python -m jaxserve.convert --model "
                                          r"/models/llama"):
         load_weights(tmp_path, ModelConfig.from_hf(default_model_dir()), "float32")
 
@@ -165,8 +166,11 @@ def test_sampling_defaults_of_the_generation_config(tmp_path):
 
 
 def test_checkpoints_import_nothing_of_jaxserve():
-    """jaxserve uses checkpoints, never the other way round: the package and its loaders bring in no
-    jaxserve module (only the command line `checkpoints.convert`, which nothing imports, uses it)."""
+    """jaxserve uses checkpoints, never the other way round: no module of checkpoints names jaxserve in
+    an import, and importing them all brings in no jaxserve module."""
+    for path in (ROOT / "checkpoints").glob("*.py"):
+        imports = [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, (ast.Import, ast.ImportFrom))]
+        assert not [n for n in imports if "jaxserve" in ast.unparse(n)], path
     code = ("import sys, checkpoints, checkpoints.hf, checkpoints.orbax_io, checkpoints.default_model, "
             "checkpoints.byte_level, checkpoints.target; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'jaxserve'))")

@@ -1,6 +1,6 @@
 """Convert a Hugging Face checkpoint to an Orbax one that `--model` restores straight into its mesh.
 
-    python -m checkpoints.convert --model HF_DIR --out DIR [--dtype bfloat16]
+    python -m jaxserve.convert --model HF_DIR --out DIR [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import argparse
 import time
 
 from checkpoints import resolve_model
-# (a command line only, which nothing imports: which model a checkpoint holds is jaxserve's to say)
 from jaxserve.weights import convert_checkpoint
 
 
