@@ -160,9 +160,10 @@ class Engine:
             self.output.constrain(batch)
             in_flight = InFlight(batch, self.runner.launch(batch))
         if self._in_flight is not None:
-            released = self._finish_in_flight(on_release)
+            released = self._finish_in_flight(on_release)  # (its stats snapshot sees this schedule too)
+        else:
+            self.stats = self.scheduler.stats()
         self._in_flight = in_flight
-        self.stats = self.scheduler.stats()
         return released
 
     def _finish_in_flight(self, on_release: Callable[[SequenceOutput], None] | None) -> list[SequenceOutput]:

@@ -67,7 +67,7 @@ class LaunchedStep(NamedTuple):
 @flax.struct.dataclass
 class PackedPlan:
     """A step's inputs as few device arrays: every small input in one buffer of 32-bit words
-    (one transfer instead of ~25, each of which costs ~0.1 ms on CPU), the large ones (the penalty
+    (one transfer instead of one per input: each has a fixed host cost), the large ones (the penalty
     history, the grammar masks: usually padding, sent once) on their own. `layout` gives each leaf
     of the `StepInputs` (`treedef`), in order: (shape, dtype, offset into `words`, or -1 for the
     next of `large`). Both depend only on the step's bucket, so they are part of the compiled
@@ -112,7 +112,7 @@ class PackedPlan:
 def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
     """page_copies i32[C, 2]: (src, dst) rows, the real copies first, then padding rows (the null
     page onto itself). Only the real ones are copied, one page at a time in place: copies are rare,
-    and a gather-scatter of all C rows cost about 20 ms a step on CPU (bench-125m, C = 32)."""
+    and a gather-scatter of all C rows costs every step (figures: bench/RESULTS.md)."""
     def copy(i, kv):
         src, dst = page_copies[i, 0], page_copies[i, 1]
         return jax.tree.map(lambda pages: jax.lax.dynamic_update_slice_in_dim(
@@ -197,7 +197,7 @@ class Runner:
         """The step's arguments: the host inputs packed (`PackedPlan`) and replicated on the mesh, the
         same way every step, in one transfer; a large input no row uses (a `Padding`) goes to the
         device only once. A single process hands the host arrays to the compiled step, which places them
-        itself (about 0.2 ms of CPU less per step than placing them first); the compiling call and
+        itself (less host CPU per step than placing them first); the compiling call and
         several processes place them (`place`), so the executable's inputs are always replicated."""
         leaves, treedef = jax.tree.flatten(inputs)
         if shape not in self._layouts:

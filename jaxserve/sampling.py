@@ -175,7 +175,7 @@ class SampleOutput:
 
     def packed(self) -> jax.Array:
         """Every field in one i32[B * (3 + 2K)] buffer, in field order, floats bit for bit: the host
-        fetches a step's samples in one transfer (each array fetched costs about 0.1 ms of CPU)."""
+        fetches a step's samples in one transfer (each array fetched has a fixed host cost)."""
         return jnp.concatenate([(a if a.dtype == jnp.int32 else jax.lax.bitcast_convert_type(a, jnp.int32)).ravel()
                                 for a in jax.tree.leaves(self)])
 
