@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.cpu import build
+from kernels.matmul.quant import QuantizedWeight, dequantize
 
 ENV = "JAXSERVE_MATMUL"
 IMPLEMENTATIONS = ("xla", "cpu")
@@ -79,11 +80,14 @@ def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array
                                preferred_element_type=jnp.float32).astype(dtype or x.dtype)
 
 
-def matmul_t(x: jax.Array, weight: jax.Array, dtype=None, *, impl: str | None = None) -> jax.Array:
+def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:
     """x[..., in] @ weight[out, in]^T -> [..., out], accumulated in float32, returned in `dtype`
     (default: x's). With the "cpu" implementation chosen by default, products of more than
     `row_limit` rows go to XLA's float32 dot (a bfloat16 weight widened first);
-    `impl="cpu"` always runs the kernel."""
+    `impl="cpu"` always runs the kernel. A quantized weight (`quant.py`) is multiplied by
+    `quantized_matmul_t`."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_matmul_t(x, weight, dtype, impl=impl)
     dtype = jnp.dtype(dtype or x.dtype)
     *lead, k = x.shape
     rows = math.prod(lead)
@@ -97,3 +101,10 @@ def matmul_t(x: jax.Array, weight: jax.Array, dtype=None, *, impl: str | None = 
         return matmul_t_reference(x.astype(jnp.float32), weight, dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
     return call(x.reshape(rows, k), weight).reshape(*lead, weight.shape[0])
+
+
+def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:
+    """`matmul_t` with a quantized weight: XLA's dot of x and the weight dequantized to x's dtype
+    (XLA fuses the conversion into the product on TPU and GPU)."""
+    del impl
+    return matmul_t_reference(x, dequantize(weight, x.dtype), dtype)

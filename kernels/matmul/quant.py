@@ -1,0 +1,103 @@
+"""Quantized weights: the two formats a linear layer's weight may be kept in, their jnp reference
+(`dequantize`), and the host-side quantizers that make them from float weights.
+
+Both cut the input dimension into blocks of BLOCK values, each with its own float16 scale, as
+GGUF's Q8_0, Q4_0 and Q4_1 do, so those blocks load as they are (`checkpoints.gguf`):
+
+- "int8": `data` int8 [out, in]; `scales` f16 [out, in / BLOCK]; w = scale * q (Q8_0).
+- "int4": `data` uint8 [out, in / 2], two values a byte in GGUF's order: byte j of a block holds
+  value j in its low nibble and value j + 16 in its high one; `scales` and `mins` f16
+  [out, in / BLOCK]; w = scale * q + min with q in 0..15 (Q4_1; Q4_0's q - 8 is min = -8 scale).
+
+A weight's format follows from its data's dtype (`fmt`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 32
+FORMATS = ("int8", "int4")
+
+
+class QuantizedWeight(NamedTuple):
+    """A weight [out, in] in one of FORMATS (see the top). A pytree: it passes through jit as is."""
+
+    data: jax.Array
+    scales: jax.Array
+    mins: jax.Array | None = None  # int4 only
+
+    @property
+    def fmt(self) -> str:
+        return "int8" if self.data.dtype == jnp.int8 else "int4"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, width = self.data.shape
+        return out, width if self.fmt == "int8" else 2 * width
+
+
+def _nibbles(data):
+    """uint8 [..., n / 2] in GGUF's order -> the values 0..15 as uint8 [..., n]."""
+    *lead, width = data.shape
+    blocks = data.reshape(*lead, width // (BLOCK // 2), BLOCK // 2)
+    return jnp.concatenate([blocks & 0xF, blocks >> 4], axis=-1).reshape(*lead, 2 * width)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The weight as floats [..., in] in `dtype` (computed in float32). Leading dimensions may be
+    any (a gather of an embedding's rows keeps them)."""
+    q = (w.data if w.fmt == "int8" else _nibbles(w.data)).astype(jnp.float32)
+    *lead, width = q.shape
+    q = q.reshape(*lead, width // BLOCK, BLOCK)
+    out = q * w.scales.astype(jnp.float32)[..., None]
+    if w.mins is not None:
+        out = out + w.mins.astype(jnp.float32)[..., None]
+    return out.reshape(*lead, width).astype(dtype)
+
+
+def check_quantizable(shape: tuple[int, ...]) -> str | None:
+    """Why a weight of `shape` cannot be quantized, or None."""
+    if len(shape) != 2 or shape[1] % BLOCK:
+        return f"its input dimension ({shape[-1]}) is not a multiple of {BLOCK}"
+    return None
+
+
+def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
+    """A float weight [out, in] (numpy, on the host) in `fmt`, rounding to nearest: "int8" with
+    each block's largest magnitude at 127, "int4" with each block's range over 0..15."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; choose from {list(FORMATS)}")
+    if why := check_quantizable(w.shape):
+        raise ValueError(f"cannot quantize a weight of shape {w.shape}: {why}")
+    out, width = w.shape
+    blocks = np.asarray(w, np.float32).reshape(out, width // BLOCK, BLOCK)
+    if fmt == "int8":
+        scale = (np.abs(blocks).max(-1) / 127).astype(np.float16)
+        q = np.rint(blocks / _nonzero(scale)[..., None]).clip(-127, 127).astype(np.int8)
+        return QuantizedWeight(q.reshape(out, width), scale)
+    lo, hi = blocks.min(-1), blocks.max(-1)
+    scale, low = ((hi - lo) / 15).astype(np.float16), lo.astype(np.float16)
+    q = np.rint((blocks - low[..., None]) / _nonzero(scale)[..., None]).clip(0, 15).astype(np.uint8)
+    return QuantizedWeight(pack_int4(q.reshape(out, width)), scale, low)
+
+
+def _nonzero(scale: np.ndarray) -> np.ndarray:
+    """A block of zeros has scale 0 and quantizes to zeros."""
+    return np.where(scale == 0, 1, scale).astype(np.float32)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Values 0..15, uint8 [out, in] -> [out, in / 2] in GGUF's order (see the top)."""
+    out, width = q.shape
+    blocks = q.reshape(out, width // BLOCK, 2, BLOCK // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, width // 2)
+
+
+def nbytes(w) -> int:
+    """Bytes a weight (an array or a QuantizedWeight) holds."""
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(w))
