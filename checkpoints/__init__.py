@@ -10,17 +10,27 @@ from pathlib import Path
 
 import jax
 
-from checkpoints.default_model import NAME as DEFAULT_MODEL_NAME
+from checkpoints import builtin
+from checkpoints.builtin import DEFAULT_NAME as DEFAULT_MODEL_NAME
+from checkpoints.default_model import NAME as OFFLINE_MODEL_NAME
 from checkpoints.default_model import default_model_dir
+from checkpoints.gguf import gguf_file, load_gguf_params, model_view, view_file
 from checkpoints.hf import load_hf_params
-from checkpoints.target import ParamTarget
+from checkpoints.target import ParamTarget, quantized_paths
 
 
 def resolve_model(model: str | None) -> Path:
-    """A local directory, the built-in default (None or "jaxserve-tiny"), or a hub id (needs internet)."""
-    if model is None or model == DEFAULT_MODEL_NAME:
+    """The model directory of `model`: a built-in model's name (None: DEFAULT_MODEL_NAME, fetched
+    once; OFFLINE_MODEL_NAME, random weights, written locally), a local directory, a GGUF file or a
+    directory holding one (a view of it, `checkpoints.gguf`), or a hub id (needs internet)."""
+    name = model or DEFAULT_MODEL_NAME
+    if name == OFFLINE_MODEL_NAME:
         return default_model_dir()
-    path = Path(model).expanduser()
+    if name in builtin.MODELS:
+        return model_view(builtin.fetch(name))
+    path = Path(name).expanduser()
+    if (file := gguf_file(path)) is not None:
+        return model_view(file)
     if path.is_dir():
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
@@ -36,12 +46,15 @@ def resolve_model(model: str | None) -> Path:
 
 def load_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str, jax.Array]:
     """The parameters of `target`, by path, from an Orbax directory made by `jaxserve.convert`,
-    or from HF safetensors."""
+    a view of a GGUF file, or HF safetensors."""
     from checkpoints.orbax_io import is_orbax_dir, restore
 
+    if view_file(model_dir) is not None:
+        return load_gguf_params(model_dir, target, dtype)
     if is_orbax_dir(model_dir):
         return restore(model_dir, target, dtype)
     return load_hf_params(model_dir, target, dtype)
 
 
-__all__ = ["DEFAULT_MODEL_NAME", "ParamTarget", "default_model_dir", "load_hf_params", "load_params", "resolve_model"]
+__all__ = ["DEFAULT_MODEL_NAME", "OFFLINE_MODEL_NAME", "ParamTarget", "default_model_dir", "load_hf_params", "load_params",
+           "quantized_paths", "resolve_model", "view_file"]

@@ -68,15 +68,6 @@ def load_hf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> di
                     if path in target.unused:
                         continue
                     raise ValueError(f"tensor {name!r} in {file} does not fit this {target.architecture} config")
-                array = f.get_tensor(name)
-                want = tuple(target.shapes[path])
-                if array.shape != want:
-                    raise ValueError(f"tensor {name!r} in {file} has shape {tuple(array.shape)}, expected {want} "
-                                     "from config.json")
-                array = np.ascontiguousarray(array).astype(jnp.dtype(dtype), copy=False)
-                loaded[path] = target.place(array, target.sharding(path)) if target.sharding is not None \
-                    else jnp.asarray(array)
-    missing = sorted(set(target.shapes) - set(loaded))
-    if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]} (decoder paths)")
+                target.put(loaded, path, f.get_tensor(name), dtype, source=f"{name!r} in {file}")
+    target.check_complete(loaded, model_dir)
     return loaded

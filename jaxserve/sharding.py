@@ -77,15 +77,17 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
     return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
 
 
-def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig,
-                    rules: Sequence[tuple[str, P, str]]) -> NamedSharding:
+def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig, rules: Sequence[tuple[str, P, str]],
+                    shape: Sequence[int] = ()) -> NamedSharding:
     """The sharding of the weight at `path`: the first of `rules` (parameter path pattern, spec, the
     ModelConfig count that must divide the mesh size) that matches, else replicated; replicated
-    too where the count does not divide."""
+    too where the count, or a split dimension of `shape` (a quantized matrix's blocks), does not divide."""
     size = mesh.shape[AXIS]
     for pattern, spec, count in rules:
         if re.fullmatch(pattern, path):
-            return NamedSharding(mesh, spec if getattr(cfg, count) % size == 0 else P())
+            divides = getattr(cfg, count) % size == 0 and all(
+                shape[dim] % size == 0 for dim, axis in enumerate(spec) if axis is not None and dim < len(shape))
+            return NamedSharding(mesh, spec if divides else P())
     return NamedSharding(mesh, P())
 
 

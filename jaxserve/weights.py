@@ -1,23 +1,31 @@
 """A model's weights from its checkpoint: the family's abstract model says what to load, `checkpoints` reads it.
 
+`weight_formats` says which matrices are kept quantized (`EngineConfig.quantization`);
 `param_target` describes the parameters for `checkpoints` (paths and shapes of the abstract model,
-the family's HF name map, each weight's sharding on the mesh); `load_weights` fills the model's
-(graphdef, state) with what it reads; `convert_checkpoint` writes an Orbax copy that loads faster.
+the family's HF name map, each weight's sharding on the mesh, the quantized formats);
+`load_weights` fills the model's (graphdef, state) with what it reads; `convert_checkpoint` writes
+an Orbax copy that loads faster.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from checkpoints import ParamTarget, load_params
+from checkpoints import ParamTarget, load_params, quantized_paths, view_file
+from checkpoints.gguf import tensor_formats
 from checkpoints.orbax_io import convert
 from jaxserve.config import ModelConfig
-from jaxserve.models import MODEL_REGISTRY, abstract_model
+from jaxserve.models import MODEL_REGISTRY, abstract_model, quantizable_modules
 from jaxserve.sharding import place, weight_sharding
+from kernels.matmul.quant import check_quantizable
+
+log = logging.getLogger(__name__)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
@@ -44,29 +52,73 @@ def _unflatten(flat: dict[str, object]) -> dict:
     return tree
 
 
-def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None) -> ParamTarget:
-    """What `checkpoints` loads for the model of `cfg` whose (abstract) state is `state`; with a
-    mesh, each weight into its sharding (the family's partition rules)."""
+def weight_formats(model_dir: str | Path, cfg: ModelConfig, quantization: str | None) -> dict[str, str]:
+    """The path of each matrix kept quantized -> its format. A GGUF file decides by default (and for
+    "gguf"): each tensor as its type (`checkpoints.gguf.KEPT_AS`); "none" keeps every matrix in
+    floats; "int8" and "int4" quantize every linear layer, and the LM head (tied: the embedding) in
+    int8, the part of the model whose errors every logit sees."""
+    gguf = view_file(model_dir)
+    if quantization == "gguf" and gguf is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF file, and {model_dir} is not one")
+    if quantization in (None, "gguf"):
+        return tensor_formats(gguf, MODEL_REGISTRY[cfg.architecture].hf_name_map) if gguf is not None else {}
+    if quantization == "none":
+        return {}
     family = MODEL_REGISTRY[cfg.architecture]
+    model = abstract_model(cfg, jnp.float32)
+    heads = family.tied_head if not cfg.tie_word_embeddings else {"embed_tokens.embedding"}
+    formats, skipped = {}, []
+    for module_path, module in quantizable_modules(model).items():
+        path = f"{module_path}.{module.WEIGHT}"
+        if module.WEIGHT == "embedding" and path not in heads:
+            continue  # (a lookup reads a few rows: nothing to gain)
+        if check_quantizable(getattr(module, module.WEIGHT).shape):
+            skipped.append(path)
+            continue
+        formats[path] = "int8" if path in heads else quantization
+    if skipped:
+        log.warning("%d matrices stay in floats: their input dimension is not a multiple of the block (%s)",
+                    len(skipped), ", ".join(skipped[:3]))
+    return formats
+
+
+def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
+                 formats: dict[str, str] | None = None) -> ParamTarget:
+    """What `checkpoints` loads for the model of `cfg` whose (abstract) state is `state`; with a
+    mesh, each weight into its sharding (the family's partition rules: a quantized matrix's scales
+    and mins follow its data, split only where their blocks divide over the mesh)."""
+    family = MODEL_REGISTRY[cfg.architecture]
+    formats = formats or {}
     shapes = {path: tuple(leaf.shape) for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
-    sharding = None if mesh is None else (lambda path: weight_sharding(mesh, path, cfg, family.partition_rules))
+    matrix_of = {part: path for path in formats for part in quantized_paths(path)}
+
+    def sharding(path: str):
+        matrix = matrix_of.get(path, path)
+        blocks = shapes[quantized_paths(matrix)[1]] if matrix in formats else shapes[path]
+        return weight_sharding(mesh, matrix, cfg, family.partition_rules, blocks)
+
     return ParamTarget(architecture=cfg.architecture, shapes=shapes, hf_name_map=family.hf_name_map,
-                       unused=family.tied_head if cfg.tie_word_embeddings else frozenset(), sharding=sharding,
-                       place=place)
+                       unused=family.tied_head if cfg.tie_word_embeddings else frozenset(),
+                       sharding=None if mesh is None else sharding, place=place, formats=formats)
 
 
-def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str,
-                 mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's (graphdef, state) with the weights of `model_dir` (HF safetensors, or Orbax made
-    by `convert_checkpoint`) in `dtype`; with a mesh, each weight goes straight into its sharding."""
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype)))
-    params = load_params(model_dir, param_target(cfg, state, mesh), dtype)
+def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None,
+                 quantization: str | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's (graphdef, state) with the weights of `model_dir` (HF safetensors, a GGUF view, or
+    Orbax made by `convert_checkpoint`) in `dtype`, matrices kept as `weight_formats` says; with a
+    mesh, each weight goes straight into its sharding."""
+    formats = weight_formats(model_dir, cfg, quantization)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
+    params = load_params(model_dir, param_target(cfg, state, mesh, formats), dtype)
     nnx.replace_by_pure_dict(state, _unflatten(params))
     return graphdef, state
 
 
-def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
-    """Write an Orbax copy of the HF checkpoint `hf_dir` (weights in `dtype`) to `out_dir`."""
+def convert_checkpoint(hf_dir: str | Path, out_dir: str | Path, dtype: str = "float32",
+                       quantization: str | None = None) -> Path:
+    """Write an Orbax copy of the checkpoint `hf_dir` (weights in `dtype`, matrices kept as
+    `weight_formats` says) to `out_dir`."""
     cfg = ModelConfig.from_hf(hf_dir)
-    target = param_target(cfg, nnx.state(abstract_model(cfg, jnp.dtype(dtype))))
+    formats = weight_formats(hf_dir, cfg, quantization)
+    target = param_target(cfg, nnx.state(abstract_model(cfg, jnp.dtype(dtype), formats)), formats=formats)
     return convert(hf_dir, out_dir, target, dtype)

@@ -12,7 +12,7 @@ import httpx
 
 MODEL = "jaxserve-tiny"
 MAX_MODEL_LEN = 320
-ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, num_pages=64)
+ENGINE = dict(model="jaxserve-tiny", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, num_pages=64)
 
 
 def free_port() -> int:

@@ -38,7 +38,7 @@ def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
     """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
     penalties, biases, n, stop strings, logprobs, prompt logprobs, allowed tokens, bad words and
     grammars."""
-    llm = LLM(None, **CROWDED_ENGINE)
+    llm = LLM(**CROWDED_ENGINE)
     rng = np.random.default_rng(0)
     prompts, params = [], []
     for i in range(100):
@@ -72,11 +72,11 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     executable comes from the disk cache, and generates the same tokens. A damaged entry is
     compiled again."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a fresh cache (and a fresh jaxserve-tiny)
-    settings = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    settings = dict(model="jaxserve-tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
     prompts = [[5, 6, 7, 8, 9], list(range(40, 61))]
     params = SamplingParams(max_tokens=12, temperature=0.9, seed=11)
     with CompileCounter() as counter:
-        first = LLM(None, **settings)
+        first = LLM(**settings)
     assert counter.count > 0
     buckets = len(first.engine.config.step_buckets)
     entries = sorted((tmp_path / "jaxserve" / "executables").glob("*.executable"))
@@ -86,12 +86,12 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     with CompileCounter(events=(CompileCounter.LOWER, CompileCounter.COMPILE)) as counter:
         # (loading the weights traces the model's shapes, nothing more; settings only the host reads
         # may differ)
-        second = LLM(None, **{**settings, "seed": 4, "enable_prefix_caching": False})
+        second = LLM(**{**settings, "seed": 4, "enable_prefix_caching": False})
     assert counter.count == 0
     assert [o.outputs[0].token_ids for o in second.generate(prompts, params)] == want
 
     entries[0].write_bytes(b"not an executable")
-    third = LLM(None, **settings)
+    third = LLM(**settings)
     assert "compiling it again" in caplog.text
     assert [o.outputs[0].token_ids for o in third.generate(prompts, params)] == want
     assert len(list(entries[0].parent.glob("*.executable"))) == buckets

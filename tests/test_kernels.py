@@ -164,7 +164,7 @@ def test_tpu_kernel_through_the_engine_matches_the_default_attention(tmp_path, m
     tpu_kernel = dispatch.IMPLEMENTATIONS["tpu"]
     monkeypatch.setitem(dispatch.IMPLEMENTATIONS, "tpu",
                         lambda *args, **options: calls.append(options) or tpu_kernel(*args, **options))
-    settings = dict(max_model_len=32, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
+    settings = dict(model="jaxserve-tiny", max_model_len=32, page_size=8, max_num_seqs=2, max_num_batched_tokens=16)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (21, 3)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
@@ -172,7 +172,7 @@ def test_tpu_kernel_through_the_engine_matches_the_default_attention(tmp_path, m
     for impl in (None, "tpu-interpret"):
         if impl:
             monkeypatch.setenv(dispatch.ENV, impl)
-        results.append(LLM(None, **settings).generate(prompts, params, use_tqdm=False))
+        results.append(LLM(**settings).generate(prompts, params, use_tqdm=False))
         assert bool(calls) == bool(impl) and all(options["interpret"] for options in calls)
     for want, got in zip(*results):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids

@@ -20,7 +20,7 @@ from jaxserve.tokenizer import loops_over_content
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(**SMALL_ENGINE)  # model=None: the built-in jaxserve-tiny (random weights)
+    return LLM(**SMALL_ENGINE)  # the built-in jaxserve-tiny (random weights)
 
 
 def test_prompt_forms_and_output_shape(default_llm):

@@ -35,7 +35,7 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
         ca.configure_trust(context)
         client = httpx.Client(timeout=30, verify=context)
     proc = subprocess.Popen(
-        [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
+        [sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
          "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01",
          "--log-stats-interval", "0.2", "--max-logprobs", "3", "--enforce-eager", "--swap-space", "4",

@@ -70,7 +70,7 @@ def _matching():
     import llguidance.hf
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(resolve_model(None)))
+    hf = AutoTokenizer.from_pretrained(str(resolve_model("jaxserve-tiny")))
     return llguidance.hf.from_tokenizer(hf), hf
 
 

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models import llama
-from jaxserve.models.layers import KVCache, ModelInputs
+from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import rope_table
 
 if TYPE_CHECKING:
@@ -52,10 +52,27 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
 }
 
 
-def abstract_model(cfg: ModelConfig, dtype) -> nnx.Module:
-    """The model with shapes only (no memory): the template weights are loaded into."""
+def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None) -> nnx.Module:
+    """The model with shapes only (no memory): the template weights are loaded into. `formats`:
+    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`)."""
     family = MODEL_REGISTRY[cfg.architecture]
-    return nnx.eval_shape(lambda: family.model(cfg, dtype, nnx.Rngs(0)))
+
+    def build():
+        model = family.model(cfg, dtype, nnx.Rngs(0))
+        for path, fmt in (formats or {}).items():
+            module_path, _, name = path.rpartition(".")
+            module = quantizable_modules(model).get(module_path)
+            if module is None or name != module.WEIGHT:
+                raise ValueError(f"{path} is not a matrix that can be kept quantized")
+            module.quantize(fmt)
+        return model
+
+    return nnx.eval_shape(build)
+
+
+def quantizable_modules(model: nnx.Module) -> dict[str, Quantizable]:
+    """Module path ("layers.0.mlp.up_proj") -> every module whose matrix may be kept quantized."""
+    return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, Quantizable)}
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs):
@@ -72,4 +89,4 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
 
 
 __all__ = ["MODEL_REGISTRY", "KVCache", "ModelFamily", "ModelInputs", "ModelOptions", "abstract_model", "forward",
-           "head_logits", "rope_table"]
+           "head_logits", "quantizable_modules", "rope_table"]

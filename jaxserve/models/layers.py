@@ -5,6 +5,10 @@ decode token (`ModelInputs`). Attention (`attend`) writes the step's keys and va
 paged cache (`KVCache`), then reads it through `kernels.paged_attention`. Linear weights are
 stored [out, in], as Hugging Face stores them, so checkpoints load without a transpose.
 
+A linear layer's or an embedding's matrix may be kept quantized (`Quantizable`, formats of
+`kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
+the weights' formats for their quantized parameters before any weight is loaded.
+
 Nothing here knows a family's names or options: those live in the family's own file.
 """
 
@@ -16,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels import matmul_t, paged_attention, write_kv
+from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
 
 @flax.struct.dataclass
@@ -54,7 +59,30 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * x32.astype(x.dtype)
 
 
-class Linear(nnx.Module):
+class Quantizable(nnx.Module):
+    """A module with one matrix [out, in] (its parameter WEIGHT) that may be kept quantized: then
+    the parameter holds the quantized data, beside `scales` (and `mins`, int4)."""
+
+    WEIGHT = "weight"
+    scales = mins = None  # set by `quantize`
+
+    def quantize(self, fmt: str) -> None:
+        """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded)."""
+        out, width = getattr(self, self.WEIGHT)[...].shape
+        packed = width if fmt == "int8" else width // 2
+        setattr(self, self.WEIGHT, nnx.Param(jnp.zeros((out, packed), jnp.int8 if fmt == "int8" else jnp.uint8)))
+        self.scales = nnx.Param(jnp.zeros((out, width // BLOCK), jnp.float16))
+        self.mins = nnx.Param(jnp.zeros((out, width // BLOCK), jnp.float16)) if fmt == "int4" else None
+
+    def matrix(self) -> jax.Array | QuantizedWeight:
+        """What `matmul_t` takes: the float matrix, or its quantized parts."""
+        weight = getattr(self, self.WEIGHT)[...]
+        if self.scales is None:
+            return weight
+        return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
+
+
+class Linear(Quantizable):
     """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it. The product
     accumulates in float32 and returns the input dtype (`kernels.matmul_t`, which picks the
     backend's implementation)."""
@@ -65,8 +93,27 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x):
-        y = matmul_t(x, self.weight[...])
+        y = matmul_t(x, self.matrix())
         return y if self.bias is None else y + self.bias[...]
+
+
+class Embedding(Quantizable):
+    """Token embeddings [vocab, hidden] (under NNX's `Embed`'s parameter name); its matrix is also a
+    tied LM head's weight."""
+
+    WEIGHT = "embedding"
+
+    def __init__(self, vocab_size: int, dim: int, dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.variance_scaling(1.0, "fan_in", "normal", out_axis=0)
+        self.embedding = nnx.Param(init(rngs.params(), (vocab_size, dim), dtype))
+        self.dtype = dtype
+
+    def __call__(self, token_ids):
+        table = self.matrix()
+        if isinstance(table, QuantizedWeight):  # only the rows looked up are dequantized
+            return dequantize(QuantizedWeight(*(None if part is None else part[token_ids] for part in table)),
+                              self.dtype)
+        return table[token_ids]
 
 
 class GatedMLP(nnx.Module):

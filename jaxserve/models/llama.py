@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import GatedMLP, KVCache, Linear, ModelInputs, RMSNorm, attend
+from jaxserve.models.layers import Embedding, GatedMLP, KVCache, Linear, ModelInputs, RMSNorm, attend
 from jaxserve.models.rope import apply_rope
 from jaxserve.sharding import AXIS
 from kernels import matmul_t
@@ -132,7 +132,7 @@ class DecoderLayer(nnx.Module):
 
 class LlamaDecoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
@@ -150,5 +150,5 @@ class LlamaDecoder(nnx.Module):
     def logits(self, x: jax.Array) -> jax.Array:
         """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
         # tied: the embedding matrix [vocab, hidden] is the head's weight
-        head = self.embed_tokens.embedding[...] if self.lm_head is None else self.lm_head.weight[...]
+        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
         return matmul_t(self.norm(x), head, jnp.float32)

@@ -1,0 +1,285 @@
+"""GGUF files (llama.cpp's format) -> a model directory and the model's parameters.
+
+A GGUF file holds the config, the tokenizer, the chat template and the weights. `model_view`
+writes what the rest of jaxserve reads from a Hugging Face directory (config.json,
+generation_config.json, the tokenizer files, made by transformers from the file's metadata) once
+into the cache, beside a pointer to the file (VIEW_MARKER); `load_gguf_params` reads the tensors
+from the file itself (`gguf`, llama.cpp's own reader, memory maps it).
+
+A tensor goes to the format its parameter is kept in (`ParamTarget.formats`): blocks of Q8_0,
+Q4_0 and Q4_1 are the int8 and int4 formats of `kernels.matmul.quant` as they lie; other types
+are dequantized, then quantized again where kept quantized, or cast to the float dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from checkpoints.default_model import cache_root
+from checkpoints.target import ParamTarget
+from kernels.matmul.quant import BLOCK, QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+VIEW_MARKER = "gguf.json"  # in a model view: {"file": the GGUF file}
+VIEW_VERSION = 1  # bump when the files a view holds change
+# GGUF general.architecture -> the Hugging Face architecture it is served as
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
+PERMUTED_QK = ("llama",)
+# the tensor types read; the others are an error naming them
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+DIRECT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}  # types whose blocks are a format as they lie
+# the format a tensor of each quantized type is kept in when the file decides (quantization "gguf")
+KEPT_AS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8",
+           "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
+
+# GGUF tensor name -> Hugging Face's (then the family's name map takes it to a parameter path)
+HF_NAMES = {
+    r"token_embd\.weight": r"model.embed_tokens.weight",
+    r"output_norm\.weight": r"model.norm.weight",
+    r"output\.weight": r"lm_head.weight",
+    r"blk\.(\d+)\.attn_norm\.weight": r"model.layers.\1.input_layernorm.weight",
+    r"blk\.(\d+)\.ffn_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
+    r"blk\.(\d+)\.attn_(q|k|v)\.(weight|bias)": r"model.layers.\1.self_attn.\2_proj.\3",
+    r"blk\.(\d+)\.attn_output\.(weight|bias)": r"model.layers.\1.self_attn.o_proj.\2",
+    r"blk\.(\d+)\.attn_(q|k)_norm\.weight": r"model.layers.\1.self_attn.\2_norm.weight",
+    r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)": r"model.layers.\1.mlp.\2_proj.\3",
+}
+IGNORED = re.compile(r"rope_freqs\.weight")  # checked against the config instead (`_check_rope_freqs`)
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def gguf_file(model: Path) -> Path | None:
+    """The GGUF file `model` names: the file itself, or the only one in a directory without
+    config.json."""
+    if is_gguf(model):
+        return model
+    if model.is_dir() and not (model / "config.json").is_file():
+        files = sorted(model.glob("*.gguf"))
+        if len(files) > 1:
+            raise ValueError(f"{model} holds {len(files)} GGUF files ({', '.join(f.name for f in files)}): "
+                             "name one")
+        return files[0] if files else None
+    return None
+
+
+@functools.cache
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def metadata(path: Path) -> dict:
+    """The file's key-value metadata (arrays of tokens and merges included)."""
+    return {key: field.contents() for key, field in _reader(path).fields.items()}
+
+
+def hf_config(path: Path) -> dict:
+    """config.json's fields from the file's metadata."""
+    meta = metadata(path)
+    arch = meta["general.architecture"]
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+
+    def get(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    heads = get("attention.head_count")
+    names = {t.name for t in _reader(path).tensors}
+    config = {
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
+        "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", get("embedding_length") // heads),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0), "max_position_embeddings": get("context_length", 4096),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu", "torch_dtype": "bfloat16",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"), "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor", 1.0),
+                                  "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+    if "rope_freqs.weight" in names:
+        config["rope_scaling"] = _llama3_rope(path, config)
+    if arch == "qwen2":
+        config["attention_bias"] = False  # (Qwen2's q/k/v biases come with the architecture)
+    return config
+
+
+def _llama3_rope(path: Path, config: dict) -> dict:
+    """Llama 3.1's rope scaling, which llama.cpp keeps as a tensor of frequency factors: recognised
+    by recomputing them from Llama 3's published parameters (any other factors are an error)."""
+    freqs = next(t for t in _reader(path).tensors if t.name == "rope_freqs.weight")
+    factors = np.asarray(freqs.data, np.float32)
+    dim, theta = config["head_dim"], config["rope_theta"]
+    wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor, low, high, original = float(factors.max()), 1.0, 4.0, 8192
+    smooth = np.clip((original / wavelen - low) / (high - low), 0, 1)
+    expected = np.where(wavelen < original / high, 1.0,
+                        np.where(wavelen > original / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+    if not np.allclose(factors, expected, rtol=1e-3):
+        raise ValueError(f"{path}: rope_freqs.weight is not Llama 3's rope scaling, which is all that is supported")
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
+
+
+def model_view(path: Path) -> Path:
+    """A model directory for the GGUF file `path` (see the top), written into the cache on first use."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(repr((str(path), stat.st_size, stat.st_mtime_ns, VIEW_VERSION)).encode()).hexdigest()[:16]
+    view = cache_root() / "gguf" / f"{path.stem}-{key}"
+    if (view / VIEW_MARKER).is_file():
+        return view
+    view.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=view.parent, prefix=".view-"))
+    try:
+        config = hf_config(path)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}, indent=2))
+        _write_tokenizer(path, tmp)
+        (tmp / VIEW_MARKER).write_text(json.dumps({"file": str(path)}, indent=2))
+        try:
+            tmp.rename(view)  # atomic; a concurrent writer may have won the race
+        except OSError:
+            if not (view / VIEW_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return view
+
+
+def _write_tokenizer(path: Path, out: Path) -> None:
+    """The tokenizer transformers builds from the file's metadata, with its chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    template = metadata(path).get("tokenizer.chat_template")
+    if template:
+        tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(out))
+
+
+def view_file(model_dir: str | Path) -> Path | None:
+    """The GGUF file a model view points at, or None for any other directory."""
+    marker = Path(model_dir) / VIEW_MARKER
+    return Path(json.loads(marker.read_text())["file"]) if marker.is_file() else None
+
+
+def tensor_formats(path: Path, name_map) -> dict[str, str]:
+    """Parameter path -> the format its tensor is kept in when the file decides (KEPT_AS); float
+    tensors are left out. `name_map`: HF name pattern -> parameter path (the family's)."""
+    out = {}
+    for tensor in _reader(path).tensors:
+        param = _param_path(tensor.name, name_map)
+        kind = tensor.tensor_type.name
+        if param is not None and kind in KEPT_AS:
+            out[param] = KEPT_AS[kind]
+    return out
+
+
+def _param_path(name: str, name_map) -> str | None:
+    for pattern, hf in HF_NAMES.items():
+        if re.fullmatch(pattern, name):
+            hf_name = re.sub(pattern, hf, name)
+            return next((re.sub(p, to, hf_name) for p, to in name_map.items() if re.fullmatch(p, hf_name)), None)
+    return None
+
+
+def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict:
+    """Every tensor of the view's GGUF file, by parameter path, in the format `target` keeps it in
+    (quantized parts under their own paths, see `ParamTarget.put`)."""
+    path = view_file(model_dir)
+    reader = _reader(path)
+    arch = metadata(path)["general.architecture"]
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    loaded: dict = {}
+    requantized: dict[str, set] = {}
+    for tensor in reader.tensors:
+        kind = tensor.tensor_type.name
+        if IGNORED.fullmatch(tensor.name):
+            continue
+        if kind not in SUPPORTED_TYPES:
+            raise ValueError(f"tensor {tensor.name!r} of {path} is of type {kind}, which is not supported; "
+                             f"supported: {', '.join(SUPPORTED_TYPES)}")
+        param = _param_path(tensor.name, target.hf_name_map)
+        if param is None:
+            raise ValueError(f"unexpected tensor {tensor.name!r} in {path} for a {target.architecture} model")
+        if param in target.unused:
+            continue
+        fmt = target.formats.get(param)
+        if fmt is not None and DIRECT.get(kind) == fmt:
+            value = _blocks(tensor.data, kind)
+        else:
+            value = _dequantized(tensor)
+            if fmt is not None:
+                requantized.setdefault(f"{kind} -> {fmt}", set()).add(tensor.name)
+        if arch in PERMUTED_QK and re.search(r"attn_[qk]\.", tensor.name):
+            heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
+            value = _unpermute(value, heads)
+        target.put(loaded, param, value, dtype, source=f"{tensor.name!r} of {path}")
+    for change, names in requantized.items():
+        log.info("GGUF %s: %d tensors dequantized and quantized again (%s)", change, len(names),
+                 ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else ""))
+    target.check_complete(loaded, path)
+    return loaded
+
+
+def _dequantized(tensor) -> np.ndarray:
+    """A tensor as float32 in its logical shape ([out, in] for a matrix)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    kind = tensor.tensor_type
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return np.asarray(tensor.data, np.float32)
+    return dequantize(tensor.data, kind).astype(np.float32, copy=False)
+
+
+def _blocks(data: np.ndarray, kind: str) -> QuantizedWeight:
+    """Q8_0, Q4_0 or Q4_1 rows of blocks (uint8 [out, bytes]) as a QuantizedWeight, copied apart."""
+    rows = data.shape[0]
+    head = 4 if kind == "Q4_1" else 2  # the block's f16 fields before its values
+    width = head + (BLOCK if kind == "Q8_0" else BLOCK // 2)
+    blocks = np.asarray(data).reshape(rows, -1, width)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
+    values = np.ascontiguousarray(blocks[..., head:]).reshape(rows, -1)
+    if kind == "Q8_0":
+        return QuantizedWeight(values.view(np.int8), scales)
+    mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1"
+            else (-8 * scales).astype(np.float16))
+    return QuantizedWeight(values, scales, mins)
+
+
+def _unpermute(value, heads: int):
+    """Undo llama.cpp's interleaving of each head's rows (for its rope layout) on q and k: a row
+    permutation, so the rows of quantized blocks move as they are."""
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a.reshape(heads, a.shape[0] // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(*(None if part is None else rows(part) for part in value))
+    return rows(value)
