@@ -31,12 +31,12 @@ BF16_LOGPROB_ATOL = 0.15
 
 
 def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size: int = 16,
-                   dtype: str = "float32", kv_cache_dtype: str = "auto") -> np.ndarray:
+                   dtype: str = "float32", kv_cache_dtype: str = "auto", quantization: str | None = None) -> np.ndarray:
     """Logits at every position of one sequence fed to the decoder in `chunks` (sizes summing to len)."""
     cfg = ModelConfig.from_hf(model_dir)
     engine_cfg = EngineConfig(max_model_len=128, page_size=page_size, num_pages=16, dtype=dtype,
                               kv_cache_dtype=kv_cache_dtype).resolve(cfg)
-    graphdef, state = load_weights(model_dir, cfg, dtype)
+    graphdef, state = load_weights(model_dir, cfg, dtype, quantization=quantization)
     kv = allocate_kv_cache(cfg, engine_cfg)
     pages = np.array([9, 3, 14, 6, 11, 2, 7, 12], np.int32)  # out of order on purpose
     out, start = [], 0
