@@ -1,0 +1,102 @@
+"""--quantization int8 / int4 from float checkpoints, for every architecture, on 1 and 8 devices.
+
+The reference is the same checkpoint with each matrix that is kept quantized replaced by its
+dequantized values, in float32: both compute with the same weights, and what differs is only how
+(the quantized products, on a mesh). Invariants, as for the real model (test_gguf): top-1
+agreement >= 97 % and mean KL divergence <= 0.01 nats; a matrix's scales are split over the
+mesh with its data, and replicated with it where their blocks do not divide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hf_models import ARCHITECTURES
+from safetensors.numpy import load_file, save_file
+from test_gguf import MAX_KL, MIN_TOP1, agreement
+
+from jaxserve.config import ModelConfig
+from jaxserve.weights import weight_formats
+from kernels.matmul.quant import dequantize, quantize
+
+HERE = Path(__file__).resolve().parent
+HF_NAMES = {"embed_tokens.embedding": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
+
+
+def dequantized_twin(model_dir: Path, quantization: str, out: Path) -> Path:
+    """A copy of the checkpoint whose matrices kept quantized hold their dequantized values."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    formats = weight_formats(model_dir, ModelConfig.from_hf(model_dir), quantization)
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(file)
+        for path, fmt in formats.items():
+            name = HF_NAMES.get(path, f"model.{path}")
+            if name in tensors:
+                tensors[name] = np.asarray(dequantize(quantize(tensors[name], fmt)), np.float32)
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    return out
+
+
+def run_worker(model_dir: Path, quantization: str, sizes: tuple[int, ...], ids: list[int]) -> dict:
+    path = os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": path}
+    args = [sys.executable, str(HERE / "quant_worker.py"), str(model_dir), quantization,
+            ",".join(map(str, sizes)), json.dumps(ids)]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, cwd=HERE.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def check_quantized(arch: str, quantization: str, sizes: tuple[int, ...], hf_checkpoint, tmp_path) -> dict:
+    model, model_dir = hf_checkpoint(arch)
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, size=40).tolist()
+    twin = dequantized_twin(model_dir, quantization, tmp_path / "twin")
+    want = np.array(run_worker(twin, "None", (1,), ids)[1]["logits"])
+    results = run_worker(model_dir, quantization, sizes, ids)
+    for tp, result in results.items():
+        top1, kl = agreement(np.array(result["logits"]), want)
+        assert top1 >= MIN_TOP1 and kl <= MAX_KL, (tp, top1, kl)
+    return results
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_llama_quantized_at_load_on_8_devices(quantization, hf_checkpoint, tmp_path):
+    """hidden 64 (2 blocks), intermediate 128 (4 blocks): on 8 devices up_proj is split by rows
+    with its scales; down_proj's 4 blocks of input do not divide over 8, so it is replicated whole."""
+    results = check_quantized("llama", quantization, (1, 8), hf_checkpoint, tmp_path)
+    placed = results[8]["placed"]
+    width = 128 if quantization == "int8" else 64
+    assert placed["up_proj.weight"] == [[128 // 8, 64 if quantization == "int8" else 32], 8]
+    assert placed["up_proj.scales"] == [[128 // 8, 2], 8]
+    assert placed["down_proj.weight"] == [[64, width], 8] and placed["down_proj.scales"] == [[64, 4], 8]
+    assert ("up_proj.mins" in placed) == (quantization == "int4")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "llama"])
+def test_every_architecture_quantized_at_load(arch, quantization, hf_checkpoint, tmp_path):
+    check_quantized(arch, quantization, (1, 8), hf_checkpoint, tmp_path)
+
+
+def test_weight_formats():
+    """Every linear layer in the format asked for, the LM head in int8; a GGUF file's own types by
+    default; none for a float checkpoint unless asked."""
+    from checkpoints import default_model_dir
+
+    d = default_model_dir()
+    cfg = ModelConfig.from_hf(d)
+    assert weight_formats(d, cfg, None) == weight_formats(d, cfg, "none") == {}
+    formats = weight_formats(d, cfg, "int4")
+    assert formats["lm_head.weight"] == "int8" and formats["layers.3.mlp.down_proj.weight"] == "int4"
+    assert "embed_tokens.embedding" not in formats and len(formats) == 7 * cfg.num_layers + 1
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        weight_formats(d, cfg, "gguf")
