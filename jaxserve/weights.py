@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from checkpoints import ParamTarget, load_params, quantized_paths, view_file
 from checkpoints.gguf import tensor_formats
-from checkpoints.orbax_io import convert
+from checkpoints.orbax_io import convert, is_orbax_dir, saved_formats
 from jaxserve.config import ModelConfig
 from jaxserve.models import MODEL_REGISTRY, abstract_model, quantizable_modules
 from jaxserve.sharding import place, weight_sharding
@@ -53,10 +53,12 @@ def _unflatten(flat: dict[str, object]) -> dict:
 
 
 def weight_formats(model_dir: str | Path, cfg: ModelConfig, quantization: str | None) -> dict[str, str]:
-    """The path of each matrix kept quantized -> its format. A GGUF file decides by default (and for
-    "gguf"): each tensor as its type (`checkpoints.gguf.KEPT_AS`); "none" keeps every matrix in
+    """The path of each matrix kept quantized -> its format. An Orbax copy keeps what it was converted
+    with by default; a GGUF file decides by default (and for "gguf"): each tensor as its type (`checkpoints.gguf.KEPT_AS`); "none" keeps every matrix in
     floats; "int8" and "int4" quantize every linear layer, and the LM head (tied: the embedding) in
     int8, the part of the model whose errors every logit sees."""
+    if is_orbax_dir(model_dir) and quantization is None:
+        return saved_formats(model_dir)  # (as it was converted)
     gguf = view_file(model_dir)
     if quantization == "gguf" and gguf is None:
         raise ValueError(f"quantization='gguf' needs a GGUF file, and {model_dir} is not one")

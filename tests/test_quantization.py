@@ -100,3 +100,24 @@ def test_weight_formats():
     assert "embed_tokens.embedding" not in formats and len(formats) == 7 * cfg.num_layers + 1
     with pytest.raises(ValueError, match="needs a GGUF file"):
         weight_formats(d, cfg, "gguf")
+
+
+def test_an_orbax_copy_keeps_the_matrices_quantized(tmp_path):
+    """Converted with --quantization int4, restored as it was converted (and nothing else)."""
+    import jax
+
+    from checkpoints import default_model_dir
+    from jaxserve.weights import convert_checkpoint, load_weights
+
+    d = default_model_dir()
+    cfg = ModelConfig.from_hf(d)
+    out = convert_checkpoint(d, tmp_path / "orbax", "float32", "int4")
+    _, want = load_weights(d, cfg, "float32", quantization="int4")
+    _, got = load_weights(out, cfg, "float32")
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert got["layers"][0]["mlp"]["up_proj"]["weight"][...].dtype == np.uint8
+    with pytest.raises(ValueError, match="quantization it was converted with"):
+        load_weights(out, cfg, "float32", quantization="int8")
