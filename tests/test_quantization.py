@@ -121,3 +121,22 @@ def test_an_orbax_copy_keeps_the_matrices_quantized(tmp_path):
     assert got["layers"][0]["mlp"]["up_proj"]["weight"][...].dtype == np.uint8
     with pytest.raises(ValueError, match="quantization it was converted with"):
         load_weights(out, cfg, "float32", quantization="int8")
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_products_lower_for_tpu_and_gpu(platform, fmt):
+    """Lowered from this CPU: the weight enters the step as its int8 / packed uint8 blocks (it stays
+    at its quantized size in device memory) and is converted next to the bfloat16 product, which
+    XLA fuses into the dot."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import matmul_t
+
+    w = quantize(np.random.default_rng(0).normal(size=(96, 128)).astype(np.float32), fmt)
+    x = jnp.ones((4, 128), jnp.bfloat16)
+    text = jax.jit(matmul_t).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    data_type = "i8" if fmt == "int8" else "ui8"
+    assert f"tensor<96x{128 if fmt == 'int8' else 64}x{data_type}>" in text.split("\n", 3)[1]  # an argument
+    assert "stablehlo.dot_general" in text and "tensor<96x128xbf16>" in text
