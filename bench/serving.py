@@ -1,10 +1,13 @@
-"""The serving benchmark: jaxserve vs llama.cpp's server vs transformers on bench-125m, in one run.
+"""The serving benchmark: jaxserve vs llama.cpp's server vs transformers, in one run.
 
     python bench/serving.py [--runs 2] [--write]        # `make bench` runs it with --write
 
 Makes bench-125m (float32 and bfloat16), measures the machine's limits (bench/roofline.py), builds
-llama-server and converts the checkpoint to GGUF f32 and f16 (bench/peers.py, cached outside the
-repo), then for each run starts every server in turn and sends it W1, W2 and W3 (bench/loadgen.py).
+llama-server and converts the checkpoint to GGUF f32, f16 and Q8_0 (bench/peers.py, cached outside the
+repo), then for each run starts every server in turn and sends it W1, W2 and W3 (bench/loadgen.py):
+bench-125m in floats against llama.cpp's f32 and f16, bench-125m with `--quantization int8` against
+llama.cpp's Q8_0 of the same weights, and the real default model (SmolLM2-135M-Instruct) served by
+both from the same Q4_1 GGUF file.
 transformers is timed in-process (`model.generate`, batch 1 and 32, same prompts and lengths).
 Prints the tables; `--write` also puts them into bench/RESULTS.md between the serving markers.
 """
@@ -24,15 +27,18 @@ from make_model import make
 from peers import CACHE, gguf, llama_server
 from roofline import measure, report
 
+from checkpoints import DEFAULT_MODEL_NAME, builtin
+from checkpoints.gguf import model_view
+
 THREADS = 2
 MARKERS = ("<!-- serving:start -->", "<!-- serving:end -->")
 
 
-def jaxserve_cmd(model: Path, dtype: str, port: int) -> list[str]:
+def jaxserve_cmd(model: Path | str, dtype: str, port: int, *more: str) -> list[str]:
     """The KV cache is bfloat16 under either dtype: 16-bit, as llama.cpp's (its default f16 cache)."""
     return [sys.executable, "run_server.py", "--model", str(model), "--served-model-name", "bench", "--dtype", dtype,
             "--kv-cache-dtype", "bfloat16", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "64",
-            "--max-num-batched-tokens", "512", "--log-level", "warning"]
+            "--max-num-batched-tokens", "512", "--log-level", "warning", *more]
 
 
 def llama_cmd(model: Path, port: int) -> list[str]:
@@ -67,17 +73,30 @@ def transformers_generate(model: Path, dtype: str, offset: int) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def bounds(limits: dict, config: dict, itemsize: int, dtype: str) -> dict:
-    """Decode tokens/s bounds: bandwidth (every weight but the embedding read once per step, at the
-    copy rate; `read`: at the read-only rate) and compute (2 FLOPs per weight and token, embedding
-    excluded)."""
+def matmul_params(config: dict) -> int:
+    """The weights a decode step multiplies by: every layer's matrices and the LM head."""
     hidden, vocab = config["hidden_size"], config["vocab_size"]
     layers, inter = config["num_hidden_layers"], config["intermediate_size"]
-    kv = config["num_key_value_heads"] * hidden // config["num_attention_heads"]
-    matmul_params = layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + hidden * vocab
-    return dict(bandwidth=limits["bandwidth"] / (matmul_params * itemsize),
-                read=limits["read_bandwidth"] / (matmul_params * itemsize),
-                compute=limits["flops"][dtype] / (2 * matmul_params), params=matmul_params)
+    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
+    return layers * (2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inter) + hidden * vocab
+
+
+def bounds(limits: dict, config: dict, bytes_per_weight: float, dtype: str) -> dict:
+    """Decode tokens/s bounds: bandwidth (`matmul_params` read once per step at `bytes_per_weight`,
+    a quantized format's scales included, at the copy rate; `read`: at the read-only rate) and
+    compute (2 FLOPs per weight and token)."""
+    params = matmul_params(config)
+    read = params * bytes_per_weight
+    return dict(bandwidth=limits["bandwidth"] / read, read=limits["read_bandwidth"] / read,
+                compute=limits["flops"][dtype] / (2 * params), params=params)
+
+
+def gguf_bytes_per_weight(file: Path, config: dict) -> float:
+    """Bytes a decode step reads per weight of a GGUF file: its matrices' bytes (a tied embedding
+    once, as the LM head) over `matmul_params`."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(file).tensors if len(t.shape) == 2) / matmul_params(config)
 
 
 def fmt(result: dict) -> str:
@@ -98,6 +117,8 @@ def main() -> None:
     f32 = make()
     bf16 = f32.with_name(f32.name + "-bf16")
     config = json.loads((f32 / "config.json").read_text())
+    smollm2 = builtin.fetch(DEFAULT_MODEL_NAME)
+    real_config = json.loads((model_view(smollm2) / "config.json").read_text())
     print(f"# {machine_line()}", flush=True)
     limits = measure(THREADS)
     print(report(limits), flush=True)
@@ -106,6 +127,10 @@ def main() -> None:
         "jaxserve bfloat16": lambda port: jaxserve_cmd(bf16, "bfloat16", port),
         "llama.cpp f32": lambda port: llama_cmd(gguf(f32, "f32"), port),
         "llama.cpp f16": lambda port: llama_cmd(gguf(f32, "f16"), port),
+        "jaxserve int8": lambda port: jaxserve_cmd(f32, "bfloat16", port, "--quantization", "int8"),
+        "llama.cpp q8_0": lambda port: llama_cmd(gguf(f32, "q8_0"), port),
+        "jaxserve smollm2 Q4_1": lambda port: jaxserve_cmd(DEFAULT_MODEL_NAME, "bfloat16", port),
+        "llama.cpp smollm2 Q4_1": lambda port: llama_cmd(smollm2, port),
     }
     if args.only:
         servers = {k: v for k, v in servers.items() if k in args.only.split(",")}
@@ -125,7 +150,12 @@ def main() -> None:
             results[(run_index, f"transformers {dtype}")] = transformers_generate(model, dtype, 1000 * run_index)
             print(f"run {run_index}: transformers {dtype}: {results[(run_index, f'transformers {dtype}')]}",
                   flush=True)
-    text = render(results, startups, limits, config, args.runs, list(servers))
+    pairs = [("jaxserve float32", "llama.cpp f32", "float32", config, 4),
+             ("jaxserve bfloat16", "llama.cpp f16", "bfloat16", config, 2),
+             ("jaxserve int8", "llama.cpp q8_0", "bfloat16", config, 34 / 32),
+             ("jaxserve smollm2 Q4_1", "llama.cpp smollm2 Q4_1", "bfloat16", real_config,
+              gguf_bytes_per_weight(smollm2, real_config))]
+    text = render(results, startups, limits, pairs, args.runs, list(servers))
     print(text)
     if args.write:
         path = ROOT / "bench" / "RESULTS.md"
@@ -136,7 +166,9 @@ def main() -> None:
                         else current.rstrip() + "\n\n" + block + "\n")
 
 
-def render(results: dict, startups: dict, limits: dict, config: dict, runs: int, names: list[str]) -> str:
+def render(results: dict, startups: dict, limits: dict, pairs: list[tuple], runs: int, names: list[str]) -> str:
+    """`pairs`: (jaxserve's server, the peer's, the dtype of the products, the model's config, bytes
+    read per weight)."""
     lines = [f"{machine_line()}, {THREADS} threads for every peer. Command: `make bench` "
              f"(`python bench/serving.py --runs {runs} --write`). Every server keeps a 16-bit KV cache: "
              f"llama.cpp's default f16, jaxserve's `--kv-cache-dtype bfloat16`.", "", "Machine limits (same run):", "",
@@ -152,7 +184,6 @@ def render(results: dict, startups: dict, limits: dict, config: dict, runs: int,
     for (run_index, name), result in results.items():
         if name.startswith("transformers"):
             lines.append(f"| {run_index} | {name.split()[1]} | {result['W1']:.1f} | {result['W2']:.1f} |")
-    pairs = [("jaxserve float32", "llama.cpp f32", "float32", 4), ("jaxserve bfloat16", "llama.cpp f16", "bfloat16", 2)]
     lines += ["", "Ratios, same run (W1/W2: jaxserve tok/s over the peer's; W3 TTFT: the peer's p50 over "
               "jaxserve's, so > 1 is better for jaxserve everywhere), and jaxserve against the bounds "
               "(W1 decode / bandwidth bound at the copy rate, and at the read-only rate; the peer's W1 against "
@@ -160,12 +191,12 @@ def render(results: dict, startups: dict, limits: dict, config: dict, runs: int,
               "| run | pair | W1 decode | W2 tok/s | W2 vs transformers generate | W3 TTFT p50 | W1 / bandwidth bound | "
               "W1 / read bound | peer W1 / bandwidth bound | W2 / compute bound |", "| --- |" + " --- |" * 9]
     for run_index in range(1, runs + 1):
-        for ours, peer, dtype, itemsize in pairs:
+        for ours, peer, dtype, config, bytes_per_weight in pairs:
             if (run_index, ours) not in results or (run_index, peer) not in results:
                 continue
             a, b = results[(run_index, ours)], results[(run_index, peer)]
             hf = results.get((run_index, f"transformers {dtype}"))
-            bound = bounds(limits, config, itemsize, dtype)
+            bound = bounds(limits, config, bytes_per_weight, dtype)
             vs_hf = f"{a['W2']['output_tok_s'] / hf['W2']:.2f}" if hf else "n/a"
             lines.append(
                 f"| {run_index} | {ours} / {peer} | {a['W1']['decode_tok_s'] / b['W1']['decode_tok_s']:.2f} | "
