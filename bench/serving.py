@@ -21,14 +21,15 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, free_port, machine_line, server
-from loadgen import NEW_TOKENS, prompts, run
-from make_model import make
-from peers import CACHE, gguf, llama_server
-from roofline import measure, report
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
 
-from checkpoints import DEFAULT_MODEL_NAME, builtin
-from checkpoints.gguf import model_view
+from checkpoints import DEFAULT_MODEL_NAME, builtin  # noqa: E402
+from checkpoints.gguf import model_view  # noqa: E402
+from common import ROOT, free_port, machine_line, server  # noqa: E402
+from loadgen import NEW_TOKENS, prompts, run  # noqa: E402
+from make_model import make  # noqa: E402
+from peers import CACHE, gguf, llama_server  # noqa: E402
+from roofline import measure, report  # noqa: E402
 
 THREADS = 2
 MARKERS = ("<!-- serving:start -->", "<!-- serving:end -->")
