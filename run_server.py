@@ -1,7 +1,9 @@
 """The jaxserve CLI: parse flags -> build the engine (compiling every bucket) -> serve the API with Hypercorn.
 
-    python run_server.py                      # the built-in jaxserve-tiny (random weights)
-    python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096
+    python run_server.py                      # smollm2-135m-instruct (a 4-bit GGUF file, fetched once with pip)
+    python run_server.py --model jaxserve-tiny  # offline: a built-in model of random weights
+    python run_server.py --model /path/to/model.gguf
+    python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096 --quantization int8
 
 SIGINT / SIGTERM stop the server: in-flight requests are cancelled, the engine thread stops, the process exits.
 

@@ -25,7 +25,7 @@ def timed(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default="jaxserve-tiny")
     ap.add_argument("--runs", type=int, default=2)
     args = ap.parse_args()
     hf_dir = resolve_model(args.model)

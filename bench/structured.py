@@ -45,11 +45,11 @@ async def batch(url: str, constrained: bool, n: int = 16) -> tuple[float, int, l
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default="jaxserve-tiny")
     args = ap.parse_args()
     port = free_port()
     cmd = [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "512", "--max-num-seqs", "16",
-           "--max-num-batched-tokens", "256", "--log-level", "warning"] + (["--model", args.model] if args.model else [])
+           "--max-num-batched-tokens", "256", "--log-level", "warning", "--model", args.model]
     with server(cmd, port) as (url, _):
         asyncio.run(batch(url, True, 2))  # warm the grammar compiler and caches
         print(f"# {machine_line()}")

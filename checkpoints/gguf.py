@@ -246,6 +246,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
         log.info("GGUF %s: %d tensors dequantized and quantized again (%s)", change, len(names),
                  ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else ""))
     target.check_complete(loaded, path)
+    _reader.cache_clear()  # (its memory map: what the weights need was copied out)
     return loaded
 
 

