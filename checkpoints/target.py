@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 
 import jax
@@ -34,15 +35,19 @@ class ParamTarget:
     # are parameters of their own (`quantized_paths`)
     formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def dtype_of(self, path: str, dtype: str) -> np.dtype:
-        """The dtype the parameter at `path` is stored in: `dtype`, or a quantized part's own."""
+    @functools.cached_property
+    def _part_dtypes(self) -> dict[str, np.dtype]:
+        """The dtype of each quantized part, by path."""
+        out = {}
         for weight, fmt in self.formats.items():
             data, scales, mins = quantized_paths(weight)
-            if path == data:
-                return np.dtype(np.int8 if fmt == "int8" else np.uint8)
-            if path in (scales, mins):
-                return np.dtype(np.float16)
-        return np.dtype(jnp.dtype(dtype))
+            out.update({data: np.dtype(np.int8 if fmt == "int8" else np.uint8), scales: np.dtype(np.float16),
+                        mins: np.dtype(np.float16)})
+        return out
+
+    def dtype_of(self, path: str, dtype: str) -> np.dtype:
+        """The dtype the parameter at `path` is stored in: `dtype`, or a quantized part's own."""
+        return self._part_dtypes.get(path, np.dtype(jnp.dtype(dtype)))
 
     def put(self, loaded: dict, path: str, value: np.ndarray | QuantizedWeight, dtype: str, source: str) -> None:
         """Check `value` (a float array or quantized blocks, for the parameter at `path`) against the

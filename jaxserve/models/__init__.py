@@ -59,9 +59,10 @@ def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = 
 
     def build():
         model = family.model(cfg, dtype, nnx.Rngs(0))
+        modules = quantizable_modules(model)
         for path, fmt in (formats or {}).items():
             module_path, _, name = path.rpartition(".")
-            module = quantizable_modules(model).get(module_path)
+            module = modules.get(module_path)
             if module is None or name != module.WEIGHT:
                 raise ValueError(f"{path} is not a matrix that can be kept quantized")
             module.quantize(fmt)
