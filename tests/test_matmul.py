@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kernels.matmul import (KERNEL_MAX_ROWS, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, implementation,
-                            integer_dots, matmul_t, native_bf16, row_limit)
+                            matmul_t, native_bf16, quantized_forms, row_limit)
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
 
 
@@ -143,20 +143,24 @@ def _random_quantized(rng, shape, fmt) -> QuantizedWeight:
     return jax.tree.map(jnp.asarray, quantize(rng.standard_normal(shape, np.float32), fmt))
 
 
-def _quantized_tolerance(x, w, out_dtype, *, x_rounded: bool, w_rounded: bool) -> np.ndarray:
-    """The bound on |y - x w^T| [M, N] (float64 numpy x and w): float32 sums (1e-5 of sum |x| |w|);
-    with `x_rounded`, x quantized to int8 per block (each value within half its block's step,
-    max |x| / 127: see the top of quant.cc); with `w_rounded`, the weight rounded to bfloat16 (the
-    reference's dequantization to bfloat16 x's dtype); then y's own rounding to bfloat16."""
+def _quantized_tolerance(x, w, out_dtype, roundings) -> np.ndarray:
+    """The bound on |y - x w^T| [M, N] (float64 numpy x and w): float32 sums (1e-5 of sum |x| |w|),
+    then per rounding that may have run: "int8 x", x quantized per block of 32 (each value within
+    half its block's step, max |x| / 127: see quant_vnni.h); "bfloat16", x or w or both rounded to
+    bfloat16 (each within 2^-9 of itself); then y's own rounding to bfloat16."""
     rows, k = x.shape
     magnitude = np.abs(x) @ np.abs(w).T
-    bound = 1e-5 * magnitude + (2**-8 * magnitude if w_rounded else 0)
-    if x_rounded:
+    bound = 1e-5 * magnitude + (2**-8 * magnitude if "bfloat16" in roundings else 0)
+    if "int8 x" in roundings:
         step = np.abs(x).reshape(rows, k // BLOCK, BLOCK).max(-1) / 127  # [M, blocks]
         w_mass = np.abs(w).reshape(len(w), k // BLOCK, BLOCK).sum(-1)  # [N, blocks]
         bound = bound + 0.51 * step @ w_mass.T
     want = x @ w.T
     return bound + (2**-8 * (np.abs(want) + bound) if out_dtype == jnp.bfloat16 else 0)
+
+
+def _kernel_roundings(forms) -> set[str]:
+    return {rounding for form, rounding in (("integer", "int8 x"), ("tile", "bfloat16")) if form in forms}
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -176,29 +180,32 @@ def test_quantized_matmul_t_matches_float64(impl, fmt, x_dtype, out_dtype):
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)
         assert got.dtype == jnp.dtype(out_dtype or x_dtype) and got.shape == (rows, d_out)
         x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
-        tolerance = _quantized_tolerance(x64, w64, got.dtype, x_rounded=impl == "cpu" and integer_dots(),
-                                         w_rounded=impl == "xla" and x_dtype == "bfloat16")
+        roundings = (_kernel_roundings(quantized_forms()) if impl == "cpu"
+                     else {"bfloat16"} if x_dtype == "bfloat16" else set())  # (the reference's w in x's dtype)
+        tolerance = _quantized_tolerance(x64, w64, got.dtype, roundings)
         error = np.abs(np.asarray(got, np.float64) - x64 @ w64.T)
         assert (error <= tolerance).all(), (rows, d_in, d_out, (error / tolerance).max())
 
 
-def test_the_portable_quantized_kernel_matches_float64(monkeypatch, tmp_path):
-    """Built for a CPU without AVX-512 (x86-64-v3: AVX2), the kernel dequantizes w in registers and
-    multiplies x in float32: no quantization of x, float32 sums only."""
-    if platform.machine() != "x86_64":
-        pytest.skip("builds for x86-64-v3")
+@pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])
+def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, monkeypatch, tmp_path):
+    """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
+    nothing rounded) or without AMX (the integer forms at every row count, the panel form from 16
+    rows on), where this CPU can run that build."""
+    if platform.machine() != "x86_64" or ("integer" in forms and "integer" not in quantized_forms()):
+        pytest.skip("this CPU cannot run that build")
     from kernels.cpu import build
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    wrapper = tmp_path / "cxx-avx2"
-    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" -march=x86-64-v3\n')
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CXX", str(wrapper))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     build._library.cache_clear()
     try:
-        assert not build.library(QUANT_SOURCE).JaxserveQuantMatmulIntegerDots()
-        targets = {fmt: f"test_portable_{target}" for fmt, target in QUANT_TARGETS.items()}
+        assert quantized_forms() == forms
+        targets = {fmt: f"test_{flags}_{target}" for fmt, target in QUANT_TARGETS.items()}
         for fmt, target in targets.items():
             assert build._register(QUANT_SOURCE, f"Jaxserve{fmt.capitalize()}MatmulT", target)
     finally:
@@ -206,14 +213,15 @@ def test_the_portable_quantized_kernel_matches_float64(monkeypatch, tmp_path):
     rng = np.random.default_rng(5)
     for fmt in ("int8", "int4"):
         for x_dtype in ("float32", "bfloat16"):
-            for rows, d_in, d_out in [(1, 96, 7), (4, 64, 9), (17, 544, 33)]:
+            for rows, d_in, d_out in [(1, 96, 7), (4, 64, 9), (17, 544, 33), (50, 96, 101)]:
                 x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
                 w = _random_quantized(rng, (d_out, d_in), fmt)
                 operands = [w.data, w.scales] + ([w.mins] if fmt == "int4" else [])
                 call = jax.ffi.ffi_call(targets[fmt], jax.ShapeDtypeStruct((rows, d_out), jnp.float32))
                 x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
-                tolerance = _quantized_tolerance(x64, w64, jnp.float32, x_rounded=False, w_rounded=False)
-                assert (np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T) <= tolerance).all()
+                tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms))
+                error = np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T)
+                assert (error <= tolerance).all(), (fmt, x_dtype, rows, (error / tolerance).max())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -233,7 +241,14 @@ def test_matmul_t_runs_the_quantized_kernel_on_cpu_and_the_reference_elsewhere(f
         assert _ffi_targets(jax.make_jaxpr(lambda x, w: matmul_t(x, w))(x, w).eqns) == []
 
 
-def test_quantized_matmul_t_checks_the_input_dimension():
+def test_quantized_matmul_t_checks_its_operands():
+    """matmul_t checks x against the weight; the kernel checks its operands' dtypes and shapes."""
     w = _random_quantized(np.random.default_rng(7), (8, 64), "int4")
     with pytest.raises(ValueError, match="input dimension"):
         matmul_t(jnp.ones((1, 32)), w)
+    assert implementation() == "cpu"
+    call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    with pytest.raises(Exception, match="scales and mins float16"):
+        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
+    with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
+        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()

@@ -16,15 +16,17 @@ Products accumulate in float32 and return the requested dtype. Implementations:
 
 A quantized weight (`quant.py`: int8 or int4 blocks of 32 values with float16 scales) is multiplied
 by `quantized_matmul_t`: with "cpu", by a second C++ kernel (`quant.cc`) at every row count, which
-reads the weight as it is stored (a quarter of bfloat16's bytes for int4) and, on a CPU with
-AVX512-VNNI, quantizes x to int8 per block of 32 for integer products, as llama.cpp does; with "xla",
-by XLA's dot of x and the weight dequantized to x's dtype (`dequantize`).
+reads the weight as it is stored (about a third of bfloat16's bytes for int4): on a CPU with
+AVX512-VNNI it quantizes x to int8 per block of 32 for integer products, as llama.cpp does, and on
+one with AMX it multiplies bfloat16 tiles from 8 rows on (`quantized_forms`); with "xla", by XLA's
+dot of x and the weight dequantized to x's dtype (`dequantize`).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from pathlib import Path
@@ -80,11 +82,15 @@ def native_bf16() -> bool:
     return lib is not None and bool(lib.JaxserveMatmulNativeBf16())
 
 
-def integer_dots() -> bool:
-    """Whether the quantized kernel quantizes x to int8 for integer products (built for a CPU with
-    AVX512-VNNI; see the top of `quant.cc`); else it multiplies x in float32."""
+def quantized_forms() -> tuple[str, ...]:
+    """The forms the quantized kernel may run on this CPU (see the top of `quant.cc`), each rounding
+    its own operand: "integer" (x to int8 per block of 32), "tile" (x and w to bfloat16), "float"
+    (neither)."""
     lib = build.library(QUANT_SOURCE)
-    return lib is not None and bool(lib.JaxserveQuantMatmulIntegerDots())
+    if lib is None:
+        return ()
+    lib.JaxserveQuantMatmulForms.restype = ctypes.c_char_p
+    return tuple(lib.JaxserveQuantMatmulForms().decode().split(","))
 
 
 def row_limit(x_dtype, w_dtype) -> float:
