@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
@@ -30,8 +31,27 @@ namespace jaxserve::quant {
 #if !defined(JAXSERVE_QUANT_INTEGER)
 constexpr int kFloatTileRows = 3;  // x rows of one tile: with 2 rows of w, 6 accumulators and 8 vectors of w
 
-typedef int8_t Int8s __attribute__((vector_size(8)));
-typedef uint8_t Uint8s __attribute__((vector_size(8)));
+typedef int32_t Int32s __attribute__((vector_size(32)));
+
+// 8 bytes widened to int32 lanes, where int4's two nibbles are a mask and a shift apart (GCC 12 has
+// no shift of bytes), and then to float32 lanes (ToLanes).
+template <typename Byte>
+inline Int32s WidenBytes(const Byte* p) {
+#if defined(__AVX2__)  // one instruction: GCC 12 moves the portable form's bytes through general registers
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+#else
+  typedef Byte Bytes __attribute__((vector_size(8)));
+  Bytes bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  const Int32s v = __builtin_convertvector(bytes, Int32s);
+#endif
+  Int32s out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+inline Lanes ToLanes(Int32s q) { return __builtin_convertvector(q, Lanes); }
 
 // Block b of row `row` of w as 4 x 8 float32 values: d q (+ m).
 template <Format F>
@@ -39,18 +59,14 @@ inline void DequantizeBlock(const QuantW& w, int64_t row, int64_t b, Lanes out[4
   const float d = HalfToFloat(w.scales[row * w.blocks + b]);
   const uint8_t* src = w.data + row * w.row_bytes;
   if constexpr (F == Format::kInt8) {
-    for (int g = 0; g < 4; ++g) {
-      Int8s q;
-      std::memcpy(&q, src + b * kBlock + 8 * g, sizeof(q));
-      out[g] = __builtin_convertvector(q, Lanes) * d;
-    }
+    const int8_t* q = reinterpret_cast<const int8_t*>(src + b * kBlock);
+    for (int g = 0; g < 4; ++g) out[g] = ToLanes(WidenBytes(q + 8 * g)) * d;
   } else {
     const float m = HalfToFloat(w.mins[row * w.blocks + b]);
     for (int g = 0; g < 2; ++g) {  // bytes 8g..8g+7: values 8g.. in the low nibbles, 16 + 8g.. in the high
-      Uint8s q;
-      std::memcpy(&q, src + b * 16 + 8 * g, sizeof(q));
-      out[g] = __builtin_convertvector(q & 0xF, Lanes) * d + m;
-      out[g + 2] = __builtin_convertvector(q >> 4, Lanes) * d + m;
+      const Int32s q = WidenBytes(src + b * 16 + 8 * g);
+      out[g] = ToLanes(q & 0xF) * d + m;
+      out[g + 2] = ToLanes(q >> 4) * d + m;
     }
   }
 }

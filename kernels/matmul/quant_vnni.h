@@ -9,12 +9,15 @@
 //   sum(q_x) for int8, v = m and t = d_x sum(q_x) for int4: a dot of K / 32 values a row. (With x's
 //   exact sum instead, the error of x's rounding would follow w - m rather than w: about twice it.)
 //
-// Dot form (DotTile), under kPanelMinRows rows: bounded by reading w once. A tile of up to 4 rows of
-// x and 4 rows of w (a quarter of the block apart, as in cpu.cc) takes two blocks (64 values of K)
-// per step: one 64-byte vector of w's values, decoded once and multiplied by each row of x. x is
-// laid out per step in the order the weight's bytes decode to (StepByte), its scales per int32 lane.
+// Dot form (DotTile), under kPanelMinRows rows (and under the tile form's, where it runs): for one
+// row of x, bounded by reading w once; each further row adds four instructions per 64 values of w
+// (the integer dot, its conversion, its scale d_x d_w, the sum). A tile of up to 4 rows of x and 4
+// rows of w (a quarter of the block apart, as in cpu.cc) takes two blocks (64 values of K) per step:
+// one 64-byte vector of w's values, decoded once and multiplied by each row of x. x is laid out per
+// step in the order the weight's bytes decode to (StepByte), its scales per int32 lane.
 //
-// Panel form (PanelTile), from kPanelMinRows rows: bounded by the multiply-adds. x is packed into
+// Panel form (PanelTile), from kPanelMinRows rows where the tile form does not run: bounded by the
+// multiply-adds. x is packed into
 // panels of 16 rows whose lane r holds 4 values of row r; a tile of w's rows is decoded once into a
 // buffer of bytes, each 4 of them broadcast against 2 panels, 12 int32 sums per step; each block's
 // sums are scaled into float32 accumulators.
