@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -146,6 +147,23 @@ void Product(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, 
 #endif
 }
 
+// out = y rounded to bfloat16 (to nearest even; AVX512_BF16 flushes values under float32's normal
+// range to zero), in chunks shared with XLA's threads: a prefill's logits are large enough for one
+// thread's pass to show.
+void RoundToBf16(ffi::ThreadPool& pool, const float* y, int64_t count, uint16_t* out) {
+  constexpr int64_t kChunk = 1 << 16;
+  ParallelFor(pool, CeilDiv(count, kChunk), [&](int64_t item, std::vector<float>&) {
+    int64_t i = item * kChunk;
+    const int64_t end = std::min(count, i + kChunk);
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= end; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
+    }
+#endif
+    for (; i < end; ++i) out[i] = FloatToBf16(y[i]);
+  });
+}
+
 template <Format F>  // Product on x as the handler receives it
 void ProductOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const QuantW& w, int64_t n_len, float* y) {
   const int64_t m_len = x.dimensions()[0];
@@ -191,17 +209,15 @@ ffi::Error QuantMatmulT(Format format, ffi::ThreadPool pool, ffi::AnyBuffer x, f
                  mins ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr,
                  k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
   const bool y_bf16 = IsBf16(y->element_type());
-  std::vector<float> y_wide(y_bf16 ? m_len * n_len : 0);  // y in float32, rounded at the end
-  float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
+  // y in float32: the result itself, or a buffer rounded at the end (every form writes all of it)
+  std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
+  float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
   if (format == Format::kInt8) {
     ProductOf<Format::kInt8>(pool, x, w, n_len, ys);
   } else {
     ProductOf<Format::kInt4>(pool, x, w, n_len, ys);
   }
-  if (y_bf16) {
-    uint16_t* bits = static_cast<uint16_t*>(y->untyped_data());
-    for (int64_t i = 0; i < m_len * n_len; ++i) bits[i] = FloatToBf16(y_wide[i]);
-  }
+  if (y_bf16) RoundToBf16(pool, ys, m_len * n_len, static_cast<uint16_t*>(y->untyped_data()));
   return ffi::Error::Success();
 }
 
