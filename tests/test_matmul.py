@@ -1,10 +1,12 @@
-"""y = x w^T: the CPU kernel against float64 numpy, on random inputs, at decode and prefill row counts;
-the CPU kernels' fallback without a compiler."""
+"""y = x w^T: the CPU kernels (float and quantized weights) against float64 numpy, on random inputs, at
+decode and prefill row counts; which implementation matmul_t picks; the CPU kernels' fallback without a
+compiler."""
 
 from __future__ import annotations
 
 import math
 import os
+import platform
 import shutil
 import subprocess
 
@@ -13,7 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels.matmul import KERNEL_MAX_ROWS, TARGET, WIDEN_TARGET, implementation, matmul_t, native_bf16, row_limit
+from kernels.matmul import (KERNEL_MAX_ROWS, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, implementation,
+                            matmul_t, native_bf16, quantized_forms, row_limit)
+from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -133,3 +137,118 @@ def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch
     finally:
         build._register.cache_clear()
         build._library.cache_clear()
+
+
+def _random_quantized(rng, shape, fmt) -> QuantizedWeight:
+    return jax.tree.map(jnp.asarray, quantize(rng.standard_normal(shape, np.float32), fmt))
+
+
+def _quantized_tolerance(x, w, out_dtype, roundings) -> np.ndarray:
+    """The bound on |y - x w^T| [M, N] (float64 numpy x and w): float32 sums (1e-5 of sum |x| |w|),
+    then per rounding that may have run: "int8 x", x quantized per block of 32 (each value within
+    half its block's step, max |x| / 127: see quant_vnni.h); "bfloat16", x or w or both rounded to
+    bfloat16 (each within 2^-9 of itself); then y's own rounding to bfloat16."""
+    rows, k = x.shape
+    magnitude = np.abs(x) @ np.abs(w).T
+    bound = 1e-5 * magnitude + (2**-8 * magnitude if "bfloat16" in roundings else 0)
+    if "int8 x" in roundings:
+        step = np.abs(x).reshape(rows, k // BLOCK, BLOCK).max(-1) / 127  # [M, blocks]
+        w_mass = np.abs(w).reshape(len(w), k // BLOCK, BLOCK).sum(-1)  # [N, blocks]
+        bound = bound + 0.51 * step @ w_mass.T
+    want = x @ w.T
+    return bound + (2**-8 * (np.abs(want) + bound) if out_dtype == jnp.bfloat16 else 0)
+
+
+def _kernel_roundings(forms) -> set[str]:
+    return {rounding for form, rounding in (("integer", "int8 x"), ("tile", "bfloat16")) if form in forms}
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("x_dtype,out_dtype", [("float32", None), ("bfloat16", None), ("bfloat16", "float32"),
+                                               ("float32", "bfloat16")])
+def test_quantized_matmul_t_matches_float64(impl, fmt, x_dtype, out_dtype):
+    """Against x times the dequantized weight in float64. rows: the dot form (under 16: 1, 3 of one
+    4-row tile) and the panel form (16 rows on: one panel, a remainder of one row, several panels
+    and work items); in: an even and an odd count of blocks (the dot form takes two per step), more
+    than 16 blocks (its scales come 16 at a time); out: odd, a tile's remainders, several work items."""
+    rng = np.random.default_rng(4)
+    for rows, d_in, d_out in [(1, 64, 7), (3, 96, 129), (16, 544, 13), (17, 96, 101), (100, 160, 33), (300, 64, 99),
+                              (1, 544, 301)]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
+        w = _random_quantized(rng, (d_out, d_in), fmt)
+        got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)
+        assert got.dtype == jnp.dtype(out_dtype or x_dtype) and got.shape == (rows, d_out)
+        x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
+        roundings = (_kernel_roundings(quantized_forms()) if impl == "cpu"
+                     else {"bfloat16"} if x_dtype == "bfloat16" else set())  # (the reference's w in x's dtype)
+        tolerance = _quantized_tolerance(x64, w64, got.dtype, roundings)
+        error = np.abs(np.asarray(got, np.float64) - x64 @ w64.T)
+        assert (error <= tolerance).all(), (rows, d_in, d_out, (error / tolerance).max())
+
+
+@pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])
+def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, monkeypatch, tmp_path):
+    """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
+    nothing rounded) or without AMX (the integer forms at every row count, the panel form from 16
+    rows on), where this CPU can run that build."""
+    if platform.machine() != "x86_64" or ("integer" in forms and "integer" not in quantized_forms()):
+        pytest.skip("this CPU cannot run that build")
+    from kernels.cpu import build
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build._library.cache_clear()
+    try:
+        assert quantized_forms() == forms
+        targets = {fmt: f"test_{flags}_{target}" for fmt, target in QUANT_TARGETS.items()}
+        for fmt, target in targets.items():
+            assert build._register(QUANT_SOURCE, f"Jaxserve{fmt.capitalize()}MatmulT", target)
+    finally:
+        build._library.cache_clear()
+    rng = np.random.default_rng(5)
+    for fmt in ("int8", "int4"):
+        for x_dtype in ("float32", "bfloat16"):
+            for rows, d_in, d_out in [(1, 96, 7), (4, 64, 9), (17, 544, 33), (50, 96, 101)]:
+                x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
+                w = _random_quantized(rng, (d_out, d_in), fmt)
+                operands = [w.data, w.scales] + ([w.mins] if fmt == "int4" else [])
+                call = jax.ffi.ffi_call(targets[fmt], jax.ShapeDtypeStruct((rows, d_out), jnp.float32))
+                x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
+                tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms))
+                error = np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T)
+                assert (error <= tolerance).all(), (fmt, x_dtype, rows, (error / tolerance).max())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_matmul_t_runs_the_quantized_kernel_on_cpu_and_the_reference_elsewhere(fmt):
+    """Under jit on the CPU backend, a quantized weight goes to its kernel at every row count; with
+    impl="xla", or under a mesh of several devices (XLA partitions its dot, not a custom call), to
+    XLA's dot of the dequantized weight."""
+    w = _random_quantized(np.random.default_rng(6), (8, 64), fmt)
+    for rows in (1, 4096):
+        x = jnp.ones((2, rows, 64), jnp.bfloat16)
+        text = jax.jit(lambda x, w: matmul_t(x, w)).lower(x, w).as_text()
+        assert QUANT_TARGETS[fmt] in text and "dot_general" not in text
+        assert jax.jit(lambda x, w: matmul_t(x, w)).eval_shape(x, w).shape == (2, rows, 8)
+    text = jax.jit(lambda x, w: matmul_t(x, w, impl="xla")).lower(x, w).as_text()
+    assert QUANT_TARGETS[fmt] not in text and "dot_general" in text
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((2,), ("model",))):
+        assert _ffi_targets(jax.make_jaxpr(lambda x, w: matmul_t(x, w))(x, w).eqns) == []
+
+
+def test_quantized_matmul_t_checks_its_operands():
+    """matmul_t checks x against the weight; the kernel checks its operands' dtypes and shapes."""
+    w = _random_quantized(np.random.default_rng(7), (8, 64), "int4")
+    with pytest.raises(ValueError, match="input dimension"):
+        matmul_t(jnp.ones((1, 32)), w)
+    assert implementation() == "cpu"
+    call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    with pytest.raises(Exception, match="scales and mins float16"):
+        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
+    with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
+        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()

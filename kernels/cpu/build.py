@@ -2,10 +2,11 @@
 
 `register(source, symbol, target)` compiles one kernel's `.cc` (which includes `common.h`) with
 `CXX` (else g++) against the FFI headers that ship with jaxlib, into `~/.cache/jaxserve/kernels`,
-keyed by the sources, jaxlib's version, the compiler, the flags and the CPU (it is built for this
-CPU with -march=native), loads it and registers its handler as an XLA:CPU custom call
-(`library(source)`: the loaded library itself). Without a compiler, or when the build fails, it
-returns False (None) and the caller keeps its XLA implementation.
+keyed by the sources (the `.cc`, `common.h` and the headers beside the `.cc`), jaxlib's version,
+the compiler, the flags and the CPU (it is built for this CPU with -march=native), loads it and
+registers its handler as an XLA:CPU custom call (`library(source)`: the loaded library itself).
+Without a compiler, or when the build fails, it returns False (None) and the caller keeps its XLA
+implementation.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def _library(source: Path) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C++ compiler found (set CXX): %s falls back to its XLA implementation", name)
         return None
-    key = hashlib.sha256(repr((source.read_bytes(), COMMON.read_bytes(), jaxlib.__version__, compiler, FLAGS,
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]  # the ones it may include
+    key = hashlib.sha256(repr((source.read_bytes(), COMMON.read_bytes(), headers, jaxlib.__version__, compiler, FLAGS,
                                _cpu_identity())).encode()).hexdigest()
     path = cache_root() / "kernels" / f"{source.parent.name}_{source.stem}-{key[:24]}.so"
     if not path.is_file():

@@ -14,11 +14,19 @@ Products accumulate in float32 and return the requested dtype. Implementations:
   (AVX512_BF16), bfloat16 x against a bfloat16 weight runs in the kernel at every row count
   (`row_limit`): it multiplies them without widening, faster than the widened float32 dot.
 
+A quantized weight (`quant.py`: int8 or int4 blocks of 32 values with float16 scales) is multiplied
+by `quantized_matmul_t`: with "cpu", by a second C++ kernel (`quant.cc`) at every row count, which
+reads the weight as it is stored (about a third of bfloat16's bytes for int4): on a CPU with
+AVX512-VNNI it quantizes x to int8 per block of 32 for integer products, as llama.cpp does, and on
+one with AMX it multiplies bfloat16 tiles from 8 rows on (`quantized_forms`); with "xla", by XLA's
+dot of x and the weight dequantized to x's dtype (`dequantize`).
+
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from pathlib import Path
@@ -34,6 +42,12 @@ IMPLEMENTATIONS = ("xla", "cpu")
 TARGET = "jaxserve_matmul_t"
 WIDEN_TARGET = "jaxserve_widen_after"  # a bfloat16 weight widened once the layer's input exists (cpu.cc)
 SOURCE = Path(__file__).with_name("cpu.cc")
+QUANT_SOURCE = Path(__file__).with_name("quant.cc")
+QUANT_TARGETS = {"int8": "jaxserve_matmul_t_int8", "int4": "jaxserve_matmul_t_int4"}  # by QuantizedWeight.fmt
+# Every custom call "cpu" may run: (source, handler symbol, target), all registered when it is chosen.
+CUSTOM_CALLS = ((SOURCE, "JaxserveMatmulT", TARGET), (SOURCE, "JaxserveWidenAfter", WIDEN_TARGET),
+                (QUANT_SOURCE, "JaxserveInt8MatmulT", QUANT_TARGETS["int8"]),
+                (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]))
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
 # comes close to this CPU's peak from about 64 rows on. XLA's bfloat16 products are no faster than
@@ -44,7 +58,7 @@ KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 256}
 
 def implementation(impl: str | None = None) -> str:
     """The implementation `matmul_t` runs: `impl`, else $JAXSERVE_MATMUL, else "cpu" on the CPU
-    backend. Resolving "cpu" builds and registers its custom call, which must happen before a
+    backend. Resolving "cpu" builds and registers its custom calls, which must happen before a
     compiled step that calls it is loaded from disk; where it cannot be built, the default falls
     back to "xla" and an explicit "cpu" is an error."""
     chosen = impl or os.environ.get(ENV)
@@ -54,8 +68,7 @@ def implementation(impl: str | None = None) -> str:
                          f"choose from {list(IMPLEMENTATIONS)}")
     if name == "cpu" and jax.default_backend() != "cpu":
         raise ValueError(f"the 'cpu' matmul kernel runs on the CPU backend only, not {jax.default_backend()!r}")
-    if name == "cpu" and not (build.register(SOURCE, "JaxserveMatmulT", TARGET)
-                              and build.register(SOURCE, "JaxserveWidenAfter", WIDEN_TARGET)):
+    if name == "cpu" and not all(build.register(*call) for call in CUSTOM_CALLS):
         if chosen:
             raise ValueError("the 'cpu' matmul kernel could not be built (see the log); choose 'xla'")
         return "xla"
@@ -67,6 +80,17 @@ def native_bf16() -> bool:
     with AVX512_BF16; see the top of `cpu.cc`)."""
     lib = build.library(SOURCE)
     return lib is not None and bool(lib.JaxserveMatmulNativeBf16())
+
+
+def quantized_forms() -> tuple[str, ...]:
+    """The forms the quantized kernel may run on this CPU (see the top of `quant.cc`), each rounding
+    its own operand: "integer" (x to int8 per block of 32), "tile" (x and w to bfloat16), "float"
+    (neither)."""
+    lib = build.library(QUANT_SOURCE)
+    if lib is None:
+        return ()
+    lib.JaxserveQuantMatmulForms.restype = ctypes.c_char_p
+    return tuple(lib.JaxserveQuantMatmulForms().decode().split(","))
 
 
 def row_limit(x_dtype, w_dtype) -> float:
@@ -104,7 +128,20 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
 
 
 def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:
-    """`matmul_t` with a quantized weight: XLA's dot of x and the weight dequantized to x's dtype
-    (XLA fuses the conversion into the product on TPU and GPU)."""
-    del impl
-    return matmul_t_reference(x, dequantize(weight, x.dtype), dtype)
+    """`matmul_t` with a quantized weight, accumulated in float32, returned in `dtype` (default:
+    x's): the C++ kernel with "cpu" at every row count (see the top of the module), else XLA's dot of
+    x and the weight dequantized to x's dtype (XLA fuses the conversion into the product on TPU and
+    GPU)."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"x's last dimension ({x.shape[-1]}) must be the weight's input dimension "
+                         f"({weight.shape[1]}, of a weight of shape {weight.shape})")
+    dtype = jnp.dtype(dtype or x.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if (implementation(impl) == "xla" or (not mesh.empty and mesh.size > 1)
+            or not {x.dtype, dtype} <= set(KERNEL_DTYPES)):
+        return matmul_t_reference(x, dequantize(weight, x.dtype), dtype)
+    *lead, k = x.shape
+    rows, n = math.prod(lead), weight.shape[0]
+    operands = (weight.data, weight.scales) + ((weight.mins,) if weight.fmt == "int4" else ())
+    call = jax.ffi.ffi_call(QUANT_TARGETS[weight.fmt], jax.ShapeDtypeStruct((rows, n), dtype))
+    return call(x.reshape(rows, k), *operands).reshape(*lead, n)

@@ -278,8 +278,6 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
   }
 }
 
-inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 #if defined(__AVX512BF16__)
 constexpr int kPairPanels = 3;     // panels of one bfloat16 panel tile
 constexpr int kPairTileCols = 8;  // w rows of one bfloat16 panel tile
@@ -408,29 +406,6 @@ void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, in
   }
 }
 #endif  // __AVX512BF16__
-
-// fn(m0, m1, n0, n1, scratch) for every block of y [m_len, n_len]: rows_of_x rows of x times about
-// rows_of_w rows of w (a multiple of tile_cols), as work items shared with XLA's threads
-// (ParallelFor). Where x is one block (decode), the blocks of w are resized so that the items
-// split evenly over the threads where they can (3 items on 2 threads leave one thread waiting for
-// the other). (With several blocks of x, rounding the split over them could add items instead.)
-template <typename Fn>
-void ForEachBlock(ffi::ThreadPool& pool, int64_t m_len, int64_t n_len, int64_t rows_of_x, int64_t rows_of_w,
-                  int64_t tile_cols, const Fn& fn) {
-  if (m_len == 0 || n_len == 0) return;
-  const int64_t m_blocks = CeilDiv(m_len, rows_of_x);
-  int64_t rows = rows_of_w;
-  if (m_blocks == 1) {
-    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-    const int64_t items = CeilDiv(CeilDiv(n_len, rows_of_w), threads) * threads;
-    rows = CeilDiv(CeilDiv(n_len, items), tile_cols) * tile_cols;
-  }
-  const int64_t n_blocks = CeilDiv(n_len, rows);
-  ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>& scratch) {
-    const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * rows;
-    fn(m0, std::min(m_len, m0 + rows_of_x), n0, std::min(n_len, n0 + rows), scratch);
-  });
-}
 
 ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
   for (ffi::DataType t : {x.element_type(), w.element_type(), y->element_type()}) {

@@ -1,0 +1,263 @@
+// y = x w^T for XLA:CPU with w quantized (kernels/matmul/quant.py): "int8" (GGUF's Q8_0) or "int4"
+// (GGUF's Q4_1), both in blocks of 32 values of K with a float16 scale d (and, for int4, a float16
+// min m: w = d q + m). x [M, K] in float32 or bfloat16, accumulated in float32, y [M, N] in float32
+// or bfloat16. An XLA FFI custom call of the same family as cpu.cc (see matmul/__init__.py); its
+// measurements are in bench/RESULTS.md ("Quantized weights").
+//
+// The weight is read as stored, never widened in memory as a whole. One form per CPU and regime
+// (`Product`), each rounding x or w its own way before float32 sums:
+// - Integer forms (quant_vnni.h), on AVX512-VNNI: x quantized to int8 per block of 32, as llama.cpp
+//   does, and multiplied by w's bytes in integers. The dot form under 16 rows, bounded by reading w
+//   once; the panel form from 16 rows on, where the CPU has no tiles.
+// - Tile form (quant_amx.h), on AMX, from kTileMinRows rows on: w dequantized to bfloat16 by rows,
+//   x rounded to bfloat16, multiplied by the tile unit.
+// - Float form (FloatTile, below), on CPUs without AVX512-VNNI: each block of w dequantized in
+//   registers and multiplied by x in float32; nothing rounded.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "quant.h"
+#include "quant_amx.h"
+#include "quant_vnni.h"
+
+namespace jaxserve::quant {
+
+#if !defined(JAXSERVE_QUANT_INTEGER)
+constexpr int kFloatTileRows = 3;  // x rows of one tile: with 2 rows of w, 6 accumulators and 8 vectors of w
+
+typedef int32_t Int32s __attribute__((vector_size(32)));
+
+// 8 bytes widened to int32 lanes, where int4's two nibbles are a mask and a shift apart (GCC 12 has
+// no shift of bytes), and then to float32 lanes (ToLanes).
+template <typename Byte>
+inline Int32s WidenBytes(const Byte* p) {
+#if defined(__AVX2__)  // one instruction: GCC 12 moves the portable form's bytes through general registers
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = std::is_signed_v<Byte> ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+#else
+  typedef Byte Bytes __attribute__((vector_size(8)));
+  Bytes bytes;
+  std::memcpy(&bytes, p, sizeof(bytes));
+  const Int32s v = __builtin_convertvector(bytes, Int32s);
+#endif
+  Int32s out;
+  std::memcpy(&out, &v, sizeof(out));
+  return out;
+}
+
+inline Lanes ToLanes(Int32s q) { return __builtin_convertvector(q, Lanes); }
+
+// Block b of row `row` of w as 4 x 8 float32 values: d q (+ m).
+template <Format F>
+inline void DequantizeBlock(const QuantW& w, int64_t row, int64_t b, Lanes out[4]) {
+  const float d = HalfToFloat(w.scales[row * w.blocks + b]);
+  const uint8_t* src = w.data + row * w.row_bytes;
+  if constexpr (F == Format::kInt8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(src + b * kBlock);
+    for (int g = 0; g < 4; ++g) out[g] = ToLanes(WidenBytes(q + 8 * g)) * d;
+  } else {
+    const float m = HalfToFloat(w.mins[row * w.blocks + b]);
+    for (int g = 0; g < 2; ++g) {  // bytes 8g..8g+7: values 8g.. in the low nibbles, 16 + 8g.. in the high
+      const Int32s q = WidenBytes(src + b * 16 + 8 * g);
+      out[g] = ToLanes(q & 0xF) * d + m;
+      out[g + 2] = ToLanes(q >> 4) * d + m;
+    }
+  }
+}
+
+// y[i, j * stride] = x[i] . w[n + j * stride] for i < MR, j < NR (x rows k_len apart, y rows ldy).
+template <Format F, int MR, int NR>
+void FloatTile(const float* x, const QuantW& w, int64_t n, int64_t stride, float* y, int64_t ldy) {
+  Lanes acc[MR][NR] = {};
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    Lanes ws[NR][4];
+    for (int j = 0; j < NR; ++j) DequantizeBlock<F>(w, n + j * stride, b, ws[j]);
+    for (int i = 0; i < MR; ++i) {
+      const float* xb = x + i * w.k_len + b * kBlock;
+      for (int j = 0; j < NR; ++j) {
+        acc[i][j] += (Load(xb) * ws[j][0] + Load(xb + 8) * ws[j][1]) +
+                     (Load(xb + 16) * ws[j][2] + Load(xb + 24) * ws[j][3]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    for (int j = 0; j < NR; ++j) y[i * ldy + j * stride] = Sum(acc[i][j]);
+  }
+}
+
+template <Format F, int MR>
+void FloatTileRows(const float* x, const QuantW& w, int64_t n, int64_t stride, float* y, int64_t ldy, int64_t cols) {
+  if (cols == 2) return FloatTile<F, MR, 2>(x, w, n, stride, y, ldy);
+  return FloatTile<F, MR, 1>(x, w, n, stride, y, ldy);
+}
+
+template <Format F>
+void FloatBlock(const float* x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
+                int64_t n1) {
+  const int64_t stride = CeilDiv(n1 - n0, 2);
+  for (int64_t m = m0; m < m1; m += kFloatTileRows) {
+    const int64_t rows = std::min<int64_t>(kFloatTileRows, m1 - m);
+    for (int64_t t = 0; t < stride; ++t) {
+      const int64_t n = n0 + t, cols = CeilDiv(n1 - n, stride);
+      const float* xm = x + m * w.k_len;
+      float* ym = y + m * n_len + n;
+      if (rows == 3) {
+        FloatTileRows<F, 3>(xm, w, n, stride, ym, n_len, cols);
+      } else if (rows == 2) {
+        FloatTileRows<F, 2>(xm, w, n, stride, ym, n_len, cols);
+      } else {
+        FloatTileRows<F, 1>(xm, w, n, stride, ym, n_len, cols);
+      }
+    }
+  }
+}
+
+template <Format F, typename X>
+void FloatProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
+  std::vector<float> wide(m_len * w.k_len);
+  for (int64_t i = 0; i < m_len * w.k_len; ++i) wide[i] = Widen(x[i]);
+  ForEachBlock(pool, m_len, n_len, 4 * kFloatTileRows, RowsOfW(w.row_bytes), 2,  // (a few tiles of x: in L1)
+               [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+    FloatBlock<F>(wide.data(), w, y, n_len, m0, m1, n0, n1);
+  });
+}
+
+#endif  // not AVX512-VNNI
+
+#if defined(JAXSERVE_QUANT_TILES)
+constexpr int64_t kTileMinRows = 8;  // from this many rows of x on, the tile form where permitted
+#endif
+
+template <Format F, typename X>
+void Product(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
+#if defined(JAXSERVE_QUANT_TILES)
+  if (m_len >= kTileMinRows && TilesPermitted()) return TileProduct<F>(pool, x, m_len, w, n_len, y);
+#endif
+#if defined(JAXSERVE_QUANT_INTEGER)
+  IntegerProduct<F>(pool, x, m_len, w, n_len, y);
+#else
+  FloatProduct<F>(pool, x, m_len, w, n_len, y);
+#endif
+}
+
+// out = y rounded to bfloat16 (to nearest even; AVX512_BF16 flushes values under float32's normal
+// range to zero), in chunks shared with XLA's threads: a prefill's logits are large enough for one
+// thread's pass to show.
+void RoundToBf16(ffi::ThreadPool& pool, const float* y, int64_t count, uint16_t* out) {
+  constexpr int64_t kChunk = 1 << 16;
+  ParallelFor(pool, CeilDiv(count, kChunk), [&](int64_t item, std::vector<float>&) {
+    int64_t i = item * kChunk;
+    const int64_t end = std::min(count, i + kChunk);
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= end; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
+    }
+#endif
+    for (; i < end; ++i) out[i] = FloatToBf16(y[i]);
+  });
+}
+
+template <Format F>  // Product on x as the handler receives it
+void ProductOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const QuantW& w, int64_t n_len, float* y) {
+  const int64_t m_len = x.dimensions()[0];
+  if (IsBf16(x.element_type())) {
+    Product<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_len, w, n_len, y);
+  } else {
+    Product<F>(pool, static_cast<const float*>(x.untyped_data()), m_len, w, n_len, y);
+  }
+}
+
+// Why the operands do not fit the format, or "".
+std::string CheckOperands(Format format, ffi::AnyBuffer& x, ffi::AnyBuffer& data, ffi::AnyBuffer& scales,
+                          ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
+  if ((x.element_type() != ffi::DataType::F32 && !IsBf16(x.element_type())) ||
+      (y->element_type() != ffi::DataType::F32 && !IsBf16(y->element_type()))) {
+    return "x and y must be float32 or bfloat16";
+  }
+  const bool int8 = format == Format::kInt8;
+  if (data.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::U8) ||
+      scales.element_type() != ffi::DataType::F16 || (mins && mins->element_type() != ffi::DataType::F16)) {
+    return int8 ? "data must be int8 and scales float16" : "data must be uint8, scales and mins float16";
+  }
+  auto xd = x.dimensions(), dd = data.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || dd.size() != 2 || sd.size() != 2 || yd.size() != 2) return "every operand must be 2-D";
+  const int64_t k_len = xd[1], n_len = dd[0];
+  const bool mins_fit = !mins || (mins->dimensions().size() == 2 && mins->dimensions()[0] == sd[0] &&
+                                   mins->dimensions()[1] == sd[1]);
+  if (k_len % kBlock || dd[1] != (int8 ? k_len : k_len / 2) || sd[0] != n_len || sd[1] != k_len / kBlock ||
+      !mins_fit || yd[0] != xd[0] || yd[1] != n_len) {
+    return "x must be [M, K] (K a multiple of 32), data [N, K] (int4: K / 2), scales and mins [N, K / 32], y [M, N]";
+  }
+  return "";
+}
+
+ffi::Error QuantMatmulT(Format format, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data,
+                        ffi::AnyBuffer scales, ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer> y) {
+  if (std::string why = CheckOperands(format, x, data, scales, mins, y); !why.empty()) {
+    return ffi::Error::InvalidArgument("quantized matmul (cpu): " + why);
+  }
+  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1], n_len = data.dimensions()[0];
+  const QuantW w{static_cast<const uint8_t*>(data.untyped_data()),
+                 static_cast<const uint16_t*>(scales.untyped_data()),
+                 mins ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr,
+                 k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
+  const bool y_bf16 = IsBf16(y->element_type());
+  // y in float32: the result itself, or a buffer rounded at the end (every form writes all of it)
+  std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
+  float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
+  if (format == Format::kInt8) {
+    ProductOf<Format::kInt8>(pool, x, w, n_len, ys);
+  } else {
+    ProductOf<Format::kInt4>(pool, x, w, n_len, ys);
+  }
+  if (y_bf16) RoundToBf16(pool, ys, m_len * n_len, static_cast<uint16_t*>(y->untyped_data()));
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                       ffi::Result<ffi::AnyBuffer> y) {
+  return QuantMatmulT(Format::kInt8, pool, x, data, scales, nullptr, y);
+}
+
+ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
+                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+  return QuantMatmulT(Format::kInt4, pool, x, data, scales, &mins, y);
+}
+
+}  // namespace jaxserve::quant
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8MatmulT, jaxserve::quant::Int8MatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // data
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales
+                                  .Ret<xla::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // data
+                                  .Arg<xla::ffi::AnyBuffer>()  // scales
+                                  .Arg<xla::ffi::AnyBuffer>()  // mins
+                                  .Ret<xla::ffi::AnyBuffer>());
+
+// The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top).
+extern "C" const char* JaxserveQuantMatmulForms() {
+#if defined(JAXSERVE_QUANT_TILES)
+  if (jaxserve::quant::TilesPermitted()) return "integer,tile";
+#endif
+#if defined(JAXSERVE_QUANT_INTEGER)
+  return "integer";
+#else
+  return "float";
+#endif
+}

@@ -1,0 +1,68 @@
+// What the forms of the quantized matmul (quant.cc) share: the weight's operands, as the handler
+// receives them, and its float16 scales widened.
+
+#ifndef JAXSERVE_KERNELS_MATMUL_QUANT_H_
+#define JAXSERVE_KERNELS_MATMUL_QUANT_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+// The forms a build has (see the top of quant.cc): integer ones where the compiler targets
+// AVX512-VNNI, the tile form where it also targets AMX-BF16.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define JAXSERVE_QUANT_INTEGER 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define JAXSERVE_QUANT_TILES 1
+#endif
+#endif
+
+namespace jaxserve::quant {
+
+constexpr int64_t kBlock = 32;  // values of K per scale (quant.py's BLOCK)
+// w per work item of the dot forms, about: whole rows, at least 64 (ForEachBlock). Each item is one
+// stretch of memory, which the hardware prefetcher follows only after a while: long stretches keep
+// a row of x at the memory's speed (bench/RESULTS.md, "Quantized weights").
+constexpr int64_t kBytesOfW = 1 << 20;
+inline int64_t RowsOfW(int64_t row_bytes) { return std::max<int64_t>(64, kBytesOfW / row_bytes); }
+
+enum class Format { kInt8, kInt4 };
+
+inline float HalfToFloat(uint16_t h) {  // IEEE float16 to float32, exactly
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else {  // zero or subnormal: mantissa 2^-24 is exact in float32
+    const float magnitude = static_cast<float>(mantissa) * 5.9604645e-8f;
+    std::memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// The weight's operands (quant.py): `data` int8 [N, K] or uint8 [N, K / 2]; `scales` and `mins`
+// (int4 only) float16 [N, K / 32] as raw 16-bit words.
+struct QuantW {
+  const uint8_t* data;
+  const uint16_t* scales;
+  const uint16_t* mins;
+  int64_t k_len, blocks;  // blocks = k_len / kBlock
+  int64_t row_bytes;
+};
+
+}  // namespace jaxserve::quant
+
+#endif  // JAXSERVE_KERNELS_MATMUL_QUANT_H_
