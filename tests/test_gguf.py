@@ -77,11 +77,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def agreement(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
-    """(top-1 agreement, mean KL(want || got) in nats) of two [positions, vocab] logits."""
+def agreement(got: np.ndarray, want: np.ndarray, tie: float = 0.0) -> tuple[float, float]:
+    """(top-1 agreement, mean KL(want || got) in nats) of two [positions, vocab] logits; top-1 over
+    the positions where `want`'s best two logits are more than `tie` apart."""
     p, q = _log_softmax(want), _log_softmax(got)
     kl = (np.exp(p) * (p - q)).sum(-1)
-    return float((got.argmax(-1) == want.argmax(-1)).mean()), float(kl.mean())
+    top2 = np.sort(want, -1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > tie
+    return float((got.argmax(-1) == want.argmax(-1))[clear].mean()), float(kl.mean())
 
 
 def test_quantized_blocks_agree_with_the_dequantized_reference(smollm2, reference):

@@ -3,12 +3,16 @@
 The reference is the same checkpoint with each matrix that is kept quantized replaced by its
 dequantized values, in float32: both compute with the same weights, and what differs is only how
 (the quantized products, on a mesh). Invariants, as for the real model (test_gguf): top-1
-agreement >= 97 % and mean KL divergence <= 0.01 nats; a matrix's scales are split over the
-mesh with its data, and replicated with it where their blocks do not divide.
+agreement >= 97 % and mean KL divergence <= 0.01 nats, top-1 over 120 positions less the near
+ties (TIE: these random models' logits lie close together, and the CPU kernel, as llama.cpp's,
+multiplies activations rounded to 8 bits, which moves logits by up to a few tenths here); a
+matrix's scales are split over the mesh with its data, and replicated with it where their blocks
+do not divide.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -26,6 +30,7 @@ from jaxserve.weights import weight_formats
 from kernels.matmul.quant import dequantize, quantize
 
 HERE = Path(__file__).resolve().parent
+TIE = 0.05  # nats between the reference's best two logits
 HF_NAMES = {"embed_tokens.embedding": "model.embed_tokens.weight", "lm_head.weight": "lm_head.weight"}
 
 
@@ -58,12 +63,12 @@ def run_worker(model_dir: Path, quantization: str, sizes: tuple[int, ...], ids: 
 
 def check_quantized(arch: str, quantization: str, sizes: tuple[int, ...], hf_checkpoint, tmp_path) -> dict:
     model, model_dir = hf_checkpoint(arch)
-    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, size=40).tolist()
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, size=120).tolist()
     twin = dequantized_twin(model_dir, quantization, tmp_path / "twin")
     want = np.array(run_worker(twin, "None", (1,), ids)[1]["logits"])
     results = run_worker(model_dir, quantization, sizes, ids)
     for tp, result in results.items():
-        top1, kl = agreement(np.array(result["logits"]), want)
+        top1, kl = agreement(np.array(result["logits"]), want, TIE)
         assert top1 >= MIN_TOP1 and kl <= MAX_KL, (tp, top1, kl)
     return results
 
@@ -136,7 +141,8 @@ def test_quantized_products_lower_for_tpu_and_gpu(platform, fmt):
 
     w = quantize(np.random.default_rng(0).normal(size=(96, 128)).astype(np.float32), fmt)
     x = jnp.ones((4, 128), jnp.bfloat16)
-    text = jax.jit(matmul_t).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
+    # (impl: what those backends run; traced on this CPU, the default would be the CPU kernel)
+    text = jax.jit(functools.partial(matmul_t, impl="xla")).trace(x, w).lower(lowering_platforms=(platform,)).as_text()
     data_type = "i8" if fmt == "int8" else "ui8"
     assert f"tensor<96x{128 if fmt == 'int8' else 64}x{data_type}>" in text.split("\n", 3)[1]  # an argument
     assert "stablehlo.dot_general" in text and "tensor<96x128xbf16>" in text
