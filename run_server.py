@@ -1,4 +1,6 @@
-"""The jaxserve CLI: parse flags -> build the engine (compiling every bucket) -> serve the API with Hypercorn.
+"""The jaxserve CLI: parse flags -> build the engine -> serve the API with Hypercorn while the engine
+thread compiles its first step bucket (GET /health answers 503 until it is ready, and requests
+sent meanwhile wait for it), then the others in the background (`--warmup`).
 
     python run_server.py                      # the built-in jaxserve-tiny (random weights)
     python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096
@@ -212,7 +214,8 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     if not args.disable_log_stats:
         tasks.append(asyncio.create_task(log_stats()))
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
+    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1; GET /health "
+          "answers 200 once the engine is ready)", flush=True)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     for task in tasks:
         task.cancel()
@@ -224,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     multihost = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
-    engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template))
+    # (warmed up by the engine thread, while the server answers /health)
+    engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template),
+                                     warmup=False)
     if not is_leader():
         follow(engine)
         return
