@@ -183,6 +183,9 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.loglevel = (args.uvicorn_log_level or args.log_level).replace("trace", "debug").upper()
+    # Hypercorn's lines through the root logger's one handler (its own would print each line twice)
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog.setLevel(config.loglevel)
     config.graceful_timeout = 5.0
     config.keyfile, config.certfile, config.ca_certs = args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs
     if args.ssl_certfile:
@@ -224,6 +227,10 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # jax's info lines (e.g. on every machine without a TPU: that libtpu.so is missing) read like
+    # errors to a newcomer: its warnings and errors only, unless --log-level debug
+    if args.log_level != "debug":
+        logging.getLogger("jax").setLevel(max(logging.getLogger().level, logging.WARNING))
     multihost = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)

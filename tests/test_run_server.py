@@ -138,6 +138,25 @@ def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_wh
             proc.kill()
 
 
+# transformers' own test of whether PyTorch is installed, made to find none (it is here, for the tests)
+HIDE_TORCH = ("import importlib.util\n"
+              "find_spec = importlib.util.find_spec\n"
+              "importlib.util.find_spec = lambda name, package=None: "
+              "None if name.partition('.')[0] == 'torch' else find_spec(name, package)\n")
+
+
+def test_loading_the_tokenizer_says_nothing_about_pytorch():
+    """Where torch is not installed, importing transformers warns that PyTorch was not found: jaxserve
+    needs none, and a newcomer's first run should not show what reads like an error."""
+    load = "from checkpoints import default_model_dir\nfrom jaxserve.tokenizer import Tokenizer\nTokenizer(default_model_dir())"
+    out = subprocess.run([sys.executable, "-c", HIDE_TORCH + load], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "PyTorch" not in out.stderr + out.stdout, out.stderr
+    # (and without jaxserve's filter, transformers does warn: the test hides torch as it should)
+    out = subprocess.run([sys.executable, "-c", HIDE_TORCH + "import transformers"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert "PyTorch was not found" in out.stderr
+
+
 def test_vllm_flag_names():
     """vLLM's names for jaxserve's flags, and its flags for the KV cache's type and tool choice."""
     sys.path.insert(0, str(ROOT))
