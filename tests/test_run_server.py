@@ -133,6 +133,8 @@ def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_wh
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "ready to serve" in out and "every step bucket is compiled" in out
+        # a clean first run: Hypercorn's lines once each, no jax info line (that libtpu.so is missing)
+        assert out.count("Running on") == 1 and "libtpu" not in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
