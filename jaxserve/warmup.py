@@ -9,7 +9,9 @@ serving never compiles; `EngineConfig.warmup` says how many are compiled before 
   that follow take more tokens or run in a smaller bucket.
 
 `BucketCompiler` compiles (or loads from the executable cache) several buckets at once: XLA
-compiles and loads without holding the GIL. Its threads are daemons, so a process may end while
+compiles and loads without holding the GIL. The first bucket compiles alone, since the server
+waits for it: tracing and lowering hold the GIL, and a second thread's would slow them (figures
+in bench/RESULTS.md). Its threads are daemons, so a process may end while
 they work; `close` (also run at exit) lets each finish its bucket first, since a thread cut off
 inside XLA at interpreter shutdown can abort the process.
 """
@@ -67,10 +69,12 @@ class BucketCompiler:
         for shape in self.shapes:
             self._todo.put(shape)
         atexit.register(self.close)
-        for i in range(max(1, min(self.threads, len(self.shapes)))):
-            worker = threading.Thread(target=self._work, name=f"jaxserve-compile-{i}", daemon=True)
-            worker.start()
-            self._workers.append(worker)
+        self._add_worker()  # (the others once the first bucket is compiled)
+
+    def _add_worker(self) -> None:
+        worker = threading.Thread(target=self._work, name=f"jaxserve-compile-{len(self._workers)}", daemon=True)
+        worker.start()
+        self._workers.append(worker)
 
     def wait(self, n: int, progress: bool = False) -> None:
         """Block until the first n shapes are compiled (with a progress bar where `progress`);
@@ -106,6 +110,9 @@ class BucketCompiler:
                     self._failed[shape] = failed
                 self._changed.notify_all()
                 done = len(self._compiled) + len(self._failed)
+            if shape == self.shapes[0] and not self._closed:
+                for _ in range(min(self.threads, len(self.shapes)) - 1):
+                    self._add_worker()
             if done == len(self.shapes):
                 self._finish()
             elif self._log_progress and done * 4 // len(self.shapes) > (done - 1) * 4 // len(self.shapes):
