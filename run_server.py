@@ -1,4 +1,6 @@
-"""The jaxserve CLI: parse flags -> build the engine (compiling every bucket) -> serve the API with Hypercorn.
+"""The jaxserve CLI: parse flags -> build the engine -> serve the API with Hypercorn while the engine
+thread compiles its first step bucket (GET /health answers 503 until it is ready, and requests
+sent meanwhile wait for it), then the others in the background (`--warmup`).
 
     python run_server.py                      # smollm2-135m-instruct (a 4-bit GGUF file, fetched once with pip)
     python run_server.py --model jaxserve-tiny  # offline: a built-in model of random weights
@@ -183,6 +185,9 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     config = Config()
     config.bind = [f"{args.host}:{args.port}"]
     config.loglevel = (args.uvicorn_log_level or args.log_level).replace("trace", "debug").upper()
+    # Hypercorn's lines through the root logger's one handler (its own would print each line twice)
+    config.errorlog = logging.getLogger("hypercorn.error")
+    config.errorlog.setLevel(config.loglevel)
     config.graceful_timeout = 5.0
     config.keyfile, config.certfile, config.ca_certs = args.ssl_keyfile, args.ssl_certfile, args.ssl_ca_certs
     if args.ssl_certfile:
@@ -214,7 +219,8 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     if not args.disable_log_stats:
         tasks.append(asyncio.create_task(log_stats()))
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
+    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1; GET /health "
+          "answers 200 once the engine is ready)", flush=True)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     for task in tasks:
         task.cancel()
@@ -223,11 +229,16 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # jax's info lines (e.g. on every machine without a TPU: that libtpu.so is missing) read like
+    # errors to a newcomer: its warnings and errors only, unless --log-level debug
+    if args.log_level != "debug":
+        logging.getLogger("jax").setLevel(max(logging.getLogger().level, logging.WARNING))
     multihost = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
-    try:
-        engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template))
+    try:  # (warmed up by the engine thread, while the server answers /health)
+        engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template),
+                                         warmup=False)
     except FileNotFoundError as e:  # (a model that is not there, or could not be fetched: one line says which)
         raise SystemExit(f"jaxserve: {e}") from None
     if not is_leader():

@@ -30,6 +30,7 @@ class _EngineCollector:
 
     def collect(self):
         stats = self.engine.stats
+        compiled, buckets = self.engine.compile_progress
         ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
         figures = [
             (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
@@ -49,6 +50,9 @@ class _EngineCollector:
              stats.num_prefix_queried_tokens),
             (both, CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              stats.num_prefix_hit_tokens),
+            (ours, GaugeMetricFamily, "step_buckets_compiled", "Step shapes compiled (after the first few, in "
+             "the background while serving).", compiled),
+            (ours, GaugeMetricFamily, "step_buckets", "Step shapes in all.", buckets),
         ]
         labels = {PREFIXES[0]: {}, PREFIXES[1]: {"model_name": self.model_name}}
         for prefixes, family, name, doc, value in figures:

@@ -35,7 +35,7 @@ class ErrorResponse(Wire):
 
 
 class EngineDown(Wire):
-    """The health routes' answer while the engine is not running."""
+    """The health routes' answer while the engine is not running, or not yet ready."""
     error: str = "engine not running"
 
 

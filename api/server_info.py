@@ -19,7 +19,13 @@ server_info = Blueprint("server_info", __name__)
 @server_info.get("/health")
 @server_info.route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
 async def health():
-    return ("", 200) if api_state().engine.is_running else (EngineDown(), 503)
+    """200 once requests are served; 503 while the engine warms up (requests sent meanwhile wait
+    for it) or after it stopped."""
+    engine = api_state().engine
+    if engine.is_ready:
+        return "", 200
+    return EngineDown(error="engine warming up: compiling its first step buckets" if engine.is_running
+                      else "engine not running"), 503
 
 
 @server_info.get("/load")

@@ -1,10 +1,13 @@
 """AsyncEngine: the engine loop in its own thread, and an async stream per request.
 
-The API never blocks on the device. Coroutines hand commands (add, abort) to
-the engine thread through a queue; the thread applies them between steps, runs
-`Engine.step()` (which also releases text), and posts each sequence's update
-onto the requester's asyncio queue with `call_soon_threadsafe`. A request whose consumer
-goes away (client disconnect) is aborted, so its pages are freed at the next step.
+The API never blocks on the device. The thread first warms the engine up unless it was built
+warm (`Engine.warmup`: the fewest step buckets that run every request, the rest in the
+background), while the API already answers: its /health with 503 until `is_ready`. Coroutines
+hand commands (add, abort) to the engine thread through a queue; the thread applies them between
+steps (those sent during the warm-up once it ends), runs `Engine.step()` (which also releases
+text), and posts each sequence's update onto the requester's asyncio queue with
+`call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
+pages are freed at the next step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from jaxserve.output import SequenceOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import TokenLogprobs
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.warmup import WarmupCancelled
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +75,11 @@ class AsyncEngine:
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> bool:
-        """Cancel every request and stop the loop thread; False if it is still in a step after `timeout`."""
+        """Cancel every request and stop the loop thread; False if it is still in a step after `timeout`.
+        Buckets still compiling in the background are finished first, those not started dropped."""
         self._stop.set()
         self._wake.set()
+        self.engine.close()  # (also ends a warm-up the loop thread may still wait for)
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -85,6 +91,16 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def is_ready(self) -> bool:
+        """Running, and warmed up: requests are served now, not queued until the warm-up ends."""
+        return self.is_running and self.engine.is_ready
+
+    @property
+    def compile_progress(self) -> tuple[int, int]:
+        """(step buckets compiled, step buckets): the rest compile in the background once ready."""
+        return self.engine.compile_progress
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """ValueError now, in the caller's thread, for a request the engine would refuse (see
@@ -153,6 +169,8 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            if not self.engine.is_ready:
+                self.engine.warmup(background=True, progress=False)
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished():
@@ -161,6 +179,8 @@ class AsyncEngine:
                     self.engine.runner.keepalive()
                     continue
                 self.engine.step(on_release=self._publish)
+        except WarmupCancelled:  # stopped while warming up: no failure
+            pass
         except BaseException as e:  # the loop must not die silently: fail every waiter
             log.exception("engine loop failed")
             self.error = e

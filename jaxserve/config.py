@@ -177,6 +177,8 @@ DTYPES = ("float32", "bfloat16")  # what weights, activations and the KV cache c
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 MAX_LOGPROBS = 20  # top logprobs the sampler computes per token (OpenAI's bound; vLLM's default max_logprobs)
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
+# how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/warmup.py)
+WARMUP_MODES = ("auto", "minimal", "all")
 
 
 # vLLM's other names for the dtypes: float16 runs as bfloat16 (its range), as in vLLM on CPU and TPU
@@ -256,6 +258,11 @@ class EngineConfig:
         None, 'JSON: generation-config fields over the model\'s, e.g. \'{"temperature": 0.5}\'', type=json_object)
     max_logprobs: int = setting(MAX_LOGPROBS, "the most logprobs a request may ask for "
                                 f"(default and at most: {MAX_LOGPROBS})")
+    warmup: str = setting(
+        "auto", "step buckets compiled before the engine serves: all, or minimal: the one that runs any step "
+        "(one token, the widest page table); the others then compile in the background, and each step runs the "
+        "best one compiled so far. auto: minimal for run_server.py, all for the offline LLM (whose steps then "
+        "never depend on how far compilation got)", choices=WARMUP_MODES)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -268,6 +275,8 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r} is not supported; supported: "
                              f"{', '.join(QUANTIZATIONS)}")
+        if self.warmup not in WARMUP_MODES:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
@@ -369,10 +378,25 @@ class EngineConfig:
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
         return (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
 
-    @property
-    def step_buckets(self) -> list[tuple[int, int, int]]:
-        """Every step shape compiled: (tokens, sequences, page-table width)."""
-        return [(t, s, p) for t in self.token_buckets for s in self.seqs_buckets(t) for p in self.page_buckets]
+    @functools.cached_property
+    def step_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Every step shape compiled: (tokens, sequences, page-table width), in that order."""
+        return tuple((t, s, p) for t in self.token_buckets for s in self.seqs_buckets(t) for p in self.page_buckets)
+
+    @functools.cached_property
+    def spanning_buckets(self) -> tuple[tuple[int, int, int], ...]:
+        """Per token bucket, the one with its full number of sequences and the widest page table:
+        each runs any step of up to its tokens (a row per token, and no sequence outgrows the
+        table), so that while buckets compile, a step's tokens are capped at the largest of these
+        compiled (`Runner.token_budget`)."""
+        return tuple((t, self.seqs_buckets(t)[-1], self.page_buckets[-1]) for t in self.token_buckets)
+
+    @functools.cached_property
+    def warmup_order(self) -> tuple[tuple[int, int, int], ...]:
+        """`step_buckets` in the order they are compiled: the spanning ones first, fewest tokens first
+        (the first alone runs any step, each next one lets steps take more tokens), then the others
+        (narrower tables, fewer sequences), fewest tokens first."""
+        return self.spanning_buckets + tuple(b for b in self.step_buckets if b not in self.spanning_buckets)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -397,7 +421,7 @@ _TEXT_ONLY = "the models take text only"
 _GENERATE_ONLY = "jaxserve generates text only"
 _NO_LORA = "LoRA adapters are not supported"
 VLLM_OPTIONS = {
-    "enforce_eager": VllmOption("there are no CUDA graphs to turn off: XLA compiles every step shape at start-up",
+    "enforce_eager": VllmOption("there are no CUDA graphs to turn off: steps run step shapes XLA compiled ahead",
                                 cli=_SWITCH),
     "enable_chunked_prefill": VllmOption("prompts are always prefilled in chunks of max_num_batched_tokens (the "
                                          "outputs are the same)", cli=_ON_OFF),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -34,6 +35,7 @@ from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.warmup import BucketCompiler
 from jaxserve.weights import load_weights, weight_formats
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,9 @@ class Engine:
                  tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True,
                  sampling_defaults: dict | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
-        and every bucket is compiled. `sampling_defaults` (`config.sampling_defaults`): what the API
-        and `LLM` give a request for the sampling fields it leaves out."""
+        and the engine is warmed up (`warmup`; later, where `warmup` is False). `sampling_defaults`
+        (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
+        it leaves out."""
         executable_cache = compilation_cache()
         self.model_config = model_config
         self.config = config
@@ -75,12 +78,43 @@ class Engine:
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._in_flight: InFlight | None = None
-        if warmup and is_leader():  # the other processes of a multi-host run compile as they follow
-            self.runner.warmup()
+        self.compiler = BucketCompiler(self.runner, config.warmup_order)
+        self.is_ready = False  # every step the scheduler may plan has a compiled bucket (`warmup`)
+        if warmup:
+            self.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
         self.output = OutputProcessor(self.tokenizer, self.scheduler, model_config.vocab_size)
         # the scheduler's figures as of the last change, for other threads to read (metrics)
         self.stats: SchedulerStats = self.scheduler.stats()
+
+    def warmup(self, background: bool = False, progress: bool = True) -> None:
+        """Compile the step buckets (jaxserve/warmup.py): all of them now, or with `background` the
+        first of `EngineConfig.warmup_order` now and the others on background threads;
+        `config.warmup` "all" or "minimal" decides over `background`. Process 0 of several runs every
+        bucket now, so that the others compile theirs as they follow (they do nothing here)."""
+        start = time.monotonic()
+        if jax.process_count() > 1:
+            background = False
+            if is_leader():
+                self.runner.warmup_followers(progress)
+        else:
+            background = {"auto": background, "minimal": True, "all": False}[self.config.warmup]
+            bar = progress and not background
+            self.compiler.start(log_progress=not bar)
+            self.compiler.wait(1 if background else len(self.compiler.shapes), progress=bar)
+        self.is_ready = True
+        if background:
+            log.info("ready to serve: %d of %d step buckets compiled in %.1f s; the others compile in the background",
+                     self.compiler.num_compiled, len(self.compiler.shapes), time.monotonic() - start)
+
+    @property
+    def compile_progress(self) -> tuple[int, int]:
+        """(step buckets compiled, step buckets)."""
+        return len(self.runner.executables), len(self.config.step_buckets)
+
+    def close(self) -> None:
+        """Stop compiling in the background (after the buckets being compiled)."""
+        self.compiler.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
@@ -151,10 +185,12 @@ class Engine:
         detokenizing, stop strings, and `on_release` of each output, e.g. sending it to a client)
         runs while the device computes. Only when the previous step's tokens feed the host side of
         the next (a grammar's mask) is it finished first."""
+        if not self.is_ready:
+            raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
         released = []
         if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight.batch):
             released = self._finish_in_flight(on_release)
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.runner.token_budget())
         in_flight = None
         if batch.rows:
             self.output.constrain(batch)
@@ -202,8 +238,10 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
     return int(budget)
 
 
-def build_engine(config: EngineConfig, chat_template: str | None = None) -> tuple[Engine, Tokenizer]:
-    """Resolve the model, read its config and tokenizer, load the weights, compile every bucket.
+def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
+                 ) -> tuple[Engine, Tokenizer]:
+    """Resolve the model, read its config and tokenizer, load the weights, compile the step buckets
+    (`Engine.warmup`; where `warmup` is False, the caller does that later).
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB;
     dtype "auto" is the checkpoint's own (`resolve_dtype`); the requests' sampling defaults come
     from `generation_config` (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
@@ -223,5 +261,5 @@ def build_engine(config: EngineConfig, chat_template: str | None = None) -> tupl
     tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
         tokenizer = pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template)
-        engine = Engine(model_dir, model_config, config, tokenizer, sampling_defaults=defaults)
+        engine = Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults)
     return engine, engine.tokenizer

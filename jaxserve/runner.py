@@ -3,9 +3,10 @@
 `make_step_fn` builds the only jitted entry point: model forward (KV written into the
 donated cache) and the sampler, for one padded batch. Its shapes come from
 `EngineConfig`'s buckets (tokens T, sequences B, page table width P: `step_buckets`);
-`warmup` compiles every (T, B, P) triple ahead of time (or loads it from the
-executable cache, `executables.py`), and a step calls its bucket's executable, so serving never
-compiles. The runner reads nothing but the scheduler's plan.
+`compile` compiles one (T, B, P) triple ahead of time (or loads it from the executable cache,
+`executables.py`; `warmup.py` decides which and when), and a step runs the smallest compiled
+bucket that fits it (`shape`), within a token budget that some compiled bucket fits
+(`token_budget`), so serving never compiles. The runner reads nothing but the scheduler's plan.
 
 Across hosts, process 0's runner sends each step's command and padded plan to the others
 (`broadcast_plan`), which run the same jitted call in `follow` until it sends STOP.
@@ -14,9 +15,7 @@ Across hosts, process 0's runner sends each step's command and padded plan to th
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import flax
@@ -39,7 +38,6 @@ from jaxserve.sharding import broadcast_plan, is_leader, place
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
 RUN, KEEPALIVE, STOP = 0, 1, 2
-WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at once
 KEEPALIVE_S = 10.0  # an idle leader still broadcasts this often, so no follower waits in a collective for long
 PACKED_MAX_BYTES = 16384  # host inputs up to this size travel to the device together, in one buffer
 
@@ -160,6 +158,11 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     return next(b for b in buckets if b >= n)
 
 
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """What compiling needs of an argument (an array a step may donate meanwhile still has these)."""
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
                  kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache):
@@ -214,14 +217,27 @@ class Runner:
         return self.weights, self.kv, plan, self._previous
 
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
-        """The step compiled for `shape` (whose arguments look like `args`): compiled on first use."""
+        """The step compiled for `shape` (whose arguments look like `args`): compiled on first use
+        only by the processes of a multi-host job (`warmup_followers`); one process steps only
+        through compiled buckets (`shape`)."""
         if shape not in self.executables:
-            # (what only the host reads is left out: changing it needs no new executable)
-            model = dataclasses.replace(self.model_config, eos_token_ids=())
-            description = repr((model, compiled_fields(self.config), shape))
-            self.executables[shape] = self.executable_cache.compile(
-                self.step_fn, args, description, list(self.kv_sharding.mesh.devices.flat))
+            self.executables[shape] = self._compile(shape, args)
         return self.executables[shape]
+
+    def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
+        # (what only the host reads is left out: changing it needs no new executable)
+        model = dataclasses.replace(self.model_config, eos_token_ids=())
+        description = repr((model, compiled_fields(self.config), shape))
+        return self.executable_cache.compile(self.step_fn, args, description,
+                                             list(self.kv_sharding.mesh.devices.flat))
+
+    def compile(self, shape: tuple[int, int, int]) -> None:
+        """Compile (or load) the step for `shape`; steps may use it from then on (`shape`). Any
+        thread may call it while steps run: it reads the cache's and the weights' shapes and
+        shardings only."""
+        empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        args = jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))
+        self.executables[shape] = self._compile(shape, args)
 
     def _command(self, command: int, shape: tuple[int, int, int] = (0, 0, 0)) -> None:
         broadcast_plan(np.array([command, *shape], np.int32))
@@ -260,11 +276,23 @@ class Runner:
                           top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt)
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
-        """The step's buckets: (tokens, sequences, page-table width)."""
+        """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while
+        some are still compiling, the smallest compiled one that fits (there is one for a batch
+        within `token_budget`)."""
         cfg = self.config
-        tokens = _bucket(max(batch.num_tokens, 1), cfg.token_buckets)
-        return (tokens, _bucket(max(len(batch.rows), 1), cfg.seqs_buckets(tokens)),
-                _bucket(max((len(r.page_ids) for r in batch.rows), default=1), cfg.page_buckets))
+        need = (max(batch.num_tokens, 1), max(len(batch.rows), 1),
+                max((len(r.page_ids) for r in batch.rows), default=1))
+        tokens = _bucket(need[0], cfg.token_buckets)
+        best = (tokens, _bucket(need[1], cfg.seqs_buckets(tokens)), _bucket(need[2], cfg.page_buckets))
+        if best in self.executables:
+            return best
+        return next(b for b in cfg.step_buckets  # (ordered by tokens, then sequences, then width)
+                    if b in self.executables and all(have >= n for have, n in zip(b, need)))
+
+    def token_budget(self) -> int:
+        """The most tokens a step may take now: those of the largest compiled spanning bucket
+        (`EngineConfig.spanning_buckets`), which fits any plan of that many tokens."""
+        return max((b[0] for b in self.config.spanning_buckets if b in self.executables), default=0)
 
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None) -> StepInputs:
         """The step's inputs as host arrays, padded to the batch's buckets (or to `shape`, see
@@ -322,20 +350,10 @@ class Runner:
             self._paddings[padding] = place(np.asarray(padding), self.replicated)
         return self._paddings[padding]
 
-    def warmup(self, progress: bool = True) -> None:
-        """Compile (or load) every step bucket, WARMUP_THREADS at a time (XLA compiles and loads
-        without holding the GIL). Process 0 of several instead runs each bucket in turn with an empty
-        batch (it writes only the null page), so the other processes compile theirs as they follow."""
+    def warmup_followers(self, progress: bool = True) -> None:
+        """Process 0 of several: run each bucket in turn with an empty batch (it writes only the
+        null page), so that the other processes compile theirs as they follow."""
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
-        shapes = self.config.step_buckets
-        with tqdm(total=len(shapes), desc="compiling step buckets", disable=not progress) as bar:
-            if self._leads:
-                for shape in shapes:
-                    self._run(shape, self.prepare(empty, shape))
-                    bar.update()
-            else:
-                with ThreadPoolExecutor(WARMUP_THREADS) as pool:
-                    for _ in pool.map(lambda shape: self._executable(shape, self._args(self.prepare(empty, shape), shape)),
-                                      shapes):
-                        bar.update()
+        for shape in tqdm(self.config.warmup_order, desc="compiling step buckets", disable=not progress):
+            self._run(shape, self.prepare(empty, shape))
         jax.block_until_ready(self.kv)

@@ -199,8 +199,12 @@ class Scheduler:
             num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts))
 
-    def schedule(self) -> ScheduledBatch:
-        budget = self.config.max_num_batched_tokens
+    def schedule(self, token_budget: int | None = None) -> ScheduledBatch:
+        """The next step's plan, of at most `token_budget` tokens (default and at most:
+        max_num_batched_tokens; less while the larger step buckets are still compiling)."""
+        total = budget = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            total = budget = min(total, token_budget)
         batch = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         i = 0
         while i < len(self.running) and budget > 0:
@@ -230,7 +234,7 @@ class Scheduler:
             self.running.append(seq)
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
-        batch.num_tokens = self.config.max_num_batched_tokens - budget
+        batch.num_tokens = total - budget
         return batch
 
     def _match_prefix(self, seq: Sequence) -> bool:

@@ -8,6 +8,7 @@ the text of a completion is the concatenation of its deltas.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -111,6 +112,17 @@ def template_options_error(add_generation_prompt: bool, continue_final_message: 
     if reserved:
         return "chat_template_kwargs", f"chat template arguments {sorted(reserved)} are set by their own options"
     return None
+
+
+def _not_about_torch(record: logging.LogRecord) -> bool:
+    """transformers says at import that PyTorch is missing, which jaxserve never needs (tokenizers
+    need none): a newcomer reads it as an error. Its other warnings pass."""
+    return not record.getMessage().startswith("PyTorch was not found.")
+
+
+# (on the "transformers" logger itself, where the message is logged: importing transformers sets
+# that logger's level and handler, not its filters)
+logging.getLogger("transformers").addFilter(_not_about_torch)
 
 
 class Tokenizer:

@@ -1,6 +1,9 @@
-"""After warm-up, serving never compiles: every step shape is a pre-compiled bucket."""
+"""Serving never compiles: every step runs a step bucket compiled before it, whether all of them
+were compiled before serving or only the first, with the rest compiling in the background."""
 
 from __future__ import annotations
+
+import threading
 
 import jax
 import numpy as np
@@ -8,22 +11,26 @@ import numpy as np
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import Engine, build_engine
 from jaxserve.structured import Constraint
 
 
 class CompileCounter:
     """Counts jaxpr traces and backend compiles reported through jax.monitoring
-    (`test_counter_sees_a_compilation` guards against the event names changing)."""
+    (`test_counter_sees_a_compilation` guards against the event names changing); with `thread`, only
+    those of that thread (jax reports each in the thread that compiles)."""
 
     TRACE, LOWER, COMPILE = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/jaxpr_to_mlir_module_duration",
                              "/jax/core/compile/backend_compile_duration")
 
-    def __init__(self, events=(TRACE, COMPILE)):
+    def __init__(self, events=(TRACE, COMPILE), thread: threading.Thread | None = None):
         self.events = events
+        self.thread = thread
         self.count = 0
 
     def __call__(self, event: str, duration: float, **kwargs):
-        if event in self.events:
+        if event in self.events and self.thread in (None, threading.current_thread()):
             self.count += 1
 
     def __enter__(self):
@@ -112,3 +119,79 @@ def test_executable_key_follows_the_attention_choice_and_the_arguments(tmp_path,
     assert cache.path(args, "step") == default
     assert cache.path((jax.numpy.zeros((2, 4)),), "step") != default
     assert cache.path(args, "another bucket") != default
+
+
+class Gate:
+    """Holds back the compilation of each of the runner's buckets until it is let through."""
+
+    def __init__(self, engine: Engine):
+        self.let = set()
+        self.changed = threading.Condition()
+        compile_now = engine.runner.compile
+
+        def gated(shape):
+            with self.changed:
+                self.changed.wait_for(lambda: shape in self.let)
+            compile_now(shape)
+
+        engine.runner.compile = gated
+
+    def through(self, *shapes):
+        with self.changed:
+            self.let.update(shapes)
+            self.changed.notify_all()
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], set]:
+    """Each prompt's generated tokens, stepping the engine on this thread; and the step buckets run."""
+    seqs = [engine.add_request(str(i), prompt, params) for i, prompt in enumerate(prompts)]
+    shapes, shape = set(), engine.runner.shape
+
+    def recorded(batch):
+        shapes.add(shape(batch))
+        return shape(batch)
+
+    engine.runner.shape = recorded
+    try:
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del engine.runner.shape
+    return [seq.output_token_ids for seq in seqs], shapes
+
+
+def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
+    """The server's warm-up (run_server.py's default): ready once the first bucket of the order (one
+    token, the widest page table) is compiled; until more are, steps take one token and run it, a
+    long prompt included; as others compile in the background, steps take more tokens and use them.
+    No step compiles, and the tokens are those of the engine compiled in full."""
+    settings = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    prompts = [list(range(30, 70)), [5, 6, 7, 8, 9], list(range(100, 120))]  # the first needs 3 pages
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
+    want = [o.outputs[0].token_ids for o in LLM(None, **settings).generate(prompts, params, use_tqdm=False)]
+
+    engine, _ = build_engine(EngineConfig(**settings), warmup=False)
+    order = engine.config.warmup_order
+    assert order[0] == (1, 1, 8) and set(order) == set(engine.config.step_buckets)
+    gate = Gate(engine)
+    gate.through(order[0])
+    engine.warmup(background=True)
+    assert engine.is_ready and engine.compile_progress == (1, len(order)) and engine.runner.token_budget() == 1
+    with CompileCounter(thread=threading.current_thread()) as counter:
+        got, shapes = generate(engine, prompts, params)
+        assert got == want and shapes == {order[0]}
+
+        gate.through(order[1])  # (4, 4, 8): steps of up to 4 tokens now
+        engine.compiler.wait(2)
+        assert engine.runner.token_budget() == 4
+        got, shapes = generate(engine, prompts, params)
+        assert got == want and shapes <= set(order[:2]) and (4, 4, 8) in shapes
+
+        gate.through(*order)
+        got, _ = generate(engine, prompts, params)  # while the others compile
+        assert got == want
+        engine.compiler.wait(len(order))
+        got, shapes = generate(engine, prompts, params)
+        assert got == want and (16, 4, 4) in shapes and engine.runner.token_budget() == 16
+    assert counter.count == 0
+    engine.close()

@@ -94,6 +94,24 @@ def test_penalties_are_planned_ahead_and_grammars_are_not():
     assert [r.seq_id for r in batch.rows if r.sample] == [0, 1] and not sched.can_schedule_ahead(batch)
 
 
+def test_a_smaller_token_budget_caps_each_plan_and_every_sequence_still_finishes():
+    """While the larger step buckets compile in the background, the engine passes a smaller budget
+    (`Runner.token_budget`); a larger one than max_num_batched_tokens changes nothing."""
+    sched = make_scheduler()
+    sched.add(make_seq(0, 10, max_tokens=3))
+    sched.add(make_seq(1, 2, max_tokens=3))
+    batch = sched.schedule(token_budget=4)
+    assert batch.num_tokens == 4 and [(r.seq_id, len(r.token_ids)) for r in batch.rows] == [(0, 4)]
+    sched.update(batch, outputs([7]))
+    while sched.has_unfinished():
+        batch = sched.schedule(token_budget=1)
+        assert batch.num_tokens == len(batch.rows) == 1
+        sched.update(batch, outputs([7]))
+    assert sched.finish_counts["length"] == 2
+    sched.add(make_seq(2, 40))
+    assert sched.schedule(token_budget=1000).num_tokens == 16
+
+
 def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
     sched = make_scheduler()
     sched.add(make_seq(0, 3))

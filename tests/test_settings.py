@@ -43,6 +43,7 @@ FLAGS = {
     ('--generation-config',): 'auto',
     ('--override-generation-config',): None,
     ('--max-logprobs',): 20,
+    ('--warmup',): 'auto',
     ('--enforce-eager',): None,
     ('--disable-custom-all-reduce',): None,
     ('--async-scheduling',): None,
