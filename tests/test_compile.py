@@ -165,10 +165,10 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
     token, the widest page table) is compiled; until more are, steps take one token and run it, a
     long prompt included; as others compile in the background, steps take more tokens and use them.
     No step compiles, and the tokens are those of the engine compiled in full."""
-    settings = dict(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
     prompts = [list(range(30, 70)), [5, 6, 7, 8, 9], list(range(100, 120))]  # the first needs 3 pages
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
-    want = [o.outputs[0].token_ids for o in LLM(None, **settings).generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in LLM(**settings).generate(prompts, params, use_tqdm=False)]
 
     engine, _ = build_engine(EngineConfig(**settings), warmup=False)
     order = engine.config.warmup_order

@@ -100,7 +100,8 @@ def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_wh
     background (the /metrics gauges, a log line when all are)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "run_server.py", "--port", str(port), "--max-model-len", "128", "--max-num-seqs", "2",
+        [sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), "--max-model-len", "128",
+         "--max-num-seqs", "2",
          "--max-num-batched-tokens", "16"],
         cwd=ROOT, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)}, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
