@@ -179,6 +179,7 @@ MAX_LOGPROBS = 20  # top logprobs the sampler computes per token (OpenAI's bound
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/warmup.py)
 WARMUP_MODES = ("auto", "minimal", "all")
+PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
 
 
 # vLLM's other names for the dtypes: float16 runs as bfloat16 (its range), as in vLLM on CPU and TPU
@@ -263,6 +264,12 @@ class EngineConfig:
         "(one token, the widest page table); the others then compile in the background, and each step runs the "
         "best one compiled so far. auto: minimal for run_server.py, all for the offline LLM (whose steps then "
         "never depend on how far compilation got)", choices=WARMUP_MODES)
+    page_table_widths: str = setting(
+        "auto", "the page-table widths steps are compiled for: 4x (4, 16, 64, ... pages up to max_model_len / "
+        "page_size: for an attention that reads the whole table, a narrower one costs less) or widest (only "
+        "max_model_len / page_size: a fraction of the step buckets to compile, for an attention that reads only "
+        "each sequence's own pages). auto: widest under the C++ CPU attention kernel, 4x otherwise",
+        choices=PAGE_TABLE_WIDTHS)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -275,6 +282,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization={self.quantization!r} is not supported; supported: "
                              f"{', '.join(QUANTIZATIONS)}")
+        if self.page_table_widths not in PAGE_TABLE_WIDTHS:
+            raise ValueError(f"page_table_widths must be one of {', '.join(PAGE_TABLE_WIDTHS)}, "
+                             f"got {self.page_table_widths!r}")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -360,8 +370,11 @@ class EngineConfig:
 
     @functools.cached_property  # (read twice a step)
     def page_buckets(self) -> tuple[int, ...]:
-        """Padded page-table widths (pages per sequence), in steps of 4x:
-        a wider table costs only attention over masked positions."""
+        """Padded page-table widths (pages per sequence): the widest alone, or ("4x", and "auto" until
+        `build_engine` resolves it) in steps of 4x: a wider table costs only attention over masked
+        positions, where the attention reads them."""
+        if self.page_table_widths == "widest":
+            return (self.max_pages_per_seq,)
         out, b = [], 4
         while b < self.max_pages_per_seq:
             out.append(b)

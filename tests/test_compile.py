@@ -165,7 +165,8 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
     token, the widest page table) is compiled; until more are, steps take one token and run it, a
     long prompt included; as others compile in the background, steps take more tokens and use them.
     No step compiles, and the tokens are those of the engine compiled in full."""
-    settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3,
+                    page_table_widths="4x")
     prompts = [list(range(30, 70)), [5, 6, 7, 8, 9], list(range(100, 120))]  # the first needs 3 pages
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=11)
     want = [o.outputs[0].token_ids for o in LLM(**settings).generate(prompts, params, use_tqdm=False)]
@@ -195,3 +196,17 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
         assert got == want and (16, 4, 4) in shapes and engine.runner.token_budget() == 16
     assert counter.count == 0
     engine.close()
+
+
+def test_page_table_widths_follow_the_attention(monkeypatch):
+    """The C++ CPU kernel reads only each sequence's own pages, so a narrower table gains nothing:
+    one width, the widest (a third of the step buckets here); an attention that reads the whole
+    table (the XLA form) keeps widths in steps of 4x. Nothing is compiled to know."""
+    settings = EngineConfig(max_model_len=1024, max_num_seqs=4, max_num_batched_tokens=16)
+    monkeypatch.setenv("JAXSERVE_ATTENTION", "cpu")
+    engine, _ = build_engine(settings, warmup=False)
+    assert engine.config.page_buckets == (64,) and len(engine.config.step_buckets) == 3
+    monkeypatch.setenv("JAXSERVE_ATTENTION", "xla")
+    engine, _ = build_engine(settings, warmup=False)
+    assert engine.config.page_buckets == (4, 16, 64) and len(engine.config.step_buckets) == 9
+    assert engine.config.warmup_order[:3] == ((1, 1, 64), (4, 4, 64), (16, 4, 64))

@@ -44,6 +44,7 @@ FLAGS = {
     ('--override-generation-config',): None,
     ('--max-logprobs',): 20,
     ('--warmup',): 'auto',
+    ('--page-table-widths',): 'auto',
     ('--enforce-eager',): None,
     ('--disable-custom-all-reduce',): None,
     ('--async-scheduling',): None,
