@@ -8,10 +8,10 @@ from server import ENGINE, MAX_MODEL_LEN, MODEL, Server, free_port
 
 # Engine settings for tests: 2 token buckets x 2 page buckets keep warm-up short,
 # and the 32-token budget forces prefill into chunks.
-SMALL_ENGINE = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, page_size=16)
+SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32, page_size=16)
 # 23 usable pages of 16 tokens for up to 16 sequences: preemption is routine. The tests that want
 # it share these settings, so jaxserve-tiny's steps for them compile once (the executable cache).
-CROWDED_ENGINE = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+CROWDED_ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
 
 
 @pytest.fixture(scope="session")

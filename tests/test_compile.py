@@ -45,7 +45,7 @@ def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
     """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
     penalties, biases, n, stop strings, logprobs, prompt logprobs, allowed tokens, bad words and
     grammars."""
-    llm = LLM(**CROWDED_ENGINE)
+    llm = LLM("jaxserve-tiny", **CROWDED_ENGINE)
     rng = np.random.default_rng(0)
     prompts, params = [], []
     for i in range(100):

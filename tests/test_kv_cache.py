@@ -242,7 +242,7 @@ def test_allocated_cache_is_zeroed_pages_per_layer(dtype, tmp_path):
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(**SMALL_ENGINE)  # the built-in jaxserve-tiny (random weights)
+    return LLM("jaxserve-tiny", **SMALL_ENGINE)  # the built-in jaxserve-tiny (random weights)
 
 
 def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_llm):
@@ -261,7 +261,7 @@ def test_prefix_cache_prefills_only_the_new_tokens_and_keeps_the_output(default_
     skipped = default_llm.generate([shared + [7, 8, 9]], dataclasses.replace(greedy, skip_reading_prefix_cache=True))
     assert skipped[0].num_cached_tokens == 0 and sched.num_prompt_tokens_computed - before == 53
     assert skipped[0].outputs[0].token_ids == first.outputs[0].token_ids
-    uncached = LLM(**SMALL_ENGINE, enable_prefix_caching=False)
+    uncached = LLM("jaxserve-tiny", **SMALL_ENGINE, enable_prefix_caching=False)
     assert uncached.generate([shared[:40] + [1, 2, 3, 4, 5]], greedy)[0].outputs[0].token_ids == \
         other.outputs[0].token_ids
     running = default_llm.engine.add_request("running", shared, greedy)
@@ -278,7 +278,7 @@ def test_prefix_cache_evicts_the_least_recently_used_prefix_through_the_engine()
     fill 14 pages; A is read again, so B becomes the least recently used; C takes 8 of the 9
     free pages; D needs 8 with 2 free, so 6 cached pages go: B's, from its last page back. A and
     C are then found whole, and of B only its first page."""
-    llm = LLM(**CROWDED_ENGINE)
+    llm = LLM("jaxserve-tiny", **CROWDED_ENGINE)
     alloc = llm.engine.scheduler.allocator
     assert alloc.num_usable == 23 and alloc.page_size == 16 and llm.reset_prefix_cache()
     rng = np.random.default_rng(0)

@@ -20,7 +20,7 @@ from jaxserve.tokenizer import loops_over_content
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(**SMALL_ENGINE)  # the built-in jaxserve-tiny (random weights)
+    return LLM("jaxserve-tiny", **SMALL_ENGINE)  # the built-in jaxserve-tiny (random weights)
 
 
 def test_prompt_forms_and_output_shape(default_llm):
@@ -316,7 +316,7 @@ def test_detokenize_false_gives_token_ids_alone(default_llm):
 def test_vllm_engine_options_and_request_arguments(default_llm):
     """vLLM's engine options and per-request arguments: taken where they change nothing here,
     a ValueError that names what is not supported where they would."""
-    llm = LLM(**SMALL_ENGINE, enforce_eager=True, disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
+    llm = LLM("jaxserve-tiny", **SMALL_ENGINE, enforce_eager=True, disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
               distributed_executor_backend="mp", quantization=None, revision=None, task="generate",
               enable_lora=False, max_logprobs=3, override_generation_config={"temperature": 0.0, "max_new_tokens": 5})
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
@@ -331,7 +331,7 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
                            (dict(task="embed"), "text only"), (dict(max_logprobs=21), "max_logprobs"),
                            (dict(override_generation_config={"do_sample": True}), "do_sample")):
         with pytest.raises(ValueError, match=match):
-            LLM(**SMALL_ENGINE, **options)
+            LLM("jaxserve-tiny", **SMALL_ENGINE, **options)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(no_such_option=1)
     with pytest.raises(ValueError, match="LoRA"):

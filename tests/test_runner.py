@@ -18,7 +18,7 @@ from jaxserve.scheduler import ScheduledBatch, ScheduledSeq
 
 @pytest.fixture(scope="module")
 def runner():
-    return LLM(**CROWDED_ENGINE).engine.runner
+    return LLM("jaxserve-tiny", **CROWDED_ENGINE).engine.runner
 
 
 def batch(params: SamplingParams) -> ScheduledBatch:

@@ -152,7 +152,7 @@ def test_key_depends_on_seed_and_position_only():
 
 
 def test_seed_reproducible_alone_and_in_a_batch_of_16():
-    llm = LLM(**CROWDED_ENGINE)  # (the batch of 16 does not fit its pages: some are preempted)
+    llm = LLM("jaxserve-tiny", **CROWDED_ENGINE)  # (the batch of 16 does not fit its pages: some are preempted)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
     alone = llm.generate(["the same prompt"], seeded)[0].outputs[0].token_ids
     rng = np.random.default_rng(5)

@@ -251,7 +251,7 @@ def test_abort_frees_pages_at_once():
 
 @pytest.fixture(scope="module")
 def tiny_llm():
-    return LLM(**CROWDED_ENGINE)  # (sequences of up to 76 tokens here)
+    return LLM("jaxserve-tiny", **CROWDED_ENGINE)  # (sequences of up to 76 tokens here)
 
 
 def test_pages_all_return_after_300_random_requests_with_cancellations(tiny_llm):
