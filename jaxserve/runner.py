@@ -232,11 +232,13 @@ class Runner:
                                              list(self.kv_sharding.mesh.devices.flat))
 
     def compile(self, shape: tuple[int, int, int]) -> None:
-        """Compile (or load) the step for `shape`; steps may use it from then on (`shape`). Any
-        thread may call it while steps run: it reads the cache's and the weights' shapes and
-        shardings only."""
+        """Compile (or load) the step for `shape`, unless it is; steps may use it from then on
+        (`shape`). Any thread may call it while steps run: it reads the cache's and the weights'
+        shapes and shardings only."""
+        if shape in self.executables:
+            return
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
-        args = jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))
+        args = jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))  # (placed: not compiled)
         self.executables[shape] = self._compile(shape, args)
 
     def _command(self, command: int, shape: tuple[int, int, int] = (0, 0, 0)) -> None:

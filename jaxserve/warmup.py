@@ -11,9 +11,9 @@ serving never compiles; `EngineConfig.warmup` says how many are compiled before 
 `BucketCompiler` compiles (or loads from the executable cache) several buckets at once: XLA
 compiles and loads without holding the GIL. The first bucket compiles alone, since the server
 waits for it: tracing and lowering hold the GIL, and a second thread's would slow them (figures
-in bench/RESULTS.md). Its threads are daemons, so a process may end while
-they work; `close` (also run at exit) lets each finish its bucket first, since a thread cut off
-inside XLA at interpreter shutdown can abort the process.
+in bench/RESULTS.md). Its threads are daemons, so a process may end while they work; `close`
+(also run at exit) lets each finish its bucket first, since a thread cut off inside XLA at
+interpreter shutdown can abort the process.
 """
 
 from __future__ import annotations
