@@ -114,7 +114,7 @@ def run_once(root: Path, model: str | None, cache: Path, server_args: list[str],
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="the server's --model (default: the built-in jaxserve-tiny)")
+    p.add_argument("--model", default="jaxserve-tiny", help="the server's --model (default: the built-in jaxserve-tiny)")
     p.add_argument("--root", type=Path, default=ROOT, help="the checkout whose run_server.py runs")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="XDG_CACHE_HOME of the runs (default: a new empty directory, removed afterwards)")
@@ -133,7 +133,7 @@ def main() -> None:
         runs = ([] if args.no_cold else ["cold"]) + ["warm"] * args.warm_runs
         for kind in runs:
             marks = run_once(args.root.resolve(), args.model, cache, server_args, args.timeout, args.wait_all)
-            print(json.dumps({"run": kind, "revision": revision, "model": args.model or "jaxserve-tiny",
+            print(json.dumps({"run": kind, "revision": revision, "model": args.model,
                               "server_args": server_args, **{k: None if v is None else round(v, 1)
                                                              for k, v in marks.items()}}), flush=True)
     finally:
