@@ -171,12 +171,10 @@ def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
     """The tiny HF `model` as a GGUF file of llama.cpp's conventions (names, metadata, llama's q/k
     rows interleaved), its matrices in `kind` (norms and biases F32), and a model view of it (no
     tokenizer: the weights are what is tested here)."""
-    import json
-
     import gguf
     from gguf import GGMLQuantizationType
 
-    from checkpoints.gguf import VIEW_MARKER, hf_config
+    from checkpoints.gguf import hf_config
 
     cfg = model.config
     writer = gguf.GGUFWriter(str(path), arch)
@@ -203,13 +201,23 @@ def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
                               raw_dtype=GGMLQuantizationType[kind])
         else:
             writer.add_tensor(name, array)
+    return _written_with_view(writer, path, config=hf_config)
+
+
+def _written_with_view(writer, path: Path, config) -> Path:
+    """Finish the GGUF file `writer` writes at `path`, and make a model view of it whose config.json
+    is `config(path)` (no tokenizer)."""
+    import json
+
+    from checkpoints.gguf import VIEW_MARKER
+
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     view = path.with_suffix(".view")
     view.mkdir()
-    (view / "config.json").write_text(json.dumps(hf_config(path)))
+    (view / "config.json").write_text(json.dumps(config(path)))
     (view / VIEW_MARKER).write_text(json.dumps({"file": str(path)}))
     return view
 
@@ -247,12 +255,8 @@ OTHER_TYPES = {"Q5_1": (24, (0, 2), "int8"), "Q4_K": (144, (0, 2), "int4"), "Q5_
 def _one_tensor_file(path: Path, kind: str, out: int = 8, width: int = 256) -> tuple[Path, np.ndarray]:
     """A GGUF file of one matrix `output.weight` of random blocks of `kind` (float16 fields set to
     sane scales), its model view, and the matrix as gguf dequantizes it."""
-    import json
-
     import gguf
     from gguf import GGMLQuantizationType
-
-    from checkpoints.gguf import VIEW_MARKER
 
     size, halves, _ = OTHER_TYPES[kind]
     qtype = GGMLQuantizationType[kind]
@@ -263,15 +267,7 @@ def _one_tensor_file(path: Path, kind: str, out: int = 8, width: int = 256) -> t
     data = blocks.reshape(out, -1)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_tensor("output.weight", data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    view = path.with_suffix(".view")
-    view.mkdir()
-    (view / "config.json").write_text("{}")
-    (view / VIEW_MARKER).write_text(json.dumps({"file": str(path)}))
-    return view, gguf.quants.dequantize(data, qtype)
+    return _written_with_view(writer, path, config=lambda _: {}), gguf.quants.dequantize(data, qtype)
 
 
 @pytest.mark.parametrize("kind", list(OTHER_TYPES))
