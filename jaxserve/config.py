@@ -19,11 +19,11 @@ from pathlib import Path
 from checkpoints import DEFAULT_MODEL_NAME, OFFLINE_MODEL_NAME
 from jaxserve import settings
 from jaxserve.models import MODEL_REGISTRY, ModelOptions
+from jaxserve.models.rope import RopeConfig
 from jaxserve.settings import json_object, json_or_text, optional_text, setting
 
 log = logging.getLogger("jaxserve.config")
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 class RequestError(ValueError):
@@ -33,18 +33,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message)
         self.field = field
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding settings (HF `rope_parameters` / `rope_scaling`)."""
-
-    theta: float
-    type: str = "default"  # one of SUPPORTED_ROPE_TYPES
-    factor: float = 1.0  # linear and llama3
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +46,16 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope: RopeConfig
+    ropes: tuple[RopeConfig, ...]  # the rotations layers use: [0] the model's, then any a family adds (`ModelFamily.ropes_from_hf`)
     max_position_embeddings: int
     tie_word_embeddings: bool
     options: ModelOptions  # the family's own settings (e.g. `llama.LlamaOptions`), from `MODEL_REGISTRY`
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def rope(self) -> RopeConfig:
+        """The model's own rotation (the first of `ropes`)."""
+        return self.ropes[0]
 
     @classmethod
     def from_hf(cls, model_dir: str | Path) -> ModelConfig:
@@ -79,9 +72,8 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(MODEL_REGISTRY)}"
             )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
         num_heads = hf["num_attention_heads"]
+        family = MODEL_REGISTRY[arch]
         return cls(
             architecture=arch,
             vocab_size=hf["vocab_size"],
@@ -92,26 +84,12 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope=_rope_from_hf(hf, path),
+            ropes=family.ropes_from_hf(hf, path),
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            options=MODEL_REGISTRY[arch].options_from_hf(arch, hf, path),
+            options=family.options_from_hf(arch, hf, path),
             eos_token_ids=_eos_ids(model_dir, hf),
         )
-
-
-def _rope_from_hf(hf: dict, path: Path) -> RopeConfig:
-    # transformers >= 5 writes `rope_parameters` (theta inside); older files
-    # have `rope_theta` and an optional `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}), in {path}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor is not supported, in {path}")
-    fields = {f.name for f in dataclasses.fields(RopeConfig)} - {"theta", "type"}
-    return RopeConfig(theta=float(theta), type=rope_type, **{k: v for k, v in params.items() if k in fields})
 
 
 # generation_config.json's sampling fields that vLLM takes as the model's defaults -> SamplingParams' names

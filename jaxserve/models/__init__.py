@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec
 
 from jaxserve.models import llama
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
-from jaxserve.models.rope import rope_table
+from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
@@ -38,6 +38,8 @@ class ModelFamily:
     hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
     partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.sharding.weight_sharding`
     tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
+    # (config.json, its path) -> `ModelConfig.ropes`: the rotations the layers use, the model's own first
+    ropes_from_hf: Callable[[dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
 
 
 LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=llama.LlamaDecoder,

@@ -37,7 +37,7 @@ class ModelInputs:
 
     token_ids: jax.Array  # i32[T]; padding 0
     positions: jax.Array  # i32[T] position of each token in its sequence
-    rope: jax.Array  # f32[T, head_dim] cos then sin of each token's rotation angles (`rope.rope_table`)
+    rope: jax.Array  # f32[R, T, head_dim] cos then sin of each token's angles, per rotation (`rope.rope_table`)
     kv_write_index: jax.Array  # i32[T] page * page_size + offset to write K/V; padding -> null page 0
     kv_lens: jax.Array  # i32[B] tokens in the cache after this step; padding 0
     page_table: jax.Array  # i32[B, P]; padding -> null page 0

@@ -47,6 +47,8 @@ SLIDING_WINDOW = ("MistralForCausalLM",)  # architectures whose `sliding_window`
 
 def options_from_hf(architecture: str, hf: dict, path: Path) -> LlamaOptions:
     """The family's options from config.json (`hf`, read from `path`)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
     attention_bias = bool(hf.get("attention_bias", False))
     return LlamaOptions(qkv_bias=architecture in QKV_BIAS or attention_bias, o_bias=attention_bias,
                         mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=architecture in QK_NORM,
@@ -110,8 +112,8 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, inputs.rope)
-        k = apply_rope(k, inputs.rope)
+        q = apply_rope(q, inputs.rope[0])
+        k = apply_rope(k, inputs.rope[0])
         o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sliding_window=self.sliding_window)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages
 

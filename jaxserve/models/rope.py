@@ -1,12 +1,17 @@
-"""Rotary position embeddings: Hugging Face's frequency scalings, a step's cos/sin table, the rotation.
+"""Rotary position embeddings: Hugging Face's settings and frequency scalings, a step's cos/sin
+tables, the rotation.
 
-A step's table (`rope_table`) is one of the step's inputs (`ModelInputs.rope`), made where the
-backend makes it (`TABLE_BY_BACKEND`); the model only rotates by it (`apply_rope`).
+A model may rotate its layers in more than one way (Gemma 3's local layers have their own base):
+`ModelConfig.ropes` lists them, and a step's tables (`rope_table`, one per rotation) are one of
+the step's inputs (`ModelInputs.rope`), made where the backend makes them (`TABLE_BY_BACKEND`); a
+layer only rotates by its table (`apply_rope`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
@@ -14,7 +19,42 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig, RopeConfig
+    from jaxserve.config import ModelConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings (HF `rope_parameters` / `rope_scaling`)."""
+
+    theta: float
+    type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear and llama3
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+
+def rope_from_hf(hf: dict, path: Path, params: dict | None = None) -> RopeConfig:
+    """The rotation config.json describes. `params`: a `rope_parameters` entry to read instead of the
+    top-level one (transformers >= 5 writes one per layer type for some models)."""
+    # transformers >= 5 writes `rope_parameters` (theta inside); older files
+    # have `rope_theta` and an optional `rope_scaling`.
+    params = dict(params if params is not None else hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}), in {path}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor is not supported, in {path}")
+    fields = {f.name for f in dataclasses.fields(RopeConfig)} - {"theta", "type"}
+    return RopeConfig(theta=float(theta), type=rope_type, **{k: v for k, v in params.items() if k in fields})
+
+
+def ropes_from_hf(hf: dict, path: Path) -> tuple[RopeConfig, ...]:
+    """A family's `ropes_from_hf` when every layer rotates the same way."""
+    return (rope_from_hf(hf, path),)
 
 
 @functools.cache
@@ -40,10 +80,14 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def host_rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
-    """f32[T, head_dim]: cos, then sin, of the RoPE angles (position x inverse frequency, taken in
-    float32 as Hugging Face does) of each token, made with numpy on the host."""
-    angles = positions.astype(np.float32)[:, None] * rope_inv_freq(cfg.rope, cfg.head_dim)[None, :]
-    return np.concatenate([np.cos(angles), np.sin(angles)], axis=-1).astype(np.float32)
+    """f32[R, T, head_dim]: for each of the model's rotations, cos, then sin, of the RoPE angles
+    (position x inverse frequency, taken in float32 as Hugging Face does) of each token, made with
+    numpy on the host."""
+    tables = []
+    for rope in cfg.ropes:
+        angles = positions.astype(np.float32)[:, None] * rope_inv_freq(rope, cfg.head_dim)[None, :]
+        tables.append(np.concatenate([np.cos(angles), np.sin(angles)], axis=-1))
+    return np.stack(tables).astype(np.float32)
 
 
 # jax.default_backend() -> what makes a step's table: the host on CPU, where XLA would evaluate cos and sin
@@ -52,12 +96,13 @@ TABLE_BY_BACKEND = {"cpu": host_rope_table, "gpu": host_rope_table, "tpu": host_
 
 
 def rope_table(cfg: ModelConfig, positions: np.ndarray) -> np.ndarray:
-    """The RoPE table f32[T, head_dim] of a step's positions i32[T], as the backend makes it."""
+    """The RoPE tables f32[R, T, head_dim] of a step's positions i32[T], as the backend makes them."""
     return TABLE_BY_BACKEND.get(jax.default_backend(), host_rope_table)(cfg, positions)
 
 
 def apply_rope(x: jax.Array, rope: jax.Array) -> jax.Array:
-    """Rotate-half RoPE. x: [T, heads, head_dim]; rope: f32[T, head_dim] (`rope_table`)."""
+    """Rotate-half RoPE. x: [T, heads, head_dim]; rope: f32[T, head_dim], one of a step's tables
+    (`ModelInputs.rope[i]`)."""
     cos, sin = (jnp.concatenate([half, half], axis=-1)[:, None, :].astype(x.dtype)
                 for half in jnp.split(rope, 2, axis=-1))
     x1, x2 = jnp.split(x, 2, axis=-1)
