@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpoints.default_model import cache_root
-from checkpoints.target import ParamTarget
+from checkpoints.target import ParamTarget, param_paths
 from kernels.matmul.quant import BLOCK, QuantizedWeight
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def tensor_formats(path: Path, name_map) -> dict[str, str]:
         param = _param_path(tensor.name, name_map)
         kind = tensor.tensor_type.name
         if param is not None and kind in KEPT_AS:
-            out[param] = KEPT_AS[kind]
+            out.update(dict.fromkeys(param_paths(param), KEPT_AS[kind]))
     return out
 
 

@@ -64,7 +64,7 @@ def load_hf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> di
                 path = hf_to_state_path(name, target.hf_name_map)
                 if path is None:
                     raise ValueError(f"unexpected tensor {name!r} in {file} for a {target.architecture} checkpoint")
-                if path not in target.shapes:
+                if not target.fits(path):
                     if path in target.unused:
                         continue
                     raise ValueError(f"tensor {name!r} in {file} does not fit this {target.architecture} config")

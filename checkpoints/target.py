@@ -1,9 +1,18 @@
-"""What a checkpoint's weights are loaded into, as the model describes it: checkpoints knows no model."""
+"""What a checkpoint's weights are loaded into, as the model describes it: checkpoints knows no model.
+
+A name map's target is a parameter path, or one of two forms for tensors that do not map one to one:
+- "a|b|c": a fused tensor (Phi-3's qkv_proj) whose rows are split among the parameters named, in
+  the order and the sizes of their first dimensions;
+- "a[3]": one slice (along the first dimension) of a stacked parameter (expert 3 of a
+  Mixture-of-Experts layer's [experts, out, in] matrix). The slices gather on the host; the
+  parameter is placed once all of them are in.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Mapping
 
 import jax
@@ -12,6 +21,22 @@ import numpy as np
 from jax.sharding import Sharding
 
 from kernels.matmul.quant import QuantizedWeight, quantize
+
+
+SLICE = re.compile(r"(.+)\[(\d+)\]")
+
+
+def param_paths(target: str) -> list[str]:
+    """The parameters a name map's target (see the module's doc) loads into."""
+    return [SLICE.fullmatch(p)[1] if SLICE.fullmatch(p) else p for p in target.split("|")]
+
+
+@dataclasses.dataclass
+class _Stack:
+    """A stacked parameter's part (data, scales or mins) while its slices arrive."""
+
+    array: np.ndarray
+    filled: set[int] = dataclasses.field(default_factory=set)
 
 
 def quantized_paths(path: str) -> tuple[str, str, str]:
@@ -49,12 +74,23 @@ class ParamTarget:
         """The dtype the parameter at `path` is stored in: `dtype`, or a quantized part's own."""
         return self._part_dtypes.get(path, np.dtype(jnp.dtype(dtype)))
 
+    def fits(self, target: str) -> bool:
+        """Whether every parameter a name map's target names is one of the model's."""
+        return all(p in self.shapes for p in param_paths(target))
+
     def put(self, loaded: dict, path: str, value: np.ndarray | QuantizedWeight, dtype: str, source: str) -> None:
-        """Check `value` (a float array or quantized blocks, for the parameter at `path`) against the
-        shapes expected, bring it to the format the target keeps it in (quantizing a float weight,
-        casting to `dtype`), and place each part into `loaded`. `source` names it in errors."""
-        if path not in self.shapes:
+        """Check `value` (a float array or quantized blocks, for the parameter at `path`, a name
+        map's target) against the shapes expected, bring it to the format the target keeps it in
+        (quantizing a float weight, casting to `dtype`), and place each part into `loaded`.
+        `source` names it in errors."""
+        if not self.fits(path):
             raise ValueError(f"tensor {source} does not fit this {self.architecture} config")
+        if "|" in path:
+            self._put_split(loaded, path.split("|"), value, dtype, source)
+            return
+        if slice_of := SLICE.fullmatch(path):
+            self._put_slice(loaded, slice_of[1], int(slice_of[2]), value, dtype, source)
+            return
         fmt = self.formats.get(path)
         if fmt is not None and not isinstance(value, QuantizedWeight):
             self._check_shape(path, value.shape, source, logical=True)
@@ -70,17 +106,60 @@ class ParamTarget:
             loaded[part] = (self.place(array, self.sharding(part)) if self.sharding is not None
                             else jax.numpy.asarray(array))
 
+    def _put_split(self, loaded: dict, paths: list[str], value, dtype: str, source: str) -> None:
+        sizes = [self.logical_shape(p)[0] for p in paths]
+        rows = (value.data if isinstance(value, QuantizedWeight) else value).shape[0]
+        if rows != sum(sizes):
+            raise ValueError(f"tensor {source} has {rows} rows, expected {sum(sizes)} ({' + '.join(map(str, sizes))}) "
+                             f"from config.json")
+        bounds = np.cumsum(sizes)[:-1]
+        if isinstance(value, QuantizedWeight):
+            parts = [np.split(part, bounds) if part is not None else [None] * len(paths) for part in value]
+            pieces = [QuantizedWeight(*each) for each in zip(*parts)]
+        else:
+            pieces = np.split(value, bounds)
+        for path, piece in zip(paths, pieces):
+            self.put(loaded, path, piece, dtype, source)
+
+    def _put_slice(self, loaded: dict, path: str, index: int, value, dtype: str, source: str) -> None:
+        count = self.shapes[path][0]
+        if index >= count:
+            raise ValueError(f"tensor {source} is slice {index} of {path}, which has {count} from config.json")
+        fmt = self.formats.get(path)
+        if fmt is not None and not isinstance(value, QuantizedWeight):
+            self._check_shape(path, (count, *value.shape), source, logical=True)
+            value = quantize(value, fmt)
+        elif fmt is None and isinstance(value, QuantizedWeight):
+            raise ValueError(f"{source}: quantized blocks for {path}, which is kept in floats")
+        parts = zip(quantized_paths(path), value) if fmt is not None else [(path, value)]
+        for part, array in parts:
+            if array is None:
+                continue
+            self._check_shape(part, (count, *array.shape), source)
+            stack = loaded.setdefault(part, _Stack(np.empty(self.shapes[part], self.dtype_of(part, dtype))))
+            if index in stack.filled:
+                raise ValueError(f"tensor {source}: slice {index} of {path} is given twice")
+            stack.array[index] = array
+            stack.filled.add(index)
+            if len(stack.filled) == count:
+                loaded[part] = (self.place(stack.array, self.sharding(part)) if self.sharding is not None
+                                else jax.numpy.asarray(stack.array))
+
     def _check_shape(self, path: str, shape: tuple, source: str, logical: bool = False) -> None:
         want = tuple(self.shapes[path]) if not logical else self.logical_shape(path)
         if tuple(shape) != want:
             raise ValueError(f"tensor {source} has shape {tuple(shape)}, expected {want} from config.json")
 
     def logical_shape(self, path: str) -> tuple[int, ...]:
-        """The float shape of the weight at `path` ([out, in] where it is kept as int4 pairs)."""
+        """The float shape of the weight at `path` ([..., out, in] where it is kept as int4 pairs)."""
         shape = tuple(self.shapes[path])
-        return (shape[0], 2 * shape[1]) if self.formats.get(path) == "int4" else shape
+        return (*shape[:-1], 2 * shape[-1]) if self.formats.get(path) == "int4" else shape
 
     def check_complete(self, loaded: Mapping[str, object], source: object) -> None:
+        partial = {path: stack for path, stack in loaded.items() if isinstance(stack, _Stack)}
+        for path, stack in partial.items():
+            absent = sorted(set(range(len(stack.array))) - stack.filled)
+            raise ValueError(f"checkpoint {source} lacks {len(absent)} slices of {path}, e.g. {absent[:3]}")
         missing = sorted(set(self.shapes) - set(loaded))
         if missing:
             raise ValueError(f"checkpoint {source} lacks {len(missing)} tensors, e.g. {missing[:3]} (decoder paths)")

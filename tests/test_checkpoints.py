@@ -201,3 +201,39 @@ def test_a_target_alone_says_what_to_load(tmp_path):
         load_params(tmp_path, dataclasses.replace(target, hf_name_map={r"a\.weight": "x.w"}), "float32")
     with pytest.raises(ValueError, match=r"lacks 1 tensors, e\.g\. \['y\.w'\]"):
         load_params(tmp_path, dataclasses.replace(target, shapes={"x.w": (2, 3), "y.w": (1,)}), "float32")
+
+
+def test_fused_tensors_split_and_expert_slices_stack(tmp_path):
+    """A name map's "a|b" target splits a fused tensor's rows in the parameters' sizes (Phi-3's
+    qkv_proj), "a[i]" gathers slices into a stacked parameter (experts); kept quantized, each piece
+    is quantized as its own matrix. A missing slice or a wrong row count is an error."""
+    from safetensors.numpy import save_file
+
+    from checkpoints import ParamTarget, load_params
+    from kernels.matmul.quant import QuantizedWeight, dequantize
+
+    rng = np.random.default_rng(0)
+    fused = rng.standard_normal((5, 64)).astype(np.float32)
+    experts = rng.standard_normal((3, 4, 64)).astype(np.float32)
+    save_file({"qkv.weight": fused, **{f"e.{i}.weight": experts[i] for i in range(3)}},
+              str(tmp_path / "model.safetensors"))
+    target = ParamTarget(architecture="Toy", shapes={"q.w": (3, 64), "k.w": (2, 64), "x.w": (3, 4, 64)},
+                         hf_name_map={r"qkv\.weight": "q.w|k.w", r"e\.(\d+)\.weight": r"x.w[\1]"})
+    params = load_params(tmp_path, target, "float32")
+    np.testing.assert_array_equal(params["q.w"], fused[:3])
+    np.testing.assert_array_equal(params["k.w"], fused[3:])
+    np.testing.assert_array_equal(params["x.w"], experts)
+
+    quantized = dataclasses.replace(target, shapes={**target.shapes, "x.w": (3, 4, 64), "x.scales": (3, 4, 2)},
+                                    formats={"x.w": "int8"})
+    params = load_params(tmp_path, quantized, "float32")
+    got = dequantize(QuantizedWeight(params["x.w"], params["x.scales"], None))
+    np.testing.assert_allclose(got, experts, atol=np.abs(experts).max() / 100)
+
+    with pytest.raises(ValueError, match=r"lacks 1 slices of x\.w, e\.g\. \[2\]"):
+        save_file({"e.0.weight": experts[0], "e.1.weight": experts[1]}, str(tmp_path / "model.safetensors"))
+        load_params(tmp_path, dataclasses.replace(target, hf_name_map={r"e\.(\d+)\.weight": r"x.w[\1]"},
+                                                  shapes={"x.w": (3, 4, 64)}), "float32")
+    save_file({"qkv.weight": fused[:4]}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"has 4 rows, expected 5 \(3 \+ 2\)"):
+        load_params(tmp_path, dataclasses.replace(target, shapes={"q.w": (3, 64), "k.w": (2, 64)}), "float32")

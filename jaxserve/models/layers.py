@@ -117,15 +117,17 @@ class Embedding(Quantizable):
 
 
 class GatedMLP(nnx.Module):
-    """down(silu(gate(x)) * up(x)): the feed-forward block of Llama-like models."""
+    """down(act(gate(x)) * up(x)): the feed-forward block of Llama-like models (SiLU; Gemma's GeGLU
+    passes the tanh GELU)."""
 
-    def __init__(self, d: int, intermediate: int, bias: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, d: int, intermediate: int, bias: bool, dtype, rngs: nnx.Rngs, activation=jax.nn.silu):
         self.gate_proj = Linear(d, intermediate, bias, dtype, rngs)
         self.up_proj = Linear(d, intermediate, bias, dtype, rngs)
         self.down_proj = Linear(intermediate, d, bias, dtype, rngs)
+        self.activation = activation
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
 def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sliding_window: int | None = None):
