@@ -14,13 +14,19 @@ Nothing here knows a family's names or options: those live in the family's own f
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxserve.models.rope import apply_rope
 from kernels import matmul_t, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
 
 
 @flax.struct.dataclass
@@ -130,11 +136,46 @@ class GatedMLP(nnx.Module):
         return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
 
 
-def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sliding_window: int | None = None):
+def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sm_scale: float | None = None,
+           sliding_window: int | None = None, soft_cap: float | None = None):
     """Write the step's keys and values into the cache, then attend over it.
-    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; pages: see `KVCache`.
-    -> ([T, heads, head_dim], k_pages, v_pages)."""
+    q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; pages: see `KVCache`; `sm_scale`
+    defaults to head_dim ** -0.5. -> ([T, heads, head_dim], k_pages, v_pages)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.kv_write_index)
     o = paged_attention(q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, inputs.query_start,
-                        inputs.num_seqs, sm_scale=q.shape[-1]**-0.5, sliding_window=sliding_window)
+                        inputs.num_seqs, sm_scale=q.shape[-1]**-0.5 if sm_scale is None else sm_scale,
+                        sliding_window=sliding_window, soft_cap=soft_cap)
     return o, k_pages, v_pages
+
+
+class Attention(nnx.Module):
+    """Self-attention on the paged cache: q/k/v projections, an optional per-head norm of q and k
+    (Qwen3, Gemma 3), RoPE by one of the step's tables, `attend`, the output projection. What sets
+    a layer apart is given per layer: a sliding window, logit soft-capping, the scale, the rotation."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, *, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm=None, sliding_window: int | None = None, soft_cap: float | None = None,
+                 sm_scale: float | None = None, rope_index: int = 0):
+        """`qk_norm`: None, or the norm class (`RMSNorm`, or a family's) built per head as (head_dim, eps, dtype)."""
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+        self.sliding_window, self.soft_cap, self.sm_scale, self.rope_index = sliding_window, soft_cap, sm_scale, rope_index
+        self.q_proj = Linear(d, cfg.num_heads * hd, qkv_bias, dtype, rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, qkv_bias, dtype, rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, qkv_bias, dtype, rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, o_bias, dtype, rngs)
+        self.q_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
+        self.k_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
+
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = inputs.rope[self.rope_index]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sm_scale=self.sm_scale,
+                                     sliding_window=self.sliding_window, soft_cap=self.soft_cap)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages

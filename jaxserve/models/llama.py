@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Embedding, GatedMLP, KVCache, Linear, ModelInputs, RMSNorm, attend
-from jaxserve.models.rope import apply_rope
+from jaxserve.models.layers import Attention, Embedding, GatedMLP, KVCache, Linear, ModelInputs, RMSNorm
 from jaxserve.sharding import AXIS
 from kernels import matmul_t
 
@@ -93,35 +92,12 @@ PARTITION_RULES = [
 ]
 
 
-class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, hd, options = cfg.hidden_size, cfg.head_dim, cfg.options
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-        self.sliding_window = options.sliding_window
-        self.q_proj = Linear(d, cfg.num_heads * hd, options.qkv_bias, dtype, rngs)
-        self.k_proj = Linear(d, cfg.num_kv_heads * hd, options.qkv_bias, dtype, rngs)
-        self.v_proj = Linear(d, cfg.num_kv_heads * hd, options.qkv_bias, dtype, rngs)
-        self.o_proj = Linear(cfg.num_heads * hd, d, options.o_bias, dtype, rngs)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if options.qk_norm else None
-
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, inputs.rope[0])
-        k = apply_rope(k, inputs.rope[0])
-        o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sliding_window=self.sliding_window)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages
-
-
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        options = cfg.options
+        self.self_attn = Attention(cfg, dtype, rngs, qkv_bias=options.qkv_bias, o_bias=options.o_bias,
+                                   qk_norm=RMSNorm if options.qk_norm else None, sliding_window=options.sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.options.mlp_bias, dtype, rngs)
 
