@@ -52,6 +52,10 @@ class ModelConfig:
     options: ModelOptions  # the family's own settings (e.g. `llama.LlamaOptions`), from `MODEL_REGISTRY`
     eos_token_ids: tuple[int, ...]
 
+    def for_context(self, max_model_len: int) -> ModelConfig:
+        """This config for an engine serving up to `max_model_len` tokens (`RopeConfig.for_context`)."""
+        return dataclasses.replace(self, ropes=tuple(rope.for_context(max_model_len) for rope in self.ropes))
+
     @property
     def rope(self) -> RopeConfig:
         """The model's own rotation (the first of `ropes`)."""

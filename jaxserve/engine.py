@@ -69,7 +69,7 @@ class Engine:
         (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
         it leaves out."""
         executable_cache = compilation_cache()
-        self.model_config = model_config
+        self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
         self.mesh = make_mesh(config.tensor_parallel_size)

@@ -8,6 +8,7 @@ jaxserve-tiny goes with each, so prompts can be text too.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -32,12 +33,20 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 4}),
+    # fused qkv and gate/up; LongRoPE within its original context (the short factors), half of
+    # each head rotated (Phi-4-mini's partial rotary); tests/test_parity.py also takes the long ones
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             {"sliding_window": 24, "original_max_position_embeddings": 128,
+              "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.5, 2.5, 4.0, 6.0]}}),
 }
 
 
-def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def build_hf_model(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """The tiny model `name` of ARCHITECTURES, with config fields `overrides` replaced."""
     config_cls, model_cls, extra = ARCHITECTURES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    # (a deep copy: transformers writes into the dicts it is given, e.g. rope_parameters)
+    config = getattr(transformers, config_cls)(**copy.deepcopy({**COMMON, **extra, **overrides}))
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

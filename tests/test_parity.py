@@ -33,7 +33,7 @@ BF16_LOGPROB_ATOL = 0.15
 def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size: int = 16,
                    dtype: str = "float32", kv_cache_dtype: str = "auto", quantization: str | None = None) -> np.ndarray:
     """Logits at every position of one sequence fed to the decoder in `chunks` (sizes summing to len)."""
-    cfg = ModelConfig.from_hf(model_dir)
+    cfg = ModelConfig.from_hf(model_dir).for_context(128)
     engine_cfg = EngineConfig(max_model_len=128, page_size=page_size, num_pages=16, dtype=dtype,
                               kv_cache_dtype=kv_cache_dtype).resolve(cfg)
     graphdef, state = load_weights(model_dir, cfg, dtype, quantization=quantization)
@@ -64,6 +64,21 @@ def test_logits_match_transformers(arch, hf_checkpoint):
     got = chunked_logits(model_dir, ids, [40])
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     assert np.abs(want).max() > 1.0  # the comparison is not between near-zero numbers
+
+
+def test_longrope_past_the_original_context_takes_the_long_factors(tmp_path):
+    """An engine whose context passes LongRoPE's original one rotates by the long factors at every
+    position; transformers takes them once the sequence passes it: a 40-token prompt through a
+    model whose original context is 32 gives the same logits."""
+    from hf_models import build_hf_model, save_hf_model
+
+    model = build_hf_model("phi3", original_max_position_embeddings=32)
+    model_dir = save_hf_model(model, tmp_path)
+    assert ModelConfig.from_hf(model_dir).for_context(128).rope.long
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, size=40).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(chunked_logits(model_dir, ids, [40]), want, atol=1e-4, rtol=0)
 
 
 def test_chunked_prefill_and_decode_equal_full_forward(hf_checkpoint):

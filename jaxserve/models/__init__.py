@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import llama
+from jaxserve.models import llama, phi3
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
@@ -44,6 +44,9 @@ class ModelFamily:
 
 LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=llama.LlamaDecoder,
                     hf_name_map=llama.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
+# Phi-3 is Llama's decoder; only its checkpoints (fused tensors) and its rotation differ
+PHI3 = ModelFamily(name="phi3", options_from_hf=phi3.options_from_hf, model=llama.LlamaDecoder,
+                   hf_name_map=phi3.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
 
 # HF `architectures` entry -> its family
 MODEL_REGISTRY: dict[str, ModelFamily] = {
@@ -51,6 +54,7 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "MistralForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
     "Qwen3ForCausalLM": LLAMA,
+    "Phi3ForCausalLM": PHI3,
 }
 
 
