@@ -37,6 +37,9 @@ PROMPTS = [QUESTION, "Write a haiku about the sea.", "List three prime numbers."
 NEW_TOKENS = 48
 MIN_TOP1 = 0.97
 MAX_KL = 0.01
+# Where the CPU kernel quantizes activations to int8 (AVX512-VNNI without AMX, as llama.cpp does),
+# logits move by up to ~0.1 (of ~40): the top-1 comparison leaves out closer calls
+TOP1_TIE = 0.2
 ENGINE = {**SMALL_ENGINE, "model": DEFAULT_MODEL_NAME, "max_model_len": 128, "max_num_batched_tokens": 64}
 
 
@@ -93,7 +96,7 @@ def test_quantized_blocks_agree_with_the_dequantized_reference(smollm2, referenc
         ids = prompt + generated[:-1]
         want = chunked_logits(view, ids, [len(ids)], quantization="none")
         got = chunked_logits(view, ids, [len(ids)])
-        top1, kl = agreement(got, want)
+        top1, kl = agreement(got, want, tie=TOP1_TIE)
         assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
 
 

@@ -3,8 +3,8 @@
 Invariants: logits of a whole prompt through the paged cache equal transformers'
 within 1e-4 (float32, max abs); the same prompt fed in chunks and single decode
 tokens gives the same logits as in one go; greedy generation through the full
-engine (8 prompts at once, chunked prefill, preemption) equals transformers'
-`generate` token for token, up to a tie (vLLM's rule: where the reference's top
+engine (8 prompts at once, chunked prefill, preemption, no compilation after start-up) equals
+transformers' `generate` token for token, up to a tie (vLLM's rule: where the reference's top
 two logits are within 1e-3, a divergence from there on is a tie). In bfloat16, vLLM's rule for a
 lower precision: logprobs within a bfloat16 tolerance until the first difference, where each
 token is among the other's top 5.
@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import SMALL_ENGINE
 from hf_models import ARCHITECTURES
+from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
@@ -137,7 +138,9 @@ def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 40, 17, 1, 33, 8, 26, 12)]
     # 12 usable pages for 8 sequences of up to 5 pages: some must be preempted.
     llm = LLM(str(model_dir), num_pages=13, **SMALL_ENGINE)
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    with CompileCounter() as counter:  # every family's steps keep to the buckets compiled at start-up
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    assert counter.count == 0
     assert llm.engine.scheduler.num_preemptions >= 1
     for prompt, out in zip(prompts, outputs):
         want, ref_logits = _hf_greedy(model, prompt, 32)
