@@ -32,6 +32,16 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 24}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "num_key_value_heads": 4}),
+    # Mixture-of-Experts: odd expert counts, a window shorter than the parity prompts
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 24}),
+    # a shared expert; layer 0 dense (mlp_only_layers)
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 96, "mlp_only_layers": [0]}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 5, "num_experts_per_tok": 3, "moe_intermediate_size": 64, "norm_topk_prob": True,
+                   "head_dim": 32}),
 }
 
 
