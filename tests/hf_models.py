@@ -45,9 +45,10 @@ ARCHITECTURES = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def build_hf_model(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """`overrides`: config settings over the architecture's own."""
     config_cls, model_cls, extra = ARCHITECTURES[name]
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
