@@ -9,6 +9,10 @@ from the file itself (`gguf`, llama.cpp's own reader, memory maps it).
 A tensor goes to the format its parameter is kept in (`ParamTarget.formats`): blocks of Q8_0,
 Q4_0 and Q4_1 are the int8 and int4 formats of `kernels.matmul.quant` as they lie; other types
 are dequantized, then quantized again where kept quantized, or cast to the float dtype.
+
+A Mixture-of-Experts layer's experts lie stacked in one tensor per projection, [experts, out, in]
+(`blk.N.ffn_gate_exps`): each expert's slice loads under its Hugging Face name (`EXPERT_HF_NAMES`),
+quantized blocks as they lie. Mixtral is GGUF architecture `llama` with an expert count.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ log = logging.getLogger(__name__)
 VIEW_MARKER = "gguf.json"  # in a model view: {"file": the GGUF file}
 VIEW_VERSION = 1  # bump when the files a view holds change
 # GGUF general.architecture -> the Hugging Face architecture it is served as
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+WITH_EXPERTS = {"llama": "MixtralForCausalLM"}  # GGUF architectures served as another when they have experts
 # llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
 PERMUTED_QK = ("llama",)
 # the tensor types read; the others are an error naming them
@@ -55,6 +61,13 @@ HF_NAMES = {
     r"blk\.(\d+)\.attn_output\.(weight|bias)": r"model.layers.\1.self_attn.o_proj.\2",
     r"blk\.(\d+)\.attn_(q|k)_norm\.weight": r"model.layers.\1.self_attn.\2_norm.weight",
     r"blk\.(\d+)\.ffn_(gate|up|down)\.(weight|bias)": r"model.layers.\1.mlp.\2_proj.\3",
+    r"blk\.(\d+)\.ffn_gate_inp\.weight": r"model.layers.\1.mlp.gate.weight",
+    r"blk\.(\d+)\.ffn_(gate|up|down)_shexp\.weight": r"model.layers.\1.mlp.shared_expert.\2_proj.weight",
+    r"blk\.(\d+)\.ffn_gate_inp_shexp\.weight": r"model.layers.\1.mlp.shared_expert_gate.weight",
+}
+# a stacked experts' tensor -> the HF name of one expert's slice ({expert}: its index)
+EXPERT_HF_NAMES = {
+    r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight": r"model.layers.\1.mlp.experts.{expert}.\2_proj.weight",
 }
 IGNORED = re.compile(r"rope_freqs\.weight")  # checked against the config instead (`_check_rope_freqs`)
 
@@ -106,8 +119,10 @@ def hf_config(path: Path) -> dict:
 
     heads = get("attention.head_count")
     names = {t.name for t in _reader(path).tensors}
+    experts = get("expert_count", 0)
     config = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts else ARCHITECTURES[arch]],
+        "model_type": arch,
         "vocab_size": get("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
         "hidden_size": get("embedding_length"), "intermediate_size": get("feed_forward_length"),
         "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
@@ -126,6 +141,16 @@ def hf_config(path: Path) -> dict:
         config["rope_scaling"] = _llama3_rope(path, config)
     if arch == "qwen2":
         config["attention_bias"] = False  # (Qwen2's q/k/v biases come with the architecture)
+    if experts:
+        config.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
+                      moe_intermediate_size=get("expert_feed_forward_length", config["intermediate_size"]),
+                      shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0),
+                      qkv_bias=any(name.endswith("attn_q.bias") for name in names),
+                      # llama.cpp renormalises Qwen3-MoE's top-k weights, never Qwen2-MoE's
+                      norm_topk_prob=arch == "qwen3moe",
+                      # layers whose feed-forward tensors are a dense MLP's, not stacked experts
+                      mlp_only_layers=[i for i in range(config["num_hidden_layers"])
+                                       if f"blk.{i}.ffn_gate_exps.weight" not in names])
     return config
 
 
@@ -196,16 +221,23 @@ def tensor_formats(path: Path, name_map) -> dict[str, str]:
     out = {}
     for tensor in _reader(path).tensors:
         param = _param_path(tensor.name, name_map)
+        if param is None and _is_experts(tensor.name):
+            param = _param_path(tensor.name, name_map, expert=0)
         kind = tensor.tensor_type.name
         if param is not None and kind in KEPT_AS:
             out.update(dict.fromkeys(param_paths(param), KEPT_AS[kind]))
     return out
 
 
-def _param_path(name: str, name_map) -> str | None:
-    for pattern, hf in HF_NAMES.items():
+def _is_experts(name: str) -> bool:
+    return any(re.fullmatch(pattern, name) for pattern in EXPERT_HF_NAMES)
+
+
+def _param_path(name: str, name_map, expert: int | None = None) -> str | None:
+    """The parameter path of the tensor `name` (with `expert`: of that expert's slice of a stacked one)."""
+    for pattern, hf in (HF_NAMES if expert is None else EXPERT_HF_NAMES).items():
         if re.fullmatch(pattern, name):
-            hf_name = re.sub(pattern, hf, name)
+            hf_name = re.sub(pattern, hf, name).format(expert=expert)
             return next((re.sub(p, to, hf_name) for p, to in name_map.items() if re.fullmatch(p, hf_name)), None)
     return None
 
@@ -226,12 +258,13 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
         if kind not in SUPPORTED_TYPES:
             raise ValueError(f"tensor {tensor.name!r} of {path} is of type {kind}, which is not supported; "
                              f"supported: {', '.join(SUPPORTED_TYPES)}")
-        param = _param_path(tensor.name, target.hf_name_map)
+        experts = _is_experts(tensor.name)
+        param = _param_path(tensor.name, target.hf_name_map, expert=0 if experts else None)
         if param is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in {path} for a {target.architecture} model")
         if param in target.unused:
             continue
-        fmt = target.formats.get(param)
+        fmt = target.formats.get(param_paths(param)[0] if experts else param)
         if fmt is not None and DIRECT.get(kind) == fmt:
             value = _blocks(tensor, kind)
         else:
@@ -241,13 +274,32 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
         if arch in PERMUTED_QK and re.search(r"attn_[qk]\.", tensor.name):
             heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
             value = _unpermute(value, heads)
-        target.put(loaded, param, value, dtype, source=f"{tensor.name!r} of {path}")
+        source = f"{tensor.name!r} of {path}"
+        if experts:
+            for e in range(_leading(value)):
+                target.put(loaded, _param_path(tensor.name, target.hf_name_map, expert=e), _index(value, e), dtype,
+                           source=f"expert {e} of {source}")
+            continue
+        if tensor.name.endswith("ffn_gate_inp_shexp.weight"):  # (llama.cpp may write the [1, hidden] gate as a vector)
+            value = value.reshape(1, -1)
+        target.put(loaded, param, value, dtype, source=source)
     for change, names in requantized.items():
         log.info("GGUF %s: %d tensors dequantized and quantized again (%s)", change, len(names),
                  ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else ""))
     target.check_complete(loaded, path)
     _reader.cache_clear()  # (its memory map: what the weights need was copied out)
     return loaded
+
+
+def _leading(value) -> int:
+    return (value.data if isinstance(value, QuantizedWeight) else value).shape[0]
+
+
+def _index(value, i: int):
+    """Slice i (along the first dimension) of an array or of quantized blocks."""
+    if isinstance(value, QuantizedWeight):
+        return QuantizedWeight(*(None if part is None else part[i] for part in value))
+    return value[i]
 
 
 def _dequantized(tensor) -> np.ndarray:
@@ -262,16 +314,17 @@ def _dequantized(tensor) -> np.ndarray:
 
 
 def _blocks(tensor, kind: str) -> QuantizedWeight:
-    """The blocks of a tensor of a DIRECT type (uint8 rows [out, bytes]) as a QuantizedWeight."""
+    """The blocks of a tensor of a DIRECT type (uint8 rows [..., out, bytes]: stacked experts have a
+    leading dimension) as a QuantizedWeight."""
     data = np.asarray(tensor.data)
-    rows = data.shape[0]
+    lead = data.shape[:-1]
     width = {"Q8_0": 2 + BLOCK, "Q5_0": 2 + 4 + BLOCK // 2, "Q4_0": 2 + BLOCK // 2, "Q4_1": 4 + BLOCK // 2}[kind]
-    blocks = data.reshape(rows, -1, width)
+    blocks = data.reshape(*lead, -1, width)
     scales = np.ascontiguousarray(blocks[..., :2]).view(np.float16)[..., 0]  # every type's first field
     if kind == "Q5_0":  # its values, read through the dequantized tensor: exact multiples of the scale
-        values = _dequantized(tensor).reshape(rows, -1, BLOCK) / np.where(scales == 0, 1, scales)[..., None]
-        return QuantizedWeight(np.rint(values).astype(np.int8).reshape(rows, -1), scales)
-    values = np.ascontiguousarray(blocks[..., width - (BLOCK if kind == "Q8_0" else BLOCK // 2):]).reshape(rows, -1)
+        values = _dequantized(tensor).reshape(*lead, -1, BLOCK) / np.where(scales == 0, 1, scales)[..., None]
+        return QuantizedWeight(np.rint(values).astype(np.int8).reshape(*lead, -1), scales)
+    values = np.ascontiguousarray(blocks[..., width - (BLOCK if kind == "Q8_0" else BLOCK // 2):]).reshape(*lead, -1)
     if kind == "Q8_0":
         return QuantizedWeight(values.view(np.int8), scales)
     mins = (np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0] if kind == "Q4_1"

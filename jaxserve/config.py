@@ -51,6 +51,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     options: ModelOptions  # the family's own settings (e.g. `llama.LlamaOptions`), from `MODEL_REGISTRY`
     eos_token_ids: tuple[int, ...]
+    num_experts: int = 0  # experts of a Mixture-of-Experts layer (num_local_experts / num_experts); 0: dense
+    # experts split whole over the mesh (`EngineConfig.enable_expert_parallel`, set by `parallel`), not
+    # along their intermediate dimension
+    expert_parallel: bool = False
 
     def for_context(self, max_model_len: int) -> ModelConfig:
         """This config for an engine serving up to `max_model_len` tokens (`RopeConfig.for_context`)."""
@@ -93,7 +97,22 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             options=family.options_from_hf(arch, hf, path),
             eos_token_ids=_eos_ids(model_dir, hf),
+            num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
         )
+
+    def parallel(self, enable_expert_parallel: bool, devices: int) -> ModelConfig:
+        """This config as the engine runs it on a mesh of `devices`: with `enable_expert_parallel`,
+        the experts split whole over the devices (`expert_parallel`), which needs a model with experts
+        whose count divides over them."""
+        if not enable_expert_parallel:
+            return self
+        if not self.num_experts or not MODEL_REGISTRY[self.architecture].expert_parallel_rules:
+            raise ValueError(f"enable_expert_parallel: {self.architecture} has no experts to split; leave it off")
+        if self.num_experts % devices:
+            raise ValueError(f"enable_expert_parallel: the model's {self.num_experts} experts do not split evenly "
+                             f"over tensor_parallel_size={devices} devices; choose a size that divides "
+                             f"{self.num_experts}, or leave expert parallelism off")
+        return dataclasses.replace(self, expert_parallel=True)
 
 
 # generation_config.json's sampling fields that vLLM takes as the model's defaults -> SamplingParams' names
@@ -232,6 +251,10 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices to split weights and KV cache over (multi-host: all devices of all processes)", flags=("-tp",),
         compiled=True)
+    enable_expert_parallel: bool = setting(
+        False, "split a Mixture-of-Experts model's experts whole over the tensor-parallel devices (each holds "
+        "experts / tensor-parallel-size of them; attention stays tensor-parallel) instead of splitting every "
+        "expert's matrices", compiled=True)
     enable_prefix_caching: bool = setting(
         True, "reuse the KV pages of earlier prompts with the same prefix (default: on)", negatable=True)
     generation_config: str = setting(

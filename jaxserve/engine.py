@@ -69,10 +69,11 @@ class Engine:
         (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
         it leaves out."""
         executable_cache = compilation_cache()
+        self.mesh = make_mesh(config.tensor_parallel_size)
+        model_config = model_config.parallel(config.enable_expert_parallel, config.tensor_parallel_size)
         self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
-        self.mesh = make_mesh(config.tensor_parallel_size)
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache)

@@ -80,12 +80,14 @@ def make_mesh(tensor_parallel_size: int) -> Mesh:
 def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig, rules: Sequence[tuple[str, P, str]],
                     shape: Sequence[int] = ()) -> NamedSharding:
     """The sharding of the weight at `path`: the first of `rules` (parameter path pattern, spec, the
-    ModelConfig count that must divide the mesh size) that matches, else replicated; replicated
-    too where the count, or a split dimension of `shape` (a quantized matrix's blocks), does not divide."""
+    count that must divide the mesh size: a ModelConfig field, else one of its family's options)
+    that matches, else replicated; replicated too where the count, or a split dimension of `shape`
+    (a quantized matrix's blocks), does not divide."""
     size = mesh.shape[AXIS]
     for pattern, spec, count in rules:
         if re.fullmatch(pattern, path):
-            divides = getattr(cfg, count) % size == 0 and all(
+            number = getattr(cfg, count) if hasattr(cfg, count) else getattr(cfg.options, count)
+            divides = number % size == 0 and all(
                 shape[dim] % size == 0 for dim, axis in enumerate(spec) if axis is not None and dim < len(shape))
             return NamedSharding(mesh, spec if divides else P())
     return NamedSharding(mesh, P())

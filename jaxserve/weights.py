@@ -87,8 +87,9 @@ def weight_formats(model_dir: str | Path, cfg: ModelConfig, quantization: str | 
 def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
                  formats: dict[str, str] | None = None) -> ParamTarget:
     """What `checkpoints` loads for the model of `cfg` whose (abstract) state is `state`; with a
-    mesh, each weight into its sharding (the family's partition rules: a quantized matrix's scales
-    and mins follow its data, split only where their blocks divide over the mesh)."""
+    mesh, each weight into its sharding (the family's partition rules, `ModelFamily.rules`: a
+    quantized matrix's scales and mins follow its data, split only where their blocks divide over
+    the mesh)."""
     family = MODEL_REGISTRY[cfg.architecture]
     formats = formats or {}
     shapes = {path: tuple(leaf.shape) for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
@@ -97,7 +98,7 @@ def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
     def sharding(path: str):
         matrix = matrix_of.get(path, path)
         blocks = shapes[quantized_paths(matrix)[1]] if matrix in formats else shapes[path]
-        return weight_sharding(mesh, matrix, cfg, family.partition_rules, blocks)
+        return weight_sharding(mesh, matrix, cfg, family.rules(cfg), blocks)
 
     return ParamTarget(architecture=cfg.architecture, shapes=shapes, hf_name_map=family.hf_name_map,
                        unused=family.tied_head if cfg.tie_word_embeddings else frozenset(),

@@ -39,6 +39,16 @@ ARCHITECTURES = {
              {"sliding_window": 24, "original_max_position_embeddings": 128,
               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [1.5, 2.5, 4.0, 6.0]}}),
+    # Mixture-of-Experts: odd expert counts, a window shorter than the parity prompts
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 5, "num_experts_per_tok": 2, "sliding_window": 24}),
+    # a shared expert; layer 0 dense (mlp_only_layers)
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "shared_expert_intermediate_size": 96, "mlp_only_layers": [0]}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 5, "num_experts_per_tok": 3, "moe_intermediate_size": 64, "norm_topk_prob": True,
+                   "head_dim": 32}),
 }
 
 

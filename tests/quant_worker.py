@@ -36,6 +36,7 @@ def logits(model_dir: str, quantization: str | None, tp: int, ids: list[int]) ->
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # (as the engine traces its step)
         _, out, _ = jax.jit(forward, static_argnames="graphdef")(graphdef, state, kv, inputs)
     mlp = state["layers"][0]["mlp"]
+    mlp = mlp["experts"] if "experts" in mlp else mlp  # (a Mixture-of-Experts layer's stacked matrices)
     placed = {f"{proj}.{part}": [list(a.sharding.shard_shape(a.shape)), len(a.sharding.device_set)]
               for proj in ("up_proj", "down_proj") for part, a in
               ((p, mlp[proj][p][...]) for p in ("weight", "scales", "mins") if p in mlp[proj])}

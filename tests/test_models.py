@@ -13,8 +13,9 @@ from flax import nnx
 from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
-from jaxserve.models import LLAMA, MODEL_REGISTRY, abstract_model
+from jaxserve.models import LLAMA, MODEL_REGISTRY, MOE, abstract_model
 from jaxserve.models.llama import LlamaOptions
+from jaxserve.models.moe import MoeOptions
 from jaxserve.weights import param_target
 
 # hf_models.ARCHITECTURES name -> the options its config.json gives
@@ -26,6 +27,15 @@ OPTIONS = {
     "qwen2": LlamaOptions(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None),
     "qwen3": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, sliding_window=None),
     "phi3": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=24),
+    "mixtral": MoeOptions(qkv_bias=False, o_bias=False, qk_norm=False, sliding_window=24, num_experts_per_tok=2,
+                          moe_intermediate_size=128, norm_topk_prob=True, shared_expert_intermediate_size=0,
+                          dense_layers=()),
+    "qwen2-moe": MoeOptions(qkv_bias=True, o_bias=False, qk_norm=False, sliding_window=None, num_experts_per_tok=2,
+                            moe_intermediate_size=64, norm_topk_prob=False, shared_expert_intermediate_size=96,
+                            dense_layers=(0,)),
+    "qwen3-moe": MoeOptions(qkv_bias=False, o_bias=False, qk_norm=True, sliding_window=None, num_experts_per_tok=3,
+                            moe_intermediate_size=64, norm_topk_prob=True, shared_expert_intermediate_size=0,
+                            dense_layers=()),
 }
 
 
@@ -38,6 +48,7 @@ def test_every_registered_architecture_has_a_parity_model():
     assert set(MODEL_REGISTRY) == {model_cls for _, model_cls, _ in ARCHITECTURES.values()}
     assert all(MODEL_REGISTRY[a] is LLAMA for a in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                     "Qwen3ForCausalLM"))
+    assert all(MODEL_REGISTRY[a] is MOE for a in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"))
 
 
 @pytest.mark.parametrize("name", list(OPTIONS))
@@ -71,9 +82,10 @@ def _target(model_dir):
 
 
 def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, tmp_path):
-    """Over the parity models: every HF tensor maps to a parameter of its model and every entry of a
-    family's name map is used; every partition rule splits some parameter (of those models, or a
-    Llama with MLP biases), and every projection, the embedding and the LM head are split by one."""
+    """Over the parity models: every HF tensor maps to a parameter of its model (an expert's to a slice
+    of its layer's stack) and every entry of a family's name map is used; every partition rule
+    (expert-parallel ones included) splits some parameter (of those models, or a Llama with MLP
+    biases), and every projection, the embedding and the LM head are split by one."""
     _, llama_dir = hf_checkpoint("llama")
     hf = json.loads((llama_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
@@ -94,10 +106,13 @@ def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, 
     assert set(paths) == set(used_names) == set(families)
     for family in families.values():
         assert used_names[family.name] == set(family.hf_name_map)
-        used_rules = set()  # (over the families that share these rules: Phi-3 uses Llama's)
-        for path in set().union(*(paths[f.name] for f in families.values() if f.partition_rules is family.partition_rules)):
-            rules = [pattern for pattern, _, _ in family.partition_rules if re.fullmatch(pattern, path)]
-            assert len(rules) <= 1, path
-            used_rules.update(rules)
-            assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
-        assert used_rules == {pattern for pattern, _, _ in family.partition_rules}
+        used_rules = set()
+        for rule_set in (family.partition_rules, family.expert_parallel_rules):
+            # (over the families that share these rules: Phi-3 uses Llama's)
+            for path in set().union(*(paths[f.name] for f in families.values() if f.partition_rules is family.partition_rules)):
+                rules = [pattern for pattern, _, _ in rule_set if re.fullmatch(pattern, path)]
+                assert len(rules) <= 1, path
+                used_rules.update(rules)
+                if rule_set is family.partition_rules:
+                    assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
+        assert used_rules == {pattern for pattern, _, _ in (*family.partition_rules, *family.expert_parallel_rules)}

@@ -39,6 +39,7 @@ FLAGS = {
     ('--process-id',): None,
     ('--distributed',): False,
     ('--distributed-timeout',): 100,
+    ('--enable-expert-parallel',): False,
     ('--enable-prefix-caching', '--no-enable-prefix-caching'): True,
     ('--generation-config',): 'auto',
     ('--override-generation-config',): None,

@@ -90,3 +90,27 @@ def test_tensor_parallel_up_to_8_devices(arch, hf_checkpoint):
     model, model_dir = hf_checkpoint(arch)
     cfg = model.config
     check(run_worker(model_dir), cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+
+
+@pytest.mark.slow  # (two worker processes, each compiling its steps for 4 devices)
+def test_expert_parallel_splits_whole_experts_and_tensor_parallel_their_matrices(tmp_path):
+    """Qwen2-MoE with 4 experts (a dense layer 0, a shared expert) on 4 of 8 devices: with
+    enable_expert_parallel each device holds one whole expert, without it every expert's matrices are
+    split along the intermediate dimension; both generate what one device does, attention split as
+    for a dense model."""
+    from hf_models import build_hf_model, save_hf_model
+    from tp_worker import run
+
+    model = build_hf_model("qwen2-moe", num_experts=4)
+    model_dir = save_hf_model(model, tmp_path / "qwen2-moe-4")
+    cfg = model.config
+    engine = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    one = json.loads(json.dumps(run(str(model_dir), [1], engine)))["1"]
+    expert_parallel = run_worker(model_dir, sizes=(4,), engine={**engine, "enable_expert_parallel": True})[4]
+    tensor_parallel = run_worker(model_dir, sizes=(4,), engine=engine)[4]
+    for results in (expert_parallel, tensor_parallel):
+        check({1: one, 4: results}, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
+    gate, down = (expert_parallel["arrays"][f"experts_{n}"] for n in ("gate", "down"))
+    assert gate["shape"] == [4, 64, 64] and gate["shard"] == [1, 64, 64] and down["shard"] == [1, 64, 64]
+    gate, down = (tensor_parallel["arrays"][f"experts_{n}"] for n in ("gate", "down"))
+    assert gate["shard"] == [4, 16, 64] and down["shard"] == [4, 64, 16] and gate["devices"] == 4

@@ -48,6 +48,10 @@ def run(model_dir: str, sizes: list[int], engine: dict | None = None) -> dict:
                   "o_proj": layer["self_attn"]["o_proj"]["weight"][...],
                   "down_proj": layer["mlp"]["down_proj"]["weight"][...],
                   "kv_pages": engine.runner.kv.k[0]}
+        last_mlp = engine.runner.state["layers"][engine.model_config.num_layers - 1]["mlp"]
+        if "experts" in last_mlp:  # a Mixture-of-Experts layer's stacked [experts, out, in] matrices
+            arrays.update({f"experts_{name}": last_mlp["experts"][f"{name}_proj"]["weight"][...]
+                           for name in ("gate", "down")})
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "prompt_logprobs": [[[[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in o.prompt_logprobs[1:]]

@@ -18,14 +18,14 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import llama, phi3
+from jaxserve.models import llama, moe, phi3
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
 
-ModelOptions = llama.LlamaOptions  # a family's own settings (`ModelConfig.options`): one type per family
+ModelOptions = llama.LlamaOptions | moe.MoeOptions  # a family's own settings (`ModelConfig.options`): one type per family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,13 @@ class ModelFamily:
     tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
     # (config.json, its path) -> `ModelConfig.ropes`: the rotations the layers use, the model's own first
     ropes_from_hf: Callable[[dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
+    # with expert parallelism (`ModelConfig.expert_parallel`), taken before `partition_rules`; a
+    # family without them has no experts to split
+    expert_parallel_rules: Sequence[tuple[str, PartitionSpec, str]] = ()
+
+    def rules(self, cfg: ModelConfig) -> tuple[tuple[str, PartitionSpec, str], ...]:
+        """The partition rules of a model of `cfg`: with expert parallelism, the experts' first."""
+        return (*(self.expert_parallel_rules if cfg.expert_parallel else ()), *self.partition_rules)
 
 
 LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=llama.LlamaDecoder,
@@ -47,6 +54,9 @@ LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=l
 # Phi-3 is Llama's decoder; only its checkpoints (fused tensors) and its rotation differ
 PHI3 = ModelFamily(name="phi3", options_from_hf=phi3.options_from_hf, model=llama.LlamaDecoder,
                    hf_name_map=phi3.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
+MOE = ModelFamily(name="moe", options_from_hf=moe.options_from_hf, model=moe.MoeDecoder, hf_name_map=moe.HF_NAME_MAP,
+                  partition_rules=moe.PARTITION_RULES, tied_head=moe.TIED_HEAD,
+                  expert_parallel_rules=moe.EXPERT_PARALLEL_RULES)
 
 # HF `architectures` entry -> its family
 MODEL_REGISTRY: dict[str, ModelFamily] = {
@@ -55,6 +65,9 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "Qwen2ForCausalLM": LLAMA,
     "Qwen3ForCausalLM": LLAMA,
     "Phi3ForCausalLM": PHI3,
+    "MixtralForCausalLM": MOE,
+    "Qwen2MoeForCausalLM": MOE,
+    "Qwen3MoeForCausalLM": MOE,
 }
 
 

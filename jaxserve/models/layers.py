@@ -66,19 +66,20 @@ class RMSNorm(nnx.Module):
 
 
 class Quantizable(nnx.Module):
-    """A module with one matrix [out, in] (its parameter WEIGHT) that may be kept quantized: then
-    the parameter holds the quantized data, beside `scales` (and `mins`, int4)."""
+    """A module with one matrix [out, in] (its parameter WEIGHT; [experts, out, in] for stacked
+    experts) that may be kept quantized: then the parameter holds the quantized data, beside
+    `scales` (and `mins`, int4), with the same leading dimensions."""
 
     WEIGHT = "weight"
     scales = mins = None  # set by `quantize`
 
     def quantize(self, fmt: str) -> None:
         """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded)."""
-        out, width = getattr(self, self.WEIGHT)[...].shape
+        *lead, width = getattr(self, self.WEIGHT)[...].shape
         packed = width if fmt == "int8" else width // 2
-        setattr(self, self.WEIGHT, nnx.Param(jnp.zeros((out, packed), jnp.int8 if fmt == "int8" else jnp.uint8)))
-        self.scales = nnx.Param(jnp.zeros((out, width // BLOCK), jnp.float16))
-        self.mins = nnx.Param(jnp.zeros((out, width // BLOCK), jnp.float16)) if fmt == "int4" else None
+        setattr(self, self.WEIGHT, nnx.Param(jnp.zeros((*lead, packed), jnp.int8 if fmt == "int8" else jnp.uint8)))
+        self.scales = nnx.Param(jnp.zeros((*lead, width // BLOCK), jnp.float16))
+        self.mins = nnx.Param(jnp.zeros((*lead, width // BLOCK), jnp.float16)) if fmt == "int4" else None
 
     def matrix(self) -> jax.Array | QuantizedWeight:
         """What `matmul_t` takes: the float matrix, or its quantized parts."""

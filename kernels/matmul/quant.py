@@ -9,7 +9,8 @@ GGUF's Q8_0, Q4_0 and Q4_1 do, so those blocks load as they are (`checkpoints.gg
   value j in its low nibble and value j + 16 in its high one; `scales` and `mins` f16
   [out, in / BLOCK]; w = scale * q + min with q in 0..15 (Q4_1; Q4_0's q - 8 is min = -8 scale).
 
-A weight's format follows from its data's dtype (`fmt`).
+A weight may have leading dimensions ([experts, out, in]: a Mixture-of-Experts layer's stacked
+matrices); its parts then have them too. A weight's format follows from its data's dtype (`fmt`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ FORMATS = ("int8", "int4")
 
 
 class QuantizedWeight(NamedTuple):
-    """A weight [out, in] in one of FORMATS (see the top). A pytree: it passes through jit as is."""
+    """A weight [..., out, in] in one of FORMATS (see the top). A pytree: it passes through jit as is."""
 
     data: jax.Array
     scales: jax.Array
@@ -36,9 +37,9 @@ class QuantizedWeight(NamedTuple):
         return "int8" if self.data.dtype == jnp.int8 else "int4"
 
     @property
-    def shape(self) -> tuple[int, int]:
-        out, width = self.data.shape
-        return out, width if self.fmt == "int8" else 2 * width
+    def shape(self) -> tuple[int, ...]:
+        *lead, width = self.data.shape
+        return *lead, width if self.fmt == "int8" else 2 * width
 
 
 def _nibbles(data):
@@ -62,28 +63,28 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
 
 def check_quantizable(shape: tuple[int, ...]) -> str | None:
     """Why a weight of `shape` cannot be quantized, or None."""
-    if len(shape) != 2 or shape[1] % BLOCK:
+    if len(shape) < 2 or shape[-1] % BLOCK:
         return f"its input dimension ({shape[-1]}) is not a multiple of {BLOCK}"
     return None
 
 
 def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
-    """A float weight [out, in] (numpy, on the host) in `fmt`, rounding to nearest: "int8" with
+    """A float weight [..., out, in] (numpy, on the host) in `fmt`, rounding to nearest: "int8" with
     each block's largest magnitude at 127, "int4" with each block's range over 0..15."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; choose from {list(FORMATS)}")
     if why := check_quantizable(w.shape):
         raise ValueError(f"cannot quantize a weight of shape {w.shape}: {why}")
-    out, width = w.shape
-    blocks = np.asarray(w, np.float32).reshape(out, width // BLOCK, BLOCK)
+    *lead, width = w.shape
+    blocks = np.asarray(w, np.float32).reshape(*lead, width // BLOCK, BLOCK)
     if fmt == "int8":
         scale = (np.abs(blocks).max(-1) / 127).astype(np.float16)
         q = np.rint(blocks / _nonzero(scale)[..., None]).clip(-127, 127).astype(np.int8)
-        return QuantizedWeight(q.reshape(out, width), scale)
+        return QuantizedWeight(q.reshape(*lead, width), scale)
     lo, hi = blocks.min(-1), blocks.max(-1)
     scale, low = ((hi - lo) / 15).astype(np.float16), lo.astype(np.float16)
     q = np.rint((blocks - low[..., None]) / _nonzero(scale)[..., None]).clip(0, 15).astype(np.uint8)
-    return QuantizedWeight(pack_int4(q.reshape(out, width)), scale, low)
+    return QuantizedWeight(pack_int4(q.reshape(*lead, width)), scale, low)
 
 
 def _nonzero(scale: np.ndarray) -> np.ndarray:
@@ -92,10 +93,10 @@ def _nonzero(scale: np.ndarray) -> np.ndarray:
 
 
 def pack_int4(q: np.ndarray) -> np.ndarray:
-    """Values 0..15, uint8 [out, in] -> [out, in / 2] in GGUF's order (see the top)."""
-    out, width = q.shape
-    blocks = q.reshape(out, width // BLOCK, 2, BLOCK // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(out, width // 2)
+    """Values 0..15, uint8 [..., out, in] -> [..., out, in / 2] in GGUF's order (see the top)."""
+    *lead, width = q.shape
+    blocks = q.reshape(*lead, width // BLOCK, 2, BLOCK // 2)
+    return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*lead, width // 2)
 
 
 def nbytes(w) -> int:

@@ -1,0 +1,82 @@
+"""Grouped products (kernels/matmul/grouped.py) against float64 numpy, one expert at a time: random
+group sizes with empty groups and rows past the groups, float and quantized weights; the TPU and
+GPU path lowered for those platforms from this CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels import grouped_matmul_t, matmul_t
+from kernels.matmul.grouped import chunk_rows
+from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
+
+
+def numpy_grouped(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    out = np.zeros((x.shape[0], w.shape[1]))
+    start = 0
+    for g, size in enumerate(sizes):
+        out[start:start + size] = x[start:start + size].astype(np.float64) @ w[g].astype(np.float64).T
+        start += size
+    return out
+
+
+def random_sizes(rng, groups: int, rows: int) -> np.ndarray:
+    """Sizes summing to at most `rows`, about a third of the groups empty."""
+    sizes = rng.multinomial(rng.integers(0, rows + 1), np.ones(groups) / groups)
+    sizes[rng.random(groups) < 0.3] = 0
+    return sizes.astype(np.int32)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "ragged", "reference"])
+@pytest.mark.parametrize("rows,groups,chunk", [(2, 8, None), (16, 5, None), (40, 3, 8), (37, 7, 1)])
+def test_grouped_matmul_matches_float64(impl, rows, groups, chunk):
+    rng = np.random.default_rng(rows * groups)
+    x = rng.normal(size=(rows, 64)).astype(np.float32)
+    w = rng.normal(size=(groups, 48, 64)).astype(np.float32)
+    f = jax.jit(functools.partial(grouped_matmul_t, impl=impl, chunk=chunk))
+    for _ in range(3):
+        sizes = random_sizes(rng, groups, rows)
+        np.testing.assert_allclose(np.asarray(f(x, w, sizes)), numpy_grouped(x, w, sizes), atol=1e-4, rtol=1e-4)
+    sizes = np.zeros(groups, np.int32)  # no rows routed at all
+    assert not np.asarray(f(x, w, sizes)).any()
+
+
+@pytest.mark.parametrize("impl", ["chunked", "ragged"])
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_grouped_matmul_of_quantized_experts(impl, fmt):
+    """A quantized stack multiplies as its dequantized matrices do ("ragged"), or as each group's rows
+    through `matmul_t` of its quantized matrix ("chunked", whose CPU kernel may round x to int8)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(24, 64)).astype(np.float32)
+    w = quantize(rng.normal(size=(5, 32, 64)).astype(np.float32), fmt)
+    assert w.shape == (5, 32, 64) and w.scales.shape == (5, 32, 2)
+    sizes = np.array([7, 0, 9, 0, 5], np.int32)
+    got = jax.jit(functools.partial(grouped_matmul_t, impl=impl))(x, w, sizes)
+    want = numpy_grouped(x, np.asarray(dequantize(w)), sizes)
+    if impl == "chunked":
+        bounds = np.cumsum(sizes)
+        want = np.zeros_like(want)
+        for g in np.flatnonzero(sizes):
+            rows = slice(bounds[g] - sizes[g], bounds[g])
+            want[rows] = matmul_t(x[rows], QuantizedWeight(*(None if p is None else p[g] for p in w)))
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_rows_follows_the_mean_group():
+    assert [chunk_rows(r, 8) for r in (2, 16, 64, 256, 4096)] == [1, 2, 8, 32, 32]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_ragged_path_lowers_for_tpu_and_gpu(platform):
+    """XLA's ragged dot, not a loop: what TPU and GPU run."""
+    x = jnp.ones((16, 64), jnp.bfloat16)
+    w = jnp.ones((4, 32, 64), jnp.bfloat16)
+    sizes = jnp.array([4, 0, 8, 4], jnp.int32)
+    fn = jax.jit(functools.partial(grouped_matmul_t, impl="ragged"))
+    text = fn.trace(x, w, sizes).lower(lowering_platforms=(platform,)).as_text()
+    assert "ragged_dot" in text and "while" not in text
