@@ -52,7 +52,7 @@ def rope_from_hf(hf: dict, path: Path, params: dict | None = None) -> RopeConfig
     return RopeConfig(theta=float(theta), type=rope_type, **{k: v for k, v in params.items() if k in fields})
 
 
-def ropes_from_hf(hf: dict, path: Path) -> tuple[RopeConfig, ...]:
+def ropes_from_hf(architecture: str, hf: dict, path: Path) -> tuple[RopeConfig, ...]:
     """A family's `ropes_from_hf` when every layer rotates the same way."""
     return (rope_from_hf(hf, path),)
 
