@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import LLAMA, MODEL_REGISTRY, abstract_model
+from jaxserve.models.gemma import GemmaOptions
 from jaxserve.models.llama import LlamaOptions
 from jaxserve.weights import param_target
 
@@ -25,6 +26,12 @@ OPTIONS = {
     "mistral": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=24),
     "qwen2": LlamaOptions(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False, sliding_window=None),
     "qwen3": LlamaOptions(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=True, sliding_window=None),
+    "gemma2": GemmaOptions(qk_norm=False, attention_bias=True, sm_scale=0.25, sliding_window=16,
+                           local_layers=(True, False), local_rope=False, attn_soft_cap=4.0, final_soft_cap=8.0),
+    "gemma3": GemmaOptions(qk_norm=True, attention_bias=False, sm_scale=32**-0.5, sliding_window=16,
+                           local_layers=(True, False), local_rope=True, attn_soft_cap=None, final_soft_cap=8.0),
+    "gemma3-vision": GemmaOptions(qk_norm=True, attention_bias=False, sm_scale=24**-0.5, sliding_window=16,
+                                  local_layers=(False, True), local_rope=True, attn_soft_cap=None, final_soft_cap=None),
 }
 
 
@@ -46,7 +53,9 @@ def test_each_architecture_finds_its_family_and_options(name, hf_checkpoint):
     cfg = ModelConfig.from_hf(model_dir)
     assert cfg.architecture == type(model).__name__ and cfg.options == OPTIONS[name]
     attn = nnx.state(abstract_model(cfg, jnp.float32))["layers"][0]["self_attn"]
-    assert ("bias" in attn["q_proj"]) == cfg.options.qkv_bias and ("bias" in attn["o_proj"]) == cfg.options.o_bias
+    qkv_bias, o_bias = ((cfg.options.qkv_bias, cfg.options.o_bias) if isinstance(cfg.options, LlamaOptions)
+                        else (cfg.options.attention_bias,) * 2)
+    assert ("bias" in attn["q_proj"]) == qkv_bias and ("bias" in attn["o_proj"]) == o_bias
     assert ("q_norm" in attn) == ("k_norm" in attn) == cfg.options.qk_norm
 
 
@@ -72,23 +81,28 @@ def _target(model_dir):
 def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, tmp_path):
     """Over the parity models: every HF tensor maps to a parameter of its model and every entry of a
     family's name map is used; every partition rule splits some parameter (of those models, or a
-    Llama with MLP biases), and every projection, the embedding and the LM head are split by one."""
+    Llama with MLP biases), and every projection, the embedding and the LM head are split by one.
+    The tensors a family skips (an image-text checkpoint's vision tower) are those of no parameter."""
     _, llama_dir = hf_checkpoint("llama")
     hf = json.loads((llama_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
     family, target = _target(tmp_path)
     paths = {family.name: set(target.shapes)}
-    used_names = {}
+    used_names, skipped = {}, set()
     for name in OPTIONS:
         _, model_dir = hf_checkpoint(name)
         family, target = _target(model_dir)
         paths.setdefault(family.name, set()).update(target.shapes)
         with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
             for hf_name in f.keys():
+                if family.skipped_tensors and re.fullmatch(family.skipped_tensors, hf_name):
+                    skipped.add(hf_name.split(".")[0])
+                    continue
                 (pattern,) = [p for p in family.hf_name_map if re.fullmatch(p, hf_name)]
                 used_names.setdefault(family.name, set()).add(pattern)
                 path = re.sub(pattern, family.hf_name_map[pattern], hf_name)
                 assert path in target.shapes or path in target.unused, (name, hf_name)
+    assert skipped == {"vision_tower", "multi_modal_projector"}
     families = {family.name: family for family in MODEL_REGISTRY.values()}
     assert set(paths) == set(used_names) == set(families)
     for family in families.values():

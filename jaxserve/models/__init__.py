@@ -18,14 +18,20 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import llama
+from jaxserve.models import gemma, llama
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
 
-ModelOptions = llama.LlamaOptions  # a family's own settings (`ModelConfig.options`): one type per family
+# a family's own settings (`ModelConfig.options`): one type per family
+ModelOptions = llama.LlamaOptions | gemma.GemmaOptions
+
+
+def whole_config(architecture: str, hf: dict) -> dict:
+    """A family's `decoder_config` when config.json's top level describes the decoder as it is."""
+    return hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,17 +39,26 @@ class ModelFamily:
     """Everything jaxserve looks up by architecture name."""
 
     name: str
-    options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, config.json, its path) -> options
+    options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, decoder config, its path) -> options
     model: Callable[[ModelConfig, jax.typing.DTypeLike, nnx.Rngs], nnx.Module]  # (cfg, dtype, rngs) -> the module
     hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
     partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.sharding.weight_sharding`
     tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
-    # (config.json, its path) -> `ModelConfig.ropes`: the rotations the layers use, the model's own first
-    ropes_from_hf: Callable[[dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
+    # (architecture, decoder config, config.json's path) -> `ModelConfig.ropes`: the rotations the
+    # layers use, the model's own first
+    ropes_from_hf: Callable[[str, dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
+    # (architecture, config.json) -> the decoder's config, which every other hook and `ModelConfig`
+    # read: the text model of an image-text checkpoint, the family's defaults for fields left out
+    decoder_config: Callable[[str, dict], dict] = whole_config
+    skipped_tensors: str | None = None  # HF tensor names a checkpoint holds that the model never loads
 
 
 LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=llama.LlamaDecoder,
                     hf_name_map=llama.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
+GEMMA = ModelFamily(name="gemma", options_from_hf=gemma.options_from_hf, model=gemma.GemmaDecoder,
+                    hf_name_map=gemma.HF_NAME_MAP, partition_rules=gemma.PARTITION_RULES, tied_head=gemma.TIED_HEAD,
+                    ropes_from_hf=gemma.ropes_from_hf, decoder_config=gemma.decoder_config,
+                    skipped_tensors=gemma.SKIPPED_TENSORS)
 
 # HF `architectures` entry -> its family
 MODEL_REGISTRY: dict[str, ModelFamily] = {
@@ -51,6 +66,9 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "MistralForCausalLM": LLAMA,
     "Qwen2ForCausalLM": LLAMA,
     "Qwen3ForCausalLM": LLAMA,
+    "Gemma2ForCausalLM": GEMMA,
+    "Gemma3ForCausalLM": GEMMA,
+    "Gemma3ForConditionalGeneration": GEMMA,  # its text model; requests with images are refused by the API
 }
 
 
