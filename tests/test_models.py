@@ -114,3 +114,31 @@ def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, 
             used_rules.update(rules)
             assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
         assert used_rules == {pattern for pattern, _, _ in family.partition_rules}
+
+
+def test_older_gemma_configs_give_the_same_model_config(hf_checkpoint, tmp_path):
+    """config.json as transformers 4 wrote it (rope_theta, rope_scaling, rope_local_base_freq,
+    sliding_window_pattern; Gemma 2 with no layer_types: alternating, even layers local) gives the
+    ModelConfig of transformers 5's form (rope_parameters per layer type, layer_types)."""
+    for name, old in (("gemma3", {"rope_theta": 1000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                  "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2}),
+                      ("gemma2", {"rope_theta": 10000.0})):
+        _, model_dir = hf_checkpoint(name)
+        hf = json.loads((model_dir / "config.json").read_text())
+        older = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")} | old
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(older))
+        assert ModelConfig.from_hf(tmp_path / name) == ModelConfig.from_hf(model_dir)
+    cfg = ModelConfig.from_hf(tmp_path / "gemma3")
+    assert [(r.theta, r.type, r.factor) for r in cfg.ropes] == [(1000.0, "linear", 8.0), (10000.0, "default", 1.0)]
+
+
+@pytest.mark.parametrize("change,message", [({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+                                            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                                            ({"layer_types": ["full_attention"]}, "layer_types must list 2")])
+def test_what_gemma_cannot_run_is_an_error_naming_the_file(change, message, hf_checkpoint, tmp_path):
+    _, model_dir = hf_checkpoint("gemma3")
+    hf = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hf | change))
+    with pytest.raises(ValueError, match=f"{message}.*{tmp_path / 'config.json'}"):
+        ModelConfig.from_hf(tmp_path)
