@@ -56,8 +56,10 @@ ARCHITECTURES = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0) -> transformers.PreTrainedModel:
+def build_hf_model(name: str, seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    """The tiny model `name` of ARCHITECTURES, its settings changed by `overrides`."""
     config_cls, model_cls, extra = ARCHITECTURES[name]
+    extra = {**extra, **overrides}
     settings = ({**extra, "text_config": {**COMMON, **extra["text_config"]}} if "text_config" in extra
                 else {**COMMON, **extra})
     config = getattr(transformers, config_cls)(**settings)
