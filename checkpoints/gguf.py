@@ -38,10 +38,13 @@ VIEW_MARKER = "gguf.json"  # in a model view: {"file": the GGUF file}
 VIEW_VERSION = 1  # bump when the files a view holds change
 # GGUF general.architecture -> the Hugging Face architecture it is served as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}  # GGUF architectures served as another when they have experts
 # llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
 PERMUTED_QK = ("llama",)
+# llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale its (1 + w) norms apply)
+NORMS_PLUS_ONE = ("gemma2", "gemma3")
 # the tensor types read; the others are an error naming them
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 # types whose blocks are a format as they lie (Q5_0's values, 5-bit multiples of its scale, fit int8's)
@@ -69,6 +72,13 @@ HF_NAMES = {
 EXPERT_HF_NAMES = {
     r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight": r"model.layers.\1.mlp.experts.{expert}.\2_proj.weight",
 }
+# an architecture's own names, over HF_NAMES: Gemma's ffn_norm is the norm before the MLP
+# (Llama's is the one after attention), and it norms each block's output again
+ARCH_HF_NAMES = dict.fromkeys(("gemma2", "gemma3"), {
+    r"blk\.(\d+)\.post_attention_norm\.weight": r"model.layers.\1.post_attention_layernorm.weight",
+    r"blk\.(\d+)\.ffn_norm\.weight": r"model.layers.\1.pre_feedforward_layernorm.weight",
+    r"blk\.(\d+)\.post_ffw_norm\.weight": r"model.layers.\1.post_feedforward_layernorm.weight",
+})
 IGNORED = re.compile(r"rope_freqs\.weight")  # checked against the config instead (`_check_rope_freqs`)
 
 
@@ -151,7 +161,33 @@ def hf_config(path: Path) -> dict:
                       # layers whose feed-forward tensors are a dense MLP's, not stacked experts
                       mlp_only_layers=[i for i in range(config["num_hidden_layers"])
                                        if f"blk.{i}.ffn_gate_exps.weight" not in names])
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma_config(arch, get, config))
     return config
+
+
+# Gemma's layer counts of its 27B models: llama.cpp scales their attention by hidden / heads, every
+# other size's by head_dim (query_pre_attn_scalar, which the file does not hold)
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(arch: str, get, config: dict) -> dict:
+    """Gemma's fields as llama.cpp reads the file. What the file does not hold, llama.cpp fixes per
+    architecture: the layer pattern (Gemma 2 alternates, even layers local; Gemma 3 makes every
+    6th layer global), the attention scale, Gemma 3's local rope base (10000 unless given) and
+    Gemma 2's soft-caps (50 and 30 unless given)."""
+    layers, every = config["num_hidden_layers"], 2 if arch == "gemma2" else 6
+    scalar = (config["hidden_size"] // config["num_attention_heads"] if layers == GEMMA_27B_LAYERS[arch]
+              else config["head_dim"])
+    out = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+           "query_pre_attn_scalar": scalar, "sliding_window": get("attention.sliding_window", 4096),
+           "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)],
+           "final_logit_softcapping": get("final_logit_softcapping", 30.0 if arch == "gemma2" else None)}
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
+    else:
+        out["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
+    return out
 
 
 def _llama3_rope(path: Path, config: dict) -> dict:
@@ -219,10 +255,11 @@ def tensor_formats(path: Path, name_map) -> dict[str, str]:
     """Parameter path -> the format its tensor is kept in when the file decides (KEPT_AS); float
     tensors are left out. `name_map`: HF name pattern -> parameter path (the family's)."""
     out = {}
+    arch = metadata(path).get("general.architecture")
     for tensor in _reader(path).tensors:
-        param = _param_path(tensor.name, name_map)
+        param = _param_path(tensor.name, name_map, arch)
         if param is None and _is_experts(tensor.name):
-            param = _param_path(tensor.name, name_map, expert=0)
+            param = _param_path(tensor.name, name_map, arch, expert=0)
         kind = tensor.tensor_type.name
         if param is not None and kind in KEPT_AS:
             out.update(dict.fromkeys(param_paths(param), KEPT_AS[kind]))
@@ -233,9 +270,11 @@ def _is_experts(name: str) -> bool:
     return any(re.fullmatch(pattern, name) for pattern in EXPERT_HF_NAMES)
 
 
-def _param_path(name: str, name_map, expert: int | None = None) -> str | None:
-    """The parameter path of the tensor `name` (with `expert`: of that expert's slice of a stacked one)."""
-    for pattern, hf in (HF_NAMES if expert is None else EXPERT_HF_NAMES).items():
+def _param_path(name: str, name_map, arch: str, expert: int | None = None) -> str | None:
+    """The parameter path of the tensor `name` of a file of `arch` (with `expert`: of that expert's
+    slice of a stacked one)."""
+    names = {**HF_NAMES, **ARCH_HF_NAMES.get(arch, {})} if expert is None else EXPERT_HF_NAMES
+    for pattern, hf in names.items():
         if re.fullmatch(pattern, name):
             hf_name = re.sub(pattern, hf, name).format(expert=expert)
             return next((re.sub(p, to, hf_name) for p, to in name_map.items() if re.fullmatch(p, hf_name)), None)
@@ -259,7 +298,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
             raise ValueError(f"tensor {tensor.name!r} of {path} is of type {kind}, which is not supported; "
                              f"supported: {', '.join(SUPPORTED_TYPES)}")
         experts = _is_experts(tensor.name)
-        param = _param_path(tensor.name, target.hf_name_map, expert=0 if experts else None)
+        param = _param_path(tensor.name, target.hf_name_map, arch, expert=0 if experts else None)
         if param is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} in {path} for a {target.architecture} model")
         if param in target.unused:
@@ -271,13 +310,15 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
             value = _dequantized(tensor)
             if fmt is not None:
                 requantized.setdefault(f"{kind} -> {fmt}", set()).add(tensor.name)
+        if arch in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+            value = value - 1.0
         if arch in PERMUTED_QK and re.search(r"attn_[qk]\.", tensor.name):
             heads = config["num_attention_heads" if ".attn_q." in tensor.name else "num_key_value_heads"]
             value = _unpermute(value, heads)
         source = f"{tensor.name!r} of {path}"
         if experts:
             for e in range(_leading(value)):
-                target.put(loaded, _param_path(tensor.name, target.hf_name_map, expert=e), _index(value, e), dtype,
+                target.put(loaded, _param_path(tensor.name, target.hf_name_map, arch, expert=e), _index(value, e), dtype,
                            source=f"expert {e} of {source}")
             continue
         if tensor.name.endswith("ffn_gate_inp_shexp.weight"):  # (llama.cpp may write the [1, hidden] gate as a vector)

@@ -59,7 +59,7 @@ def load_hf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> di
     for file in safetensors_files(model_dir):
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
-                if IGNORED.fullmatch(name):
+                if IGNORED.fullmatch(name) or (target.skipped and re.fullmatch(target.skipped, name)):
                     continue
                 path = hf_to_state_path(name, target.hf_name_map)
                 if path is None:

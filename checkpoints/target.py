@@ -53,6 +53,7 @@ class ParamTarget:
     shapes: Mapping[str, tuple[int, ...]]  # parameter path -> shape; every one must be loaded
     hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
     unused: frozenset[str] = frozenset()  # paths a checkpoint may hold that the model leaves out (a tied head)
+    skipped: str | None = None  # a pattern of HF tensor names read past, never loaded (a vision tower)
     sharding: Callable[[str], Sharding] | None = None  # parameter path -> its sharding; None: the default device
     # a host array onto its sharding (the caller's, e.g. one that fills each process's devices itself)
     place: Callable[[np.ndarray, Sharding], jax.Array] = jax.device_put

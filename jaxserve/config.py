@@ -80,24 +80,25 @@ class ModelConfig:
                 f"unsupported architecture {archs or hf.get('model_type')!r} in {path}; "
                 f"supported: {', '.join(MODEL_REGISTRY)}"
             )
-        num_heads = hf["num_attention_heads"]
         family = MODEL_REGISTRY[arch]
+        text = family.decoder_config(arch, hf)  # (an image-text checkpoint's text model)
+        num_heads = text["num_attention_heads"]
         return cls(
             architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            ropes=family.ropes_from_hf(hf, path),
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            options=family.options_from_hf(arch, hf, path),
-            eos_token_ids=_eos_ids(model_dir, hf),
-            num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
+            num_kv_heads=text.get("num_key_value_heads") or num_heads,
+            head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            ropes=family.ropes_from_hf(arch, text, path),
+            max_position_embeddings=text.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            options=family.options_from_hf(arch, text, path),
+            eos_token_ids=_eos_ids(model_dir, text),
+            num_experts=text.get("num_local_experts") or text.get("num_experts") or 0,
         )
 
     def parallel(self, enable_expert_parallel: bool, devices: int) -> ModelConfig:

@@ -102,6 +102,7 @@ def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
 
     return ParamTarget(architecture=cfg.architecture, shapes=shapes, hf_name_map=family.hf_name_map,
                        unused=family.tied_head if cfg.tie_word_embeddings else frozenset(),
+                       skipped=family.skipped_tensors,
                        sharding=None if mesh is None else sharding, place=place, formats=formats)
 
 

@@ -254,6 +254,63 @@ def _written_with_view(writer, path: Path, config) -> Path:
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
                       "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
 
+# Gemma's names where llama.cpp's differ from gguf_name's (written out here, not read from the loader)
+GEMMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def write_gemma_gguf(model, arch: str, path: Path) -> Path:
+    """A tiny Gemma as llama.cpp's converter writes it: its metadata keys, norm weights stored as
+    1 + w, float32 (no tokenizer)."""
+    import gguf
+
+    from checkpoints.gguf import hf_config
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
+                       (writer.add_context_length, cfg.max_position_embeddings),
+                       (writer.add_embedding_length, cfg.hidden_size),
+                       (writer.add_feed_forward_length, cfg.intermediate_size),
+                       (writer.add_head_count, cfg.num_attention_heads),
+                       (writer.add_head_count_kv, cfg.num_key_value_heads),
+                       (writer.add_key_length, cfg.head_dim), (writer.add_value_length, cfg.head_dim),
+                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (writer.add_sliding_window, cfg.sliding_window),
+                       (writer.add_final_logit_softcapping, cfg.final_logit_softcapping),
+                       (writer.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    else:
+        rope = cfg.rope_parameters["full_attention"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    for hf_name, tensor in model.state_dict().items():
+        name = re.sub(r"model\.layers\.(\d+)\.(\w+_layernorm)\.", lambda m: f"blk.{m[1]}.{GEMMA_NAMES[m[2]]}.", hf_name)
+        name = gguf_name(name) if name == hf_name else name
+        array = tensor.numpy().astype(np.float32)
+        writer.add_tensor(name, array + 1.0 if name.endswith("norm.weight") else array)
+    return _written_with_view(writer, path, config=hf_config)
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("gemma2", {"attention_bias": False}),  # (llama.cpp's Gemma has no biases)
+    # llama.cpp makes every 6th Gemma 3 layer global: 6 layers, the last global
+    ("gemma3", {"num_hidden_layers": 6, "layer_types": None})])
+def test_gemma_gguf_files_load_as_transformers_computes(name, overrides, tmp_path):
+    """Float32 GGUF of llama.cpp's Gemma conventions (names, norms + 1, the layer pattern and rope
+    bases it fixes): logits equal transformers' within 1e-4."""
+    from hf_models import build_hf_model
+
+    model = build_hf_model(name, **overrides)
+    view = write_gemma_gguf(model, name, tmp_path / "m.gguf")
+    ids = np.random.default_rng(4).integers(0, 256, size=30).tolist()
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(chunked_logits(view, ids, [30]), want, atol=1e-4, rtol=0)
+
 
 @pytest.mark.parametrize("name", list(GGUF_ARCHITECTURES))
 def test_gguf_files_of_each_architecture_load_as_transformers_computes(name, hf_checkpoint, tmp_path):

@@ -71,7 +71,7 @@ def test_kernel_matches_reference(kernel, group, dtype):
     args = ragged_batch(rng, SEQS, num_kv_heads=2, group=group, dtype=dtype)
     ref_args = as_float32(args)
     real = int(args[5][-1])
-    for window, cap in ((None, None), (9, None), (None, 4.0)):
+    for window, cap in ((None, None), (9, None), (None, 4.0), (9, 4.0)):
         want = np.asarray(ATTENTION(*ref_args, sm_scale=0.2, sliding_window=window, soft_cap=cap, impl="reference"))
         got = np.asarray(ATTENTION(*args, sm_scale=0.2, sliding_window=window, soft_cap=cap,
                                    impl=f"{kernel}-interpret"), np.float32)
@@ -114,7 +114,8 @@ def test_interpreters_poison_outputs():
 @pytest.mark.parametrize("dtype,kv_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"),
                                             ("float32", "bfloat16")])
 def test_kernel_lowers_for_its_platform(kernel, dtype, kv_dtype):
-    """Lowered from this CPU for the real platform: the module holds the kernel's custom call. On
+    """Lowered from this CPU for the real platform (a window and a soft-cap, as Gemma 2's local
+    layers): the module holds the kernel's custom call. On
     TPU/GPU the cache holds its values' dtype (no uint16 bits); a bfloat16 cache may serve a
     float32 model (`kv_cache_dtype`)."""
     platform, custom_call = KERNELS[kernel]
@@ -125,7 +126,7 @@ def test_kernel_lowers_for_its_platform(kernel, dtype, kv_dtype):
         q, k, v, *rest = ragged_batch(rng, seqs, num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
                                       num_tokens=num_tokens, page_size=16, width=16)
         q, k, v = q.astype(dtype), *(jnp.asarray(rng.normal(size=k.shape), kv_dtype) for _ in range(2))
-        fn = jax.jit(functools.partial(paged_attention, sm_scale=0.1, sliding_window=32, impl=kernel))
+        fn = jax.jit(functools.partial(paged_attention, sm_scale=0.1, sliding_window=32, soft_cap=30.0, impl=kernel))
         target = TARGETS[kernel] and jax.sharding.AbstractMesh((1,), ("x",), abstract_device=TARGETS[kernel])
         with jax.sharding.use_abstract_mesh(target) if target else contextlib.nullcontext():
             text = fn.trace(q, k, v, *rest).lower(lowering_platforms=(platform,)).as_text()

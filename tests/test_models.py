@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from jaxserve.config import ModelConfig
 from jaxserve.models import LLAMA, MODEL_REGISTRY, MOE, abstract_model
+from jaxserve.models.gemma import GemmaOptions
 from jaxserve.models.llama import LlamaOptions
 from jaxserve.models.moe import MoeOptions
 from jaxserve.weights import param_target
@@ -36,6 +37,12 @@ OPTIONS = {
     "qwen3-moe": MoeOptions(qkv_bias=False, o_bias=False, qk_norm=True, sliding_window=None, num_experts_per_tok=3,
                             moe_intermediate_size=64, norm_topk_prob=True, shared_expert_intermediate_size=0,
                             dense_layers=()),
+    "gemma2": GemmaOptions(qk_norm=False, attention_bias=True, sm_scale=0.25, sliding_window=16,
+                           local_layers=(True, False), local_rope=False, attn_soft_cap=4.0, final_soft_cap=8.0),
+    "gemma3": GemmaOptions(qk_norm=True, attention_bias=False, sm_scale=32**-0.5, sliding_window=16,
+                           local_layers=(True, False), local_rope=True, attn_soft_cap=None, final_soft_cap=8.0),
+    "gemma3-vision": GemmaOptions(qk_norm=True, attention_bias=False, sm_scale=24**-0.5, sliding_window=16,
+                                  local_layers=(False, True), local_rope=True, attn_soft_cap=None, final_soft_cap=None),
 }
 
 
@@ -58,7 +65,9 @@ def test_each_architecture_finds_its_family_and_options(name, hf_checkpoint):
     cfg = ModelConfig.from_hf(model_dir)
     assert cfg.architecture == type(model).__name__ and cfg.options == OPTIONS[name]
     attn = nnx.state(abstract_model(cfg, jnp.float32))["layers"][0]["self_attn"]
-    assert ("bias" in attn["q_proj"]) == cfg.options.qkv_bias and ("bias" in attn["o_proj"]) == cfg.options.o_bias
+    qkv_bias, o_bias = ((cfg.options.attention_bias,) * 2 if isinstance(cfg.options, GemmaOptions)
+                        else (cfg.options.qkv_bias, cfg.options.o_bias))
+    assert ("bias" in attn["q_proj"]) == qkv_bias and ("bias" in attn["o_proj"]) == o_bias
     assert ("q_norm" in attn) == ("k_norm" in attn) == cfg.options.qk_norm
 
 
@@ -85,23 +94,28 @@ def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, 
     """Over the parity models: every HF tensor maps to a parameter of its model (an expert's to a slice
     of its layer's stack) and every entry of a family's name map is used; every partition rule
     (expert-parallel ones included) splits some parameter (of those models, or a Llama with MLP
-    biases), and every projection, the embedding and the LM head are split by one."""
+    biases), and every projection, the embedding and the LM head are split by one.
+    The tensors a family skips (an image-text checkpoint's vision tower) are those of no parameter."""
     _, llama_dir = hf_checkpoint("llama")
     hf = json.loads((llama_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, "mlp_bias": True}))
     family, target = _target(tmp_path)
     paths = {family.name: set(target.shapes)}
-    used_names = {}
+    used_names, skipped = {}, set()
     for name in OPTIONS:
         _, model_dir = hf_checkpoint(name)
         family, target = _target(model_dir)
         paths.setdefault(family.name, set()).update(target.shapes)
         with safe_open(model_dir / "model.safetensors", framework="numpy") as f:
             for hf_name in f.keys():
+                if family.skipped_tensors and re.fullmatch(family.skipped_tensors, hf_name):
+                    skipped.add(hf_name.split(".")[0])
+                    continue
                 (pattern,) = [p for p in family.hf_name_map if re.fullmatch(p, hf_name)]
                 used_names.setdefault(family.name, set()).add(pattern)
                 path = re.sub(pattern, family.hf_name_map[pattern], hf_name)
                 assert target.fits(path) or path in target.unused, (name, hf_name)
+    assert skipped == {"vision_tower", "multi_modal_projector"}
     families = {family.name: family for family in MODEL_REGISTRY.values()}
     assert set(paths) == set(used_names) == set(families)
     for family in families.values():
@@ -116,3 +130,31 @@ def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, 
                 if rule_set is family.partition_rules:
                     assert rules or not re.search(r"_proj\.weight|embedding|lm_head", path), path
         assert used_rules == {pattern for pattern, _, _ in (*family.partition_rules, *family.expert_parallel_rules)}
+
+
+def test_older_gemma_configs_give_the_same_model_config(hf_checkpoint, tmp_path):
+    """config.json as transformers 4 wrote it (rope_theta, rope_scaling, rope_local_base_freq,
+    sliding_window_pattern; Gemma 2 with no layer_types: alternating, even layers local) gives the
+    ModelConfig of transformers 5's form (rope_parameters per layer type, layer_types)."""
+    for name, old in (("gemma3", {"rope_theta": 1000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                  "rope_local_base_freq": 10000.0, "sliding_window_pattern": 2}),
+                      ("gemma2", {"rope_theta": 10000.0})):
+        _, model_dir = hf_checkpoint(name)
+        hf = json.loads((model_dir / "config.json").read_text())
+        older = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters")} | old
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(older))
+        assert ModelConfig.from_hf(tmp_path / name) == ModelConfig.from_hf(model_dir)
+    cfg = ModelConfig.from_hf(tmp_path / "gemma3")
+    assert [(r.theta, r.type, r.factor) for r in cfg.ropes] == [(1000.0, "linear", 8.0), (10000.0, "default", 1.0)]
+
+
+@pytest.mark.parametrize("change,message", [({"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+                                            ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+                                            ({"layer_types": ["full_attention"]}, "layer_types must list 2")])
+def test_what_gemma_cannot_run_is_an_error_naming_the_file(change, message, hf_checkpoint, tmp_path):
+    _, model_dir = hf_checkpoint("gemma3")
+    hf = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(hf | change))
+    with pytest.raises(ValueError, match=f"{message}.*{tmp_path / 'config.json'}"):
+        ModelConfig.from_hf(tmp_path)

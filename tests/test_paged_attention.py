@@ -29,7 +29,7 @@ def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "cpu"])
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
-@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0)])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
 def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl):
     rng = np.random.default_rng(0)
     num_heads, head_dim, page_size, num_pages = 4, 8, 4, 40

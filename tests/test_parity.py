@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_ENGINE
-from hf_models import ARCHITECTURES
+from hf_models import ARCHITECTURES, ATTN_CAP, FINAL_CAP
 from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
@@ -59,7 +59,7 @@ def chunked_logits(model_dir, token_ids: list[int], chunks: list[int], page_size
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_logits_match_transformers(arch, hf_checkpoint):
     model, model_dir = hf_checkpoint(arch)
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=40).tolist()
+    ids = np.random.default_rng(1).integers(0, model.config.get_text_config().vocab_size, size=40).tolist()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     got = chunked_logits(model_dir, ids, [40])
@@ -80,6 +80,27 @@ def test_longrope_past_the_original_context_takes_the_long_factors(tmp_path):
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(chunked_logits(model_dir, ids, [40]), want, atol=1e-4, rtol=0)
+
+
+def test_gemma_soft_caps_bind(hf_checkpoint):
+    """What makes the Gemma parity models test their soft-caps: the final logits reach near the
+    cap, and without the attention soft-cap transformers' own logits move."""
+    model, _ = hf_checkpoint("gemma2")
+    ids = torch.tensor([np.random.default_rng(1).integers(0, 256, size=40).tolist()])
+    with torch.no_grad():
+        capped = model(ids).logits[0].numpy()
+    assert np.abs(capped).max() > 0.9 * FINAL_CAP
+    layers = [m for m in model.modules() if getattr(m, "attn_logit_softcapping", None) == ATTN_CAP]
+    assert layers
+    try:
+        for layer in layers:
+            layer.attn_logit_softcapping = None
+        with torch.no_grad():
+            uncapped = model(ids).logits[0].numpy()
+    finally:
+        for layer in layers:
+            layer.attn_logit_softcapping = ATTN_CAP
+    assert np.abs(uncapped - capped).max() > 1.0
 
 
 def test_chunked_prefill_and_decode_equal_full_forward(hf_checkpoint):
@@ -262,7 +283,7 @@ def test_engine_on_pallas_kernels_matches_transformers(arch, kernel, hf_checkpoi
     a chunked prompt and greedy generations (batched, chunked prefill, preemption) as above."""
     monkeypatch.setenv("JAXSERVE_ATTENTION", kernel)
     model, model_dir = hf_checkpoint(arch)
-    ids = np.random.default_rng(1).integers(0, model.config.vocab_size, size=40).tolist()
+    ids = np.random.default_rng(1).integers(0, model.config.get_text_config().vocab_size, size=40).tolist()
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(chunked_logits(model_dir, ids, [29, 1, 10]), want, atol=1e-4, rtol=0)

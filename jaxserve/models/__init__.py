@@ -18,14 +18,20 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import llama, moe, phi3
+from jaxserve.models import gemma, llama, moe, phi3
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
 
-ModelOptions = llama.LlamaOptions | moe.MoeOptions  # a family's own settings (`ModelConfig.options`): one type per family
+# a family's own settings (`ModelConfig.options`): one type per family
+ModelOptions = llama.LlamaOptions | gemma.GemmaOptions | moe.MoeOptions
+
+
+def whole_config(architecture: str, hf: dict) -> dict:
+    """A family's `decoder_config` when config.json's top level describes the decoder as it is."""
+    return hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,13 +39,18 @@ class ModelFamily:
     """Everything jaxserve looks up by architecture name."""
 
     name: str
-    options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, config.json, its path) -> options
+    options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, decoder config, its path) -> options
     model: Callable[[ModelConfig, jax.typing.DTypeLike, nnx.Rngs], nnx.Module]  # (cfg, dtype, rngs) -> the module
     hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
     partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.sharding.weight_sharding`
     tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
-    # (config.json, its path) -> `ModelConfig.ropes`: the rotations the layers use, the model's own first
-    ropes_from_hf: Callable[[dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
+    # (architecture, decoder config, config.json's path) -> `ModelConfig.ropes`: the rotations the
+    # layers use, the model's own first
+    ropes_from_hf: Callable[[str, dict, Path], tuple[RopeConfig, ...]] = ropes_from_hf
+    # (architecture, config.json) -> the decoder's config, which every other hook and `ModelConfig`
+    # read: the text model of an image-text checkpoint, the family's defaults for fields left out
+    decoder_config: Callable[[str, dict], dict] = whole_config
+    skipped_tensors: str | None = None  # HF tensor names a checkpoint holds that the model never loads
     # with expert parallelism (`ModelConfig.expert_parallel`), taken before `partition_rules`; a
     # family without them has no experts to split
     expert_parallel_rules: Sequence[tuple[str, PartitionSpec, str]] = ()
@@ -57,6 +68,10 @@ PHI3 = ModelFamily(name="phi3", options_from_hf=phi3.options_from_hf, model=llam
 MOE = ModelFamily(name="moe", options_from_hf=moe.options_from_hf, model=moe.MoeDecoder, hf_name_map=moe.HF_NAME_MAP,
                   partition_rules=moe.PARTITION_RULES, tied_head=moe.TIED_HEAD,
                   expert_parallel_rules=moe.EXPERT_PARALLEL_RULES)
+GEMMA = ModelFamily(name="gemma", options_from_hf=gemma.options_from_hf, model=gemma.GemmaDecoder,
+                    hf_name_map=gemma.HF_NAME_MAP, partition_rules=gemma.PARTITION_RULES, tied_head=gemma.TIED_HEAD,
+                    ropes_from_hf=gemma.ropes_from_hf, decoder_config=gemma.decoder_config,
+                    skipped_tensors=gemma.SKIPPED_TENSORS)
 
 # HF `architectures` entry -> its family
 MODEL_REGISTRY: dict[str, ModelFamily] = {
@@ -68,6 +83,9 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "MixtralForCausalLM": MOE,
     "Qwen2MoeForCausalLM": MOE,
     "Qwen3MoeForCausalLM": MOE,
+    "Gemma2ForCausalLM": GEMMA,
+    "Gemma3ForCausalLM": GEMMA,
+    "Gemma3ForConditionalGeneration": GEMMA,  # its text model; requests with images are refused by the API
 }
 
 

@@ -93,7 +93,7 @@ def _longrope(params: dict, hf: dict, path: Path) -> dict:
                 long_factor=tuple(map(float, params["long_factor"])))
 
 
-def ropes_from_hf(hf: dict, path: Path) -> tuple[RopeConfig, ...]:
+def ropes_from_hf(architecture: str, hf: dict, path: Path) -> tuple[RopeConfig, ...]:
     """A family's `ropes_from_hf` when every layer rotates the same way."""
     return (rope_from_hf(hf, path),)
 

@@ -1,0 +1,221 @@
+"""The Gemma family (Gemma 2, Gemma 3 and the text model of Gemma 3's image-text checkpoints) on
+the shared layers, in Flax NNX.
+
+What sets Gemma apart from Llama: norms scale by (1 + weight) in float32 (`GemmaRMSNorm`), each
+block's output is normed again before the residual (post-attention and post-feedforward norms),
+embeddings are multiplied by sqrt(hidden_size), the MLP is GeGLU (tanh GELU), attention scales
+by query_pre_attn_scalar ** -0.5, and layers are local (a sliding window) or global as config.json
+lists them. Gemma 2 soft-caps attention logits; both may soft-cap the final logits. Gemma 3 norms
+q and k per head, and its local layers rotate by their own base (`ModelConfig.ropes[1]`).
+
+Gemma3ForConditionalGeneration's config.json nests the text model under `text_config`
+(`decoder_config`); its checkpoints hold the language model under a prefix, beside a vision tower
+and projector that are never loaded (`SKIPPED_TENSORS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.layers import Attention, Embedding, GatedMLP, KVCache, Linear, ModelInputs
+from jaxserve.models.rope import RopeConfig, rope_from_hf
+from jaxserve.sharding import AXIS
+from kernels import matmul_t
+
+if TYPE_CHECKING:
+    from jaxserve.config import ModelConfig
+
+GEMMA2 = ("Gemma2ForCausalLM",)
+GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's `layer_types`
+
+# transformers' defaults for what config.json may leave out, by architecture (they differ from
+# Llama's and from `ModelConfig.from_hf`'s: tied embeddings, a head dimension of 256)
+DEFAULTS = {
+    **dict.fromkeys(GEMMA2, {"head_dim": 256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+                             "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
+    **dict.fromkeys(GEMMA3, {"head_dim": 256, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+                             "attn_logit_softcapping": None, "final_logit_softcapping": None}),
+}
+GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' rope bases where config.json has none
+GEMMA3_PATTERN = 6  # every 6th layer global, where config.json gives no pattern
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmaOptions:
+    """What sets the family's architectures apart, as config.json gives it."""
+
+    qk_norm: bool  # per-head Gemma norm on q and k before RoPE (Gemma 3)
+    attention_bias: bool  # biases on the q/k/v and output projections
+    sm_scale: float  # query_pre_attn_scalar ** -0.5
+    sliding_window: int  # what a local layer attends to: this many most recent positions
+    local_layers: tuple[bool, ...]  # per layer: local (sliding window) or global
+    local_rope: bool  # local layers rotate by `ModelConfig.ropes[1]` (Gemma 3)
+    attn_soft_cap: float | None  # attention logits s -> c * tanh(s / c)
+    final_soft_cap: float | None  # final logits, the same
+
+
+def decoder_config(architecture: str, hf: dict) -> dict:
+    """The text model's config.json fields (`text_config` of an image-text checkpoint, where the
+    top level's tied embeddings and EOS ids still apply), with transformers' Gemma defaults for
+    the fields left out."""
+    text = dict(hf.get("text_config") or hf)
+    if "text_config" in hf:
+        text.update({k: hf[k] for k in ("tie_word_embeddings", "eos_token_id") if k in hf})
+    return {**DEFAULTS[architecture], **text}
+
+
+def options_from_hf(architecture: str, hf: dict, path: Path) -> GemmaOptions:
+    """The family's options from the text model's config (`decoder_config`), read from `path`."""
+    activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    if activation != "gelu_pytorch_tanh":
+        raise ValueError(f"hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh'), in {path}")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(f"use_bidirectional_attention=true (an embedding model) is not supported, in {path}")
+    gemma3 = architecture in GEMMA3
+    if gemma3 and hf.get("attn_logit_softcapping") is not None:
+        # (Gemma 3 has no attention soft-capping; transformers reads the field but never applies it)
+        raise ValueError(f"attn_logit_softcapping is not supported for {architecture}, in {path}")
+    return GemmaOptions(qk_norm=gemma3, attention_bias=bool(hf.get("attention_bias", False)),
+                        sm_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+                        sliding_window=int(hf.get("sliding_window") or 4096),
+                        local_layers=tuple(kind == SLIDING for kind in _layer_types(architecture, hf, path)),
+                        local_rope=gemma3, attn_soft_cap=hf.get("attn_logit_softcapping"),
+                        final_soft_cap=hf.get("final_logit_softcapping"))
+
+
+def _layer_types(architecture: str, hf: dict, path: Path) -> list[str]:
+    """config.json's `layer_types`; older files give a pattern instead: Gemma 2 alternates (even layers
+    local), Gemma 3 makes every N-th layer global (`sliding_window_pattern`)."""
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types")
+    if types is None:
+        every = 2 if architecture in GEMMA2 else hf.get("sliding_window_pattern",
+                                                        hf.get("_sliding_window_pattern", GEMMA3_PATTERN))
+        types = [SLIDING if (i + 1) % every else FULL for i in range(n)]
+    if len(types) != n or not set(types) <= {SLIDING, FULL}:
+        raise ValueError(f"layer_types must list {n} layers, each {SLIDING!r} or {FULL!r}, in {path}")
+    return list(types)
+
+
+def ropes_from_hf(architecture: str, hf: dict, path: Path) -> tuple[RopeConfig, ...]:
+    """Gemma 2 rotates every layer alike. Gemma 3: (global rotation, local rotation); transformers 5
+    writes `rope_parameters` per layer type, older files `rope_theta` and `rope_scaling` for the
+    global layers and `rope_local_base_freq` for the local ones."""
+    if architecture in GEMMA2:
+        return (rope_from_hf(hf, path),)
+    params = hf.get("rope_parameters") or {}
+    if FULL in params or SLIDING in params:
+        per_type = {kind: {"rope_theta": GEMMA3_THETA[kind], **(params.get(kind) or {})} for kind in (FULL, SLIDING)}
+    else:
+        per_type = {FULL: {"rope_theta": hf.get("rope_theta", GEMMA3_THETA[FULL]),
+                           **(params or hf.get("rope_scaling") or {})},
+                    SLIDING: {"rope_theta": hf.get("rope_local_base_freq", GEMMA3_THETA[SLIDING])}}
+    return rope_from_hf(hf, path, per_type[FULL]), rope_from_hf(hf, path, per_type[SLIDING])
+
+
+# HF tensor name pattern -> parameter path (`re.sub` template). The text model of an image-text
+# checkpoint sits under `model.language_model.` (transformers' module names) or
+# `language_model.model.` (what transformers saves, and the hub's files).
+PREFIX = r"(?:model\.language_model\.|language_model\.model\.|model\.)"
+HF_NAME_MAP = {
+    PREFIX + r"embed_tokens\.weight": r"embed_tokens.embedding",
+    PREFIX + r"layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.weight": r"layers.\1.\2.\3.weight",
+    PREFIX + r"layers\.(\d+)\.self_attn\.(\w+_proj)\.bias": r"layers.\1.self_attn.\2.bias",
+    PREFIX + r"layers\.(\d+)\.self_attn\.(q_norm|k_norm)\.weight": r"layers.\1.self_attn.\2.weight",
+    PREFIX + r"layers\.(\d+)\.(\w+_layernorm)\.weight": r"layers.\1.\2.weight",
+    PREFIX + r"norm\.weight": r"norm.weight",
+    r"(?:language_model\.)?lm_head\.weight": r"lm_head.weight",
+}
+TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embeddings may hold but the model lacks
+# an image-text checkpoint's vision tower and projector: read past, never loaded (the model is text only)
+SKIPPED_TENSORS = r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*"
+
+# Megatron-style, as Llama's (llama.PARTITION_RULES): q/k/v and MLP gate/up column-parallel, o and
+# down row-parallel, the embedding over the hidden size, the LM head over the vocabulary; norms replicated.
+PARTITION_RULES = [
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
+    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
+    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
+    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
+    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
+    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
+]
+
+
+class GemmaRMSNorm(nnx.Module):
+    """Gemma's RMSNorm: normalise and scale by (1 + weight), all in float32, then cast back (HF's
+    Gemma norms; Llama's casts before it scales)."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, local: bool, dtype, rngs: nnx.Rngs):
+        options, d = cfg.options, cfg.hidden_size
+        self.input_layernorm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs, qkv_bias=options.attention_bias, o_bias=options.attention_bias,
+                                   qk_norm=GemmaRMSNorm if options.qk_norm else None,
+                                   sliding_window=options.sliding_window if local else None,
+                                   soft_cap=options.attn_soft_cap, sm_scale=options.sm_scale,
+                                   rope_index=1 if local and options.local_rope else 0)
+        self.post_attention_layernorm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.mlp = GatedMLP(d, cfg.intermediate_size, False, dtype, rngs,
+                            activation=functools.partial(jax.nn.gelu, approximate=True))
+        self.post_feedforward_layernorm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype)
+
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
+        x = x + self.post_attention_layernorm(h)
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x, k_pages, v_pages
+
+
+class GemmaDecoder(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        self.embed_scale = math.sqrt(cfg.hidden_size)
+        self.dtype = dtype
+        self.layers = nnx.List([DecoderLayer(cfg, local, dtype, rngs) for local in cfg.options.local_layers])
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        self.final_soft_cap = cfg.options.final_soft_cap
+
+    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
+        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+        # (the scale is rounded to the model's dtype first, as HF does)
+        x = self.embed_tokens(inputs.token_ids) * jnp.asarray(self.embed_scale, self.dtype)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
+            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        return KVCache(k=k_out, v=v_out), x
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm, the LM head and the soft-cap: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
+        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
+        logits = matmul_t(self.norm(x), head, jnp.float32)
+        if self.final_soft_cap is not None:
+            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
+        return logits
