@@ -39,7 +39,7 @@ VIEW_VERSION = 1  # bump when the files a view holds change
 # GGUF general.architecture -> the Hugging Face architecture it is served as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 WITH_EXPERTS = {"llama": "MixtralForCausalLM"}  # GGUF architectures served as another when they have experts
 # llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
 PERMUTED_QK = ("llama",)
@@ -79,7 +79,11 @@ ARCH_HF_NAMES = dict.fromkeys(("gemma2", "gemma3"), {
     r"blk\.(\d+)\.ffn_norm\.weight": r"model.layers.\1.pre_feedforward_layernorm.weight",
     r"blk\.(\d+)\.post_ffw_norm\.weight": r"model.layers.\1.post_feedforward_layernorm.weight",
 })
-IGNORED = re.compile(r"rope_freqs\.weight")  # checked against the config instead (`_check_rope_freqs`)
+# Phi-3 keeps its fused projections (split at load by the family's name map)
+ARCH_HF_NAMES["phi3"] = {r"blk\.(\d+)\.attn_qkv\.weight": r"model.layers.\1.self_attn.qkv_proj.weight",
+                         r"blk\.(\d+)\.ffn_up\.weight": r"model.layers.\1.mlp.gate_up_proj.weight"}
+# read into the config instead: Llama 3.1's factors (checked, `_llama3_rope`), Phi-3's LongRoPE ones
+IGNORED = re.compile(r"rope_freqs\.weight|rope_factors_(long|short)\.weight")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -163,6 +167,8 @@ def hf_config(path: Path) -> dict:
                                        if f"blk.{i}.ffn_gate_exps.weight" not in names])
     if arch in ("gemma2", "gemma3"):
         config.update(_gemma_config(arch, get, config))
+    if arch == "phi3":
+        config.update(_phi3_config(path, get, config))
     return config
 
 
@@ -187,6 +193,21 @@ def _gemma_config(arch: str, get, config: dict) -> dict:
         out["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
     else:
         out["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
+    return out
+
+
+def _phi3_config(path: Path, get, config: dict) -> dict:
+    """Phi-3's fields as llama.cpp's converter writes them: the rotated dimensions, a window of 0 for
+    none, and LongRoPE's factors as tensors beside its original context and attention factor."""
+    out = {"partial_rotary_factor": get("rope.dimension_count", config["head_dim"]) / config["head_dim"],
+           "sliding_window": get("attention.sliding_window") or None}
+    factors = {t.name: np.asarray(t.data, np.float32).tolist() for t in _reader(path).tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if factors:
+        out["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                               "short_factor": factors["rope_factors_short.weight"],
+                               "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+                               "attention_factor": get("rope.scaling.attn_factor")}
     return out
 
 
@@ -273,8 +294,9 @@ def _is_experts(name: str) -> bool:
 def _param_path(name: str, name_map, arch: str, expert: int | None = None) -> str | None:
     """The parameter path of the tensor `name` of a file of `arch` (with `expert`: of that expert's
     slice of a stacked one)."""
-    names = {**HF_NAMES, **ARCH_HF_NAMES.get(arch, {})} if expert is None else EXPERT_HF_NAMES
-    for pattern, hf in names.items():
+    # (an architecture's own names first: the first pattern that matches wins)
+    names = [*ARCH_HF_NAMES.get(arch, {}).items(), *HF_NAMES.items()] if expert is None else EXPERT_HF_NAMES.items()
+    for pattern, hf in names:
         if re.fullmatch(pattern, name):
             hf_name = re.sub(pattern, hf, name).format(expert=expert)
             return next((re.sub(p, to, hf_name) for p, to in name_map.items() if re.fullmatch(p, hf_name)), None)

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jax
 import numpy as np
 import pytest
 import torch
@@ -37,9 +38,20 @@ PROMPTS = [QUESTION, "Write a haiku about the sea.", "List three prime numbers."
 NEW_TOKENS = 48
 MIN_TOP1 = 0.97
 MAX_KL = 0.01
-# Where the CPU kernel quantizes activations to int8 (AVX512-VNNI without AMX, as llama.cpp does),
-# logits move by up to ~0.1 (of ~40): the top-1 comparison leaves out closer calls
-TOP1_TIE = 0.2
+
+
+def _tie() -> float:
+    """The top-1 comparisons' near-tie margin (logits between the reference's best two): where the
+    CPU kernel also rounds the activations of prefill rows to int8 (its integer form without the
+    tile form: AVX512-VNNI without AMX, as llama.cpp does), quantized products move these logits
+    by up to ~0.3; elsewhere by a few hundredths."""
+    from kernels.matmul import quantized_forms
+
+    forms = quantized_forms() if jax.default_backend() == "cpu" else ()
+    return 0.3 if "integer" in forms and "tile" not in forms else 0.05
+
+
+TIE = _tie()
 ENGINE = {**SMALL_ENGINE, "model": DEFAULT_MODEL_NAME, "max_model_len": 128, "max_num_batched_tokens": 64}
 
 
@@ -96,7 +108,7 @@ def test_quantized_blocks_agree_with_the_dequantized_reference(smollm2, referenc
         ids = prompt + generated[:-1]
         want = chunked_logits(view, ids, [len(ids)], quantization="none")
         got = chunked_logits(view, ids, [len(ids)])
-        top1, kl = agreement(got, want, tie=TOP1_TIE)
+        top1, kl = agreement(got, want, tie=TIE)
         assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
 
 
@@ -216,9 +228,16 @@ def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
         writer.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", cfg.intermediate_size))
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "phi3":  # (as llama.cpp's converter writes Phi-3: LongRoPE's factors as tensors)
+        rope = cfg.rope_parameters
+        writer.add_rope_dimension_count(int(cfg.hidden_size // cfg.num_attention_heads * rope["partial_rotary_factor"]))
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], np.float32))
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
     for hf_name, array in _tensors(model):
-        name, shape = gguf_name(hf_name), array.shape
+        name, shape = gguf_name(hf_name).replace("ffn_gate_up", "ffn_up"), array.shape
         rows = heads.get(name.split(".")[-2]) if name.startswith("blk.") else None
         if arch == "llama" and rows:  # llama.cpp's permutation for its rope layout
             array = array.reshape(rows, 2, array.shape[0] // rows // 2, *array.shape[1:]).swapaxes(1, 2)
@@ -252,7 +271,7 @@ def _written_with_view(writer, path: Path, config) -> Path:
 
 # tiny HF model -> GGUF architecture (Mixtral's: llama's with experts)
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mixtral": "llama",
-                      "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe"}
+                      "qwen2-moe": "qwen2moe", "qwen3-moe": "qwen3moe", "phi3": "phi3"}
 
 # Gemma's names where llama.cpp's differ from gguf_name's (written out here, not read from the loader)
 GEMMA_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -334,7 +353,7 @@ def test_quantized_gguf_blocks_are_kept_as_they_lie(kind, hf_checkpoint, tmp_pat
     model, _ = hf_checkpoint("qwen2")
     view = write_gguf(model, "qwen2", tmp_path / "m.gguf", kind)
     ids = np.random.default_rng(5).integers(0, model.config.vocab_size, size=120).tolist()
-    top1, kl = agreement(chunked_logits(view, ids, [120]), chunked_logits(view, ids, [120], quantization="none"))
+    top1, kl = agreement(chunked_logits(view, ids, [120]), chunked_logits(view, ids, [120], quantization="none"), TIE)
     assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from hf_models import ARCHITECTURES
 from safetensors.numpy import load_file, save_file
-from test_gguf import MAX_KL, MIN_TOP1, agreement
+from test_gguf import MAX_KL, MIN_TOP1, TIE, agreement
 
 from checkpoints.target import param_paths
 from jaxserve.config import ModelConfig
@@ -33,7 +33,6 @@ from jaxserve.weights import weight_formats
 from kernels.matmul.quant import dequantize, quantize
 
 HERE = Path(__file__).resolve().parent
-TIE = 0.05  # nats between the reference's best two logits
 
 
 def dequantized_twin(model_dir: Path, quantization: str, out: Path) -> Path:
