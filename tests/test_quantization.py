@@ -67,7 +67,7 @@ def run_worker(model_dir: Path, quantization: str, sizes: tuple[int, ...], ids: 
 
 def check_quantized(arch: str, quantization: str, sizes: tuple[int, ...], hf_checkpoint, tmp_path) -> dict:
     model, model_dir = hf_checkpoint(arch)
-    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, size=120).tolist()
+    ids = np.random.default_rng(7).integers(0, model.config.get_text_config().vocab_size, size=120).tolist()
     twin = dequantized_twin(model_dir, quantization, tmp_path / "twin")
     want = np.array(run_worker(twin, "None", (1,), ids)[1]["logits"])
     results = run_worker(model_dir, quantization, sizes, ids)
