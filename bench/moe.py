@@ -5,7 +5,8 @@ model's decode against the dense model of the same active parameter count.
 
 1. Products: x [M, hidden] routed top-2 over 8 experts (random routing) through stacked experts
    [8, out, in], as one MoE layer's gate projection is. Side by side in one run:
-   - `kernels.grouped_matmul_t`, the CPU's default ("chunked": only the experts that have rows are read);
+   - `kernels.grouped_matmul_t`, the CPU's default ("chunked": only the experts that have rows are
+     read), on the stack as a model keeps it (a bfloat16 one as raw bits);
    - `jax.lax.ragged_dot` (XLA's CPU lowering: every row against every expert, masked);
    - the per-expert loop: every expert over every row, the rows it does not take masked out (a MoE
      layer written without grouping).
@@ -42,9 +43,12 @@ def products(rows: list[int], dtype: str, repeat: int) -> list[dict]:
     import jax.numpy as jnp
 
     from kernels import grouped_matmul_t
+    from kernels.matmul.grouped import kept_as_bits
 
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((EXPERTS, *SHAPE), np.float32) * 0.02, dtype)
+    # (as a model keeps its stacks: a bfloat16 one as raw bits on CPU)
+    stack = jax.lax.bitcast_convert_type(w, jnp.uint16) if kept_as_bits(dtype) else w
     grouped = jax.jit(grouped_matmul_t)
     ragged = jax.jit(lambda x, w, sizes: jax.lax.ragged_dot_general(
         x, w, sizes, jax.lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,))))
@@ -65,9 +69,9 @@ def products(rows: list[int], dtype: str, repeat: int) -> list[dict]:
         x = jnp.asarray(rng.standard_normal((len(expert), SHAPE[1]), np.float32), dtype)
         expert = jnp.asarray(expert, jnp.int32)
         want = np.asarray(per_expert(x, w, expert), np.float32)
-        np.testing.assert_allclose(np.asarray(grouped(x, w, sizes), np.float32), want, atol=0.05, rtol=0.05)
+        np.testing.assert_allclose(np.asarray(grouped(x, stack, sizes), np.float32), want, atol=0.05, rtol=0.05)
         row = {"rows": int(x.shape[0]), "used": int((np.asarray(sizes) > 0).sum())}
-        for name, fn in (("grouped", lambda: grouped(x, w, sizes).block_until_ready()),
+        for name, fn in (("grouped", lambda: grouped(x, stack, sizes).block_until_ready()),
                          ("ragged_dot", lambda: ragged(x, w, sizes).block_until_ready()),
                          ("per-expert loop", lambda: per_expert(x, w, expert).block_until_ready())):
             row[name] = best_time(fn, repeat) * 1e3

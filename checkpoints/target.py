@@ -60,6 +60,8 @@ class ParamTarget:
     # weight path -> the quantized format it is kept in (kernels.matmul.quant); its scales and mins
     # are parameters of their own (`quantized_paths`)
     formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # paths kept as their bfloat16 values' raw bits (uint16): see `kernels.matmul.grouped.kept_as_bits`
+    as_bits: frozenset[str] = frozenset()
 
     @functools.cached_property
     def _part_dtypes(self) -> dict[str, np.dtype]:
@@ -74,6 +76,11 @@ class ParamTarget:
     def dtype_of(self, path: str, dtype: str) -> np.dtype:
         """The dtype the parameter at `path` is stored in: `dtype`, or a quantized part's own."""
         return self._part_dtypes.get(path, np.dtype(jnp.dtype(dtype)))
+
+    def _stored(self, path: str, array: np.ndarray, dtype: str) -> np.ndarray:
+        """`array` in the form the parameter at `path` is stored in."""
+        array = np.ascontiguousarray(array).astype(self.dtype_of(path, dtype), copy=False)
+        return array.view(np.uint16) if path in self.as_bits else array
 
     def fits(self, target: str) -> bool:
         """Whether every parameter a name map's target names is one of the model's."""
@@ -103,7 +110,7 @@ class ParamTarget:
             if array is None:
                 continue
             self._check_shape(part, array.shape, source)
-            array = np.ascontiguousarray(array).astype(self.dtype_of(part, dtype), copy=False)
+            array = self._stored(part, array, dtype)
             loaded[part] = (self.place(array, self.sharding(part)) if self.sharding is not None
                             else jax.numpy.asarray(array))
 
@@ -137,10 +144,11 @@ class ParamTarget:
             if array is None:
                 continue
             self._check_shape(part, (count, *array.shape), source)
-            stack = loaded.setdefault(part, _Stack(np.empty(self.shapes[part], self.dtype_of(part, dtype))))
+            stored = self._stored(part, array, dtype)
+            stack = loaded.setdefault(part, _Stack(np.empty(self.shapes[part], stored.dtype)))
             if index in stack.filled:
                 raise ValueError(f"tensor {source}: slice {index} of {path} is given twice")
-            stack.array[index] = array
+            stack.array[index] = stored
             stack.filled.add(index)
             if len(stack.filled) == count:
                 loaded[part] = (self.place(stack.array, self.sharding(part)) if self.sharding is not None

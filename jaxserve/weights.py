@@ -9,9 +9,9 @@ an Orbax copy that loads faster.
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import dataclasses
 import logging
+from pathlib import Path
 
 import jax.numpy as jnp
 from flax import nnx
@@ -23,6 +23,7 @@ from checkpoints.orbax_io import convert, is_orbax_dir, saved_formats
 from jaxserve.config import ModelConfig
 from jaxserve.models import MODEL_REGISTRY, abstract_model, quantizable_modules
 from jaxserve.sharding import place, weight_sharding
+from kernels.matmul.grouped import kept_as_bits
 from kernels.matmul.quant import check_quantizable
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,10 @@ def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh
     mesh, each weight goes straight into its sharding."""
     formats = weight_formats(model_dir, cfg, quantization)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
-    params = load_params(model_dir, param_target(cfg, state, mesh, formats), dtype)
+    stacks = {path for path, leaf in _flatten(nnx.to_pure_dict(state)).items()
+              if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
+    target = dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
+    params = load_params(model_dir, target, dtype)
     nnx.replace_by_pure_dict(state, _unflatten(params))
     return graphdef, state
 

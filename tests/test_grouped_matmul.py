@@ -80,3 +80,17 @@ def test_ragged_path_lowers_for_tpu_and_gpu(platform):
     fn = jax.jit(functools.partial(grouped_matmul_t, impl="ragged"))
     text = fn.trace(x, w, sizes).lower(lowering_platforms=(platform,)).as_text()
     assert "ragged_dot" in text and "while" not in text
+
+
+@pytest.mark.parametrize("impl", ["chunked", "ragged", "reference"])
+def test_a_bfloat16_stack_given_as_its_raw_bits(impl):
+    """The form a model keeps a bfloat16 stack in on CPU (`kept_as_bits`) multiplies as the values."""
+    from kernels.matmul.grouped import BITS
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((12, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((4, 32, 64)), jnp.bfloat16)
+    sizes = jnp.asarray([5, 0, 4, 3], jnp.int32)
+    bits = jax.lax.bitcast_convert_type(w, BITS)
+    np.testing.assert_array_equal(np.asarray(grouped_matmul_t(x, bits, sizes, impl=impl), np.float32),
+                                  np.asarray(grouped_matmul_t(x, w, sizes, impl=impl), np.float32))

@@ -62,3 +62,20 @@ def test_expert_parallel_needs_experts_that_divide_over_the_devices(hf_checkpoin
     _, dense_dir = hf_checkpoint("llama")
     with pytest.raises(ValueError, match="LlamaForCausalLM has no experts"):
         ModelConfig.from_hf(dense_dir).parallel(True, 1)
+
+
+
+def test_bfloat16_experts_are_kept_as_raw_bits_on_cpu(hf_checkpoint):
+    """On CPU a bfloat16 stack of experts is kept as its raw bits (`kept_as_bits`: XLA would widen
+    the whole stack to index one expert); the router stays bfloat16 values, and the logits stay
+    within bfloat16's error of float32's."""
+    from kernels.matmul.grouped import BITS
+
+    _, model_dir = hf_checkpoint("qwen3-moe")
+    _, state = load_weights(model_dir, ModelConfig.from_hf(model_dir), "bfloat16")
+    assert state["layers"][0]["mlp"]["experts"]["up_proj"]["weight"][...].dtype == BITS
+    assert state["layers"][0]["mlp"]["gate"]["weight"][...].dtype == jnp.bfloat16
+    ids = np.random.default_rng(2).integers(0, 256, size=24).tolist()
+    want = chunked_logits(model_dir, ids, [24])
+    got = chunked_logits(model_dir, ids, [24], dtype="bfloat16")
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max(), np.abs(got - want).max()

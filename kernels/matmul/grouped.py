@@ -15,7 +15,8 @@ static whatever the sizes, so one compiled step runs every routing. Implementati
 - "reference": the jnp definition (a masked product over every group).
 
 A quantized w (`quant.QuantizedWeight` with a leading group dimension) is multiplied as stored by
-"chunked", and dequantized to x's dtype for "ragged" and "reference".
+"chunked", and dequantized to x's dtype for "ragged" and "reference". A bfloat16 w may be given as
+its raw bits (BITS), the form a model keeps its stacks in on CPU (`kept_as_bits`).
 """
 
 from __future__ import annotations
@@ -49,19 +50,35 @@ def chunk_rows(rows: int, groups: int) -> int:
     return min(MAX_CHUNK, 1 << max(0, (mean - 1).bit_length()))
 
 
+BITS = jnp.uint16  # a stack of this dtype holds bfloat16 values as raw bits (`kept_as_bits`)
+
+
+def kept_as_bits(dtype, backend: str | None = None) -> bool:
+    """Whether a stack of `dtype` is kept as its raw bits (BITS): bfloat16 on CPU, where XLA widens
+    a whole bfloat16 stack to float32 (and back) on every call only to index one matrix of it."""
+    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and (backend or jax.default_backend()) == "cpu"
+
+
+def _values(w: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(w, jnp.bfloat16) if w.dtype == BITS else w
+
+
+def _index(stack: jax.Array, g) -> jax.Array:
+    """stack[g] (a traced index), as values."""
+    return _values(jax.lax.dynamic_index_in_dim(stack, g, keepdims=False))
+
+
 def _group(w: jax.Array | QuantizedWeight, g) -> jax.Array | QuantizedWeight:
     """w[g] (a traced index): one group's matrix, or its quantized parts."""
     if isinstance(w, QuantizedWeight):
-        return QuantizedWeight(*(None if part is None else jax.lax.dynamic_index_in_dim(part, g, keepdims=False)
-                                 for part in w))
-    return jax.lax.dynamic_index_in_dim(w, g, keepdims=False)
+        return QuantizedWeight(*(None if part is None else _index(part, g) for part in w))
+    return _index(w, g)
 
 
 def grouped_matmul_t_reference(x: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array,
                                dtype=None) -> jax.Array:
     dtype = jnp.dtype(dtype or x.dtype)
-    if isinstance(w, QuantizedWeight):
-        w = dequantize(w, x.dtype)
+    w = dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else _values(w)
     ends = jnp.cumsum(group_sizes)
     group = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")  # G for rows past the groups
     every = jnp.einsum("mk,gnk->gmn", x, w, preferred_element_type=jnp.float32)
@@ -70,8 +87,7 @@ def grouped_matmul_t_reference(x: jax.Array, w: jax.Array | QuantizedWeight, gro
 
 
 def _ragged(x, w, group_sizes, dtype):
-    if isinstance(w, QuantizedWeight):
-        w = dequantize(w, x.dtype)
+    w = dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else _values(w)
     return jax.lax.ragged_dot_general(x, w, group_sizes, RAGGED_DIMENSIONS,
                                       preferred_element_type=jnp.float32).astype(dtype)
 
