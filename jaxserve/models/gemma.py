@@ -26,10 +26,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Attention, Embedding, GatedMLP, KVCache, Linear, ModelInputs
+from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs
 from jaxserve.models.rope import RopeConfig, rope_from_hf
 from jaxserve.sharding import AXIS
-from kernels import matmul_t
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
@@ -191,31 +190,14 @@ class DecoderLayer(nnx.Module):
         return x, k_pages, v_pages
 
 
-class GemmaDecoder(nnx.Module):
+class GemmaDecoder(Decoder):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        super().__init__(cfg, dtype, rngs, [DecoderLayer(cfg, local, dtype, rngs) for local in cfg.options.local_layers],
+                         norm=GemmaRMSNorm)
         self.embed_scale = math.sqrt(cfg.hidden_size)
         self.dtype = dtype
-        self.layers = nnx.List([DecoderLayer(cfg, local, dtype, rngs) for local in cfg.options.local_layers])
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
         self.final_soft_cap = cfg.options.final_soft_cap
 
-    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
-        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+    def embed(self, token_ids: jax.Array) -> jax.Array:
         # (the scale is rounded to the model's dtype first, as HF does)
-        x = self.embed_tokens(inputs.token_ids) * jnp.asarray(self.embed_scale, self.dtype)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        return KVCache(k=k_out, v=v_out), x
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        """The final norm, the LM head and the soft-cap: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
-        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
-        logits = matmul_t(self.norm(x), head, jnp.float32)
-        if self.final_soft_cap is not None:
-            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
-        return logits
+        return self.embed_tokens(token_ids) * jnp.asarray(self.embed_scale, self.dtype)

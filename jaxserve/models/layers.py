@@ -9,7 +9,8 @@ A linear layer's or an embedding's matrix may be kept quantized (`Quantizable`, 
 `kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
 the weights' formats for their quantized parameters before any weight is loaded.
 
-Nothing here knows a family's names or options: those live in the family's own file.
+A family's model is a `Decoder` of its own layers. Nothing here knows a family's names or options:
+those live in the family's own file.
 """
 
 from __future__ import annotations
@@ -180,3 +181,39 @@ class Attention(nnx.Module):
         o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window, soft_cap=self.soft_cap)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages
+
+
+class Decoder(nnx.Module):
+    """What every family's model does around its layers: embed the tokens, run the layers in turn
+    (each on its own pages), then, for the rows asked, the final norm and the LM head (tied: the
+    embedding matrix), soft-capped where the family caps its logits. A family gives its layers
+    (and its norm class), and may override `embed`."""
+
+    final_soft_cap: float | None = None  # logits c * tanh(logits / c) (Gemma)
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layers: list[nnx.Module], norm=RMSNorm):
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
+        self.layers = nnx.List(layers)
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(token_ids)
+
+    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
+        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+        x = self.embed(inputs.token_ids)
+        k_out, v_out = [], []
+        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
+            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
+            k_out.append(k_pages)
+            v_out.append(v_pages)
+        return KVCache(k=k_out, v=v_out), x
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
+        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
+        logits = matmul_t(self.norm(x), head, jnp.float32)
+        if self.final_soft_cap is not None:
+            logits = self.final_soft_cap * jnp.tanh(logits / self.final_soft_cap)
+        return logits

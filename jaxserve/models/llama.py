@@ -15,14 +15,11 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Attention, Embedding, GatedMLP, KVCache, Linear, ModelInputs, RMSNorm
+from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs, RMSNorm
 from jaxserve.sharding import AXIS
-from kernels import matmul_t
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
@@ -108,25 +105,7 @@ class DecoderLayer(nnx.Module):
         return x, k_pages, v_pages
 
 
-class LlamaDecoder(nnx.Module):
+class LlamaDecoder(Decoder):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        super().__init__(cfg, dtype, rngs, [DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
 
-    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
-        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
-        x = self.embed_tokens(inputs.token_ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        return KVCache(k=k_out, v=v_out), x
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
-        # tied: the embedding matrix [vocab, hidden] is the head's weight
-        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
-        return matmul_t(self.norm(x), head, jnp.float32)

@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import (Attention, Embedding, GatedMLP, KVCache, Linear, ModelInputs, Quantizable,
-                                    RMSNorm)
+from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs, Quantizable, RMSNorm
 from jaxserve.sharding import AXIS
 from kernels import grouped_matmul_t, matmul_t
 
@@ -235,24 +234,7 @@ class DecoderLayer(nnx.Module):
         return x, k_pages, v_pages
 
 
-class MoeDecoder(nnx.Module):
+class MoeDecoder(Decoder):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        super().__init__(cfg, dtype, rngs, [DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
 
-    def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
-        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
-        x = self.embed_tokens(inputs.token_ids)
-        k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            k_out.append(k_pages)
-            v_out.append(v_pages)
-        return KVCache(k=k_out, v=v_out), x
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""
-        head = (self.embed_tokens if self.lm_head is None else self.lm_head).matrix()
-        return matmul_t(self.norm(x), head, jnp.float32)
