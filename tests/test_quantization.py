@@ -90,10 +90,16 @@ def test_llama_quantized_at_load_on_8_devices(quantization, hf_checkpoint, tmp_p
     assert ("up_proj.mins" in placed) == (quantization == "int4")
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+# One architecture per family by default (its layers and name map: Gemma's norms and biases,
+# Phi-3's split tensors, Qwen2-MoE's stacked experts and shared expert); the others, slow.
 # (mixtral left out: its tiny random router's top-2 of 5 flips for some tokens under the CPU kernel's
 # 8-bit activations, a jump no bound on smooth errors fits; the Qwen MoE models stay within them)
-@pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a not in ("llama", "mixtral")])
+FAMILY_REPRESENTATIVES = ("qwen3", "gemma2", "phi3", "qwen2-moe")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("arch", [a if a in FAMILY_REPRESENTATIVES else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in ARCHITECTURES if a not in ("llama", "mixtral")])
 def test_every_architecture_quantized_at_load(arch, quantization, hf_checkpoint, tmp_path):
     check_quantized(arch, quantization, (1, 8), hf_checkpoint, tmp_path)
 

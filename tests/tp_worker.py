@@ -32,13 +32,13 @@ def prompt_logits(engine, ids: list[int]) -> np.ndarray:
 ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32)
 
 
-def run(model_dir: str, sizes: list[int], engine: dict | None = None) -> dict:
-    """`engine`: the LLM's settings (ENGINE when None)."""
+def run(model_dir: str, sizes: list[int], settings: dict | None = None) -> dict:
+    """`settings`: the LLM's settings (ENGINE when None)."""
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 30, 17, 1)]
     results = {}
     for tp in sizes:
-        llm = LLM(model_dir, tensor_parallel_size=tp, **(engine or ENGINE))
+        llm = LLM(model_dir, tensor_parallel_size=tp, **(settings or ENGINE))
         engine = llm.engine
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                                        prompt_logprobs=2), use_tqdm=False)
@@ -51,7 +51,7 @@ def run(model_dir: str, sizes: list[int], engine: dict | None = None) -> dict:
         last_mlp = engine.runner.state["layers"][engine.model_config.num_layers - 1]["mlp"]
         if "experts" in last_mlp:  # a Mixture-of-Experts layer's stacked [experts, out, in] matrices
             arrays.update({f"experts_{name}": last_mlp["experts"][f"{name}_proj"]["weight"][...]
-                           for name in ("gate", "down")})
+                           for name in ("gate", "up", "down")})
         results[tp] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "prompt_logprobs": [[[[t, lp.logprob, lp.rank] for t, lp in entry.items()] for entry in o.prompt_logprobs[1:]]
