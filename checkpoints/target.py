@@ -99,20 +99,23 @@ class ParamTarget:
         if slice_of := SLICE.fullmatch(path):
             self._put_slice(loaded, slice_of[1], int(slice_of[2]), value, dtype, source)
             return
-        fmt = self.formats.get(path)
-        if fmt is not None and not isinstance(value, QuantizedWeight):
-            self._check_shape(path, value.shape, source, logical=True)
-            value = quantize(value, fmt)
-        elif fmt is None and isinstance(value, QuantizedWeight):
-            raise ValueError(f"{source}: quantized blocks for {path}, which is kept in floats")
-        parts = zip(quantized_paths(path), value) if fmt is not None else [(path, value)]
-        for part, array in parts:
-            if array is None:
-                continue
+        for part, array in self._parts(path, value, value.shape, source):
             self._check_shape(part, array.shape, source)
             array = self._stored(part, array, dtype)
             loaded[part] = (self.place(array, self.sharding(part)) if self.sharding is not None
                             else jax.numpy.asarray(array))
+
+    def _parts(self, path: str, value, shape: tuple, source: str) -> list[tuple[str, np.ndarray]]:
+        """`value` (of the parameter at `path`, whose float shape is `shape`) in the format the target
+        keeps it in, a float weight quantized: (the path of each part, the part)."""
+        fmt = self.formats.get(path)
+        if fmt is not None and not isinstance(value, QuantizedWeight):
+            self._check_shape(path, shape, source, logical=True)
+            value = quantize(value, fmt)
+        elif fmt is None and isinstance(value, QuantizedWeight):
+            raise ValueError(f"{source}: quantized blocks for {path}, which is kept in floats")
+        parts = zip(quantized_paths(path), value) if fmt is not None else [(path, value)]
+        return [(part, array) for part, array in parts if array is not None]
 
     def _put_split(self, loaded: dict, paths: list[str], value, dtype: str, source: str) -> None:
         sizes = [self.logical_shape(p)[0] for p in paths]
@@ -133,16 +136,7 @@ class ParamTarget:
         count = self.shapes[path][0]
         if index >= count:
             raise ValueError(f"tensor {source} is slice {index} of {path}, which has {count} from config.json")
-        fmt = self.formats.get(path)
-        if fmt is not None and not isinstance(value, QuantizedWeight):
-            self._check_shape(path, (count, *value.shape), source, logical=True)
-            value = quantize(value, fmt)
-        elif fmt is None and isinstance(value, QuantizedWeight):
-            raise ValueError(f"{source}: quantized blocks for {path}, which is kept in floats")
-        parts = zip(quantized_paths(path), value) if fmt is not None else [(path, value)]
-        for part, array in parts:
-            if array is None:
-                continue
+        for part, array in self._parts(path, value, (count, *value.shape), source):
             self._check_shape(part, (count, *array.shape), source)
             stored = self._stored(part, array, dtype)
             stack = loaded.setdefault(part, _Stack(np.empty(self.shapes[part], stored.dtype)))

@@ -199,6 +199,25 @@ def _tensors(model):
             yield hf_name, array
 
 
+def _writer_with_shape(path: Path, arch: str, cfg):
+    """A GGUF writer of `arch` at `path` holding the model's shape (`cfg`, a transformers config) as
+    llama.cpp's converter writes it."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
+                       (writer.add_context_length, cfg.max_position_embeddings),
+                       (writer.add_embedding_length, cfg.hidden_size),
+                       (writer.add_feed_forward_length, cfg.intermediate_size),
+                       (writer.add_head_count, cfg.num_attention_heads),
+                       (writer.add_head_count_kv, cfg.num_key_value_heads),
+                       (writer.add_key_length, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
+                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
+                       (writer.add_vocab_size, cfg.vocab_size)):
+        add(value)
+    return writer
+
+
 def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
     """The tiny HF `model` as a GGUF file of llama.cpp's conventions (names, metadata, llama's q/k
     rows interleaved, experts stacked), its matrices in `kind` (norms and biases F32), and a model
@@ -209,18 +228,8 @@ def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
     from checkpoints.gguf import hf_config
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
-                       (writer.add_context_length, cfg.max_position_embeddings),
-                       (writer.add_embedding_length, cfg.hidden_size),
-                       (writer.add_feed_forward_length, cfg.intermediate_size),
-                       (writer.add_head_count, cfg.num_attention_heads),
-                       (writer.add_head_count_kv, cfg.num_key_value_heads),
-                       (writer.add_key_length, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads),
-                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (writer.add_rope_freq_base, cfg.rope_parameters["rope_theta"]),
-                       (writer.add_vocab_size, cfg.vocab_size)):
-        add(value)
+    writer = _writer_with_shape(path, arch, cfg)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts:
         writer.add_expert_count(experts)
@@ -286,18 +295,9 @@ def write_gemma_gguf(model, arch: str, path: Path) -> Path:
     from checkpoints.gguf import hf_config
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    for add, value in ((writer.add_block_count, cfg.num_hidden_layers),
-                       (writer.add_context_length, cfg.max_position_embeddings),
-                       (writer.add_embedding_length, cfg.hidden_size),
-                       (writer.add_feed_forward_length, cfg.intermediate_size),
-                       (writer.add_head_count, cfg.num_attention_heads),
-                       (writer.add_head_count_kv, cfg.num_key_value_heads),
-                       (writer.add_key_length, cfg.head_dim), (writer.add_value_length, cfg.head_dim),
-                       (writer.add_layer_norm_rms_eps, cfg.rms_norm_eps),
-                       (writer.add_sliding_window, cfg.sliding_window),
-                       (writer.add_final_logit_softcapping, cfg.final_logit_softcapping),
-                       (writer.add_vocab_size, cfg.vocab_size)):
+    writer = _writer_with_shape(path, arch, cfg)
+    for add, value in ((writer.add_value_length, cfg.head_dim), (writer.add_sliding_window, cfg.sliding_window),
+                       (writer.add_final_logit_softcapping, cfg.final_logit_softcapping)):
         add(value)
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs
+from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
+                                    mlp_rules)
 from jaxserve.models.rope import RopeConfig, rope_from_hf
-from jaxserve.sharding import AXIS
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
@@ -139,19 +138,8 @@ TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embedding
 # an image-text checkpoint's vision tower and projector: read past, never loaded (the model is text only)
 SKIPPED_TENSORS = r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*"
 
-# Megatron-style, as Llama's (llama.PARTITION_RULES): q/k/v and MLP gate/up column-parallel, o and
-# down row-parallel, the embedding over the hidden size, the LM head over the vocabulary; norms replicated.
-PARTITION_RULES = [
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
-    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
-    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
-    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
-]
+# Megatron-style, as Llama's (`layers.ATTENTION_RULES`)
+PARTITION_RULES = [*ATTENTION_RULES, *mlp_rules(), *EMBEDDING_RULES]
 
 
 class GemmaRMSNorm(nnx.Module):

@@ -21,8 +21,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
+from jaxserve.sharding import AXIS
 from kernels import matmul_t, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
@@ -51,6 +53,32 @@ class ModelInputs:
     query_start: jax.Array  # i32[B + 1] first token row of each sequence; padding repeats the total
     num_seqs: jax.Array  # i32[] real sequences
     logits_indices: jax.Array  # i32[B] row of each sequence's last token
+
+
+# Partition rules of the shared layers (parameter path pattern, partition spec, the ModelConfig
+# count that must divide the mesh size; see `jaxserve.sharding.weight_sharding`). Megatron-style,
+# weights [out, in]: q/k/v and MLP gate/up column-parallel (output split over heads), o and down
+# row-parallel; the embedding split over the hidden size, the LM head over the vocabulary (the
+# logits come out vocab-sharded); norms replicated.
+ATTENTION_RULES = [
+    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
+    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
+    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
+]
+EMBEDDING_RULES = [
+    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
+    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
+]
+
+
+def mlp_rules(module: str = "mlp", count: str = "intermediate_size", bias: bool = False) -> list:
+    """The rules of a `GatedMLP` at `layers.N.<module>` whose intermediate size is the count `count`."""
+    prefix = r"layers\.\d+\." + module.replace(".", r"\.")
+    rules = [(prefix + r"\.(gate|up)_proj\.weight", P(AXIS, None), count)]
+    rules += [(prefix + r"\.(gate|up)_proj\.bias", P(AXIS), count)] if bias else []
+    return [*rules, (prefix + r"\.down_proj\.weight", P(None, AXIS), count)]
 
 
 class RMSNorm(nnx.Module):

@@ -16,10 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs, RMSNorm
-from jaxserve.sharding import AXIS
+from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
+                                    RMSNorm, mlp_rules)
 
 if TYPE_CHECKING:
     from jaxserve.config import ModelConfig
@@ -71,22 +70,8 @@ HF_NAME_MAP = {
 }
 TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embeddings may hold but the model lacks
 
-# (parameter path pattern, partition spec, the ModelConfig count that must divide the mesh size).
-# Megatron-style, weights [out, in]: q/k/v and MLP gate/up column-parallel (output split over heads),
-# o and down row-parallel; the embedding split over the hidden size, the LM head over the vocabulary
-# (the logits come out vocab-sharded); norms replicated.
-PARTITION_RULES = [
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
-    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.bias", P(AXIS), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
-    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
-    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
-]
+# Megatron-style (`layers.ATTENTION_RULES`), MLP biases split with their rows
+PARTITION_RULES = [*ATTENTION_RULES, *mlp_rules(bias=True), *EMBEDDING_RULES]
 
 
 class DecoderLayer(nnx.Module):

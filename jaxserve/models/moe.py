@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.layers import Attention, Decoder, GatedMLP, ModelInputs, Quantizable, RMSNorm
+from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
+                                    Quantizable, RMSNorm, mlp_rules)
 from jaxserve.sharding import AXIS
 from kernels import grouped_matmul_t, matmul_t
 
@@ -102,23 +103,14 @@ HF_NAME_MAP = {
 TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embeddings may hold but the model lacks
 
 # (parameter path pattern, partition spec, the ModelConfig count, or MoeOptions', that must divide
-# the mesh size). Attention, the dense and shared-expert MLPs, the embedding and the head as in
-# `llama.PARTITION_RULES`; the experts' stacked matrices [experts, out, in] split along their
+# the mesh size). Attention, the dense and shared-expert MLPs, the embedding and the head as the
+# shared layers' rules say (`layers.ATTENTION_RULES`); the experts' stacked matrices [experts, out, in] split along their
 # intermediate dimension (gate/up column-parallel, down row-parallel); routers replicated.
 PARTITION_RULES = [
-    (r"layers\.\d+\.self_attn\.q_proj\.weight", P(AXIS, None), "num_heads"),
-    (r"layers\.\d+\.self_attn\.q_proj\.bias", P(AXIS), "num_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.weight", P(AXIS, None), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.[kv]_proj\.bias", P(AXIS), "num_kv_heads"),
-    (r"layers\.\d+\.self_attn\.o_proj\.weight", P(None, AXIS), "num_heads"),
-    (r"layers\.\d+\.mlp\.(gate|up)_proj\.weight", P(AXIS, None), "intermediate_size"),
-    (r"layers\.\d+\.mlp\.down_proj\.weight", P(None, AXIS), "intermediate_size"),
+    *ATTENTION_RULES, *mlp_rules(),
     (r"layers\.\d+\.mlp\.experts\.(gate|up)_proj\.weight", P(None, AXIS, None), "moe_intermediate_size"),
     (r"layers\.\d+\.mlp\.experts\.down_proj\.weight", P(None, None, AXIS), "moe_intermediate_size"),
-    (r"layers\.\d+\.mlp\.shared_expert\.(gate|up)_proj\.weight", P(AXIS, None), "shared_expert_intermediate_size"),
-    (r"layers\.\d+\.mlp\.shared_expert\.down_proj\.weight", P(None, AXIS), "shared_expert_intermediate_size"),
-    (r"embed_tokens\.embedding", P(None, AXIS), "hidden_size"),
-    (r"lm_head\.weight", P(AXIS, None), "vocab_size"),
+    *mlp_rules("mlp.shared_expert", "shared_expert_intermediate_size"), *EMBEDDING_RULES,
 ]
 # With expert parallelism, taken before PARTITION_RULES: whole experts per device.
 EXPERT_PARALLEL_RULES = [
