@@ -152,9 +152,14 @@ def assert_greedy_close(got, want: list[int], ref_logits: np.ndarray, *, atol: f
     return len(want)
 
 
-# (the rope scalings of the Llama variants differ only in the tables their logits test covers: slow)
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in ("llama-linear-rope", "llama3-rope")
-                                  else a for a in ARCHITECTURES])
+# One run per family and per checkpoint form by default; the Llama family's other architectures
+# differ in what their logits test covers (rope tables, biases, q/k norms, the window, which the
+# MoE, Gemma and Phi-3 runs also take through the engine): slow.
+LLAMA_VARIANTS = ("llama-linear-rope", "llama3-rope", "mistral", "qwen2", "qwen3")
+
+
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in LLAMA_VARIANTS else a
+                                  for a in ARCHITECTURES])
 def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     model, model_dir = hf_checkpoint(arch)
     rng = np.random.default_rng(3)
