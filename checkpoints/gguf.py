@@ -40,7 +40,8 @@ VIEW_VERSION = 1  # bump when the files a view holds change
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-WITH_EXPERTS = {"llama": "MixtralForCausalLM"}  # GGUF architectures served as another when they have experts
+WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
+SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for softmax routing, the one the models here route by  # GGUF architectures served as another when they have experts
 # llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
 PERMUTED_QK = ("llama",)
 # llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale its (1 + w) norms apply)
@@ -155,13 +156,17 @@ def hf_config(path: Path) -> dict:
         config["rope_scaling"] = _llama3_rope(path, config)
     if arch == "qwen2":
         config["attention_bias"] = False  # (Qwen2's q/k/v biases come with the architecture)
+    if experts and get("expert_gating_func", SOFTMAX_GATING) != SOFTMAX_GATING:
+        raise ValueError(f"{path}: expert_gating_func {get('expert_gating_func')} is not supported (only softmax "
+                         f"routing, {SOFTMAX_GATING})")
     if experts:
         config.update(num_experts=experts, num_experts_per_tok=get("expert_used_count"),
                       moe_intermediate_size=get("expert_feed_forward_length", config["intermediate_size"]),
                       shared_expert_intermediate_size=get("expert_shared_feed_forward_length", 0),
                       qkv_bias=any(name.endswith("attn_q.bias") for name in names),
-                      # llama.cpp renormalises Qwen3-MoE's top-k weights, never Qwen2-MoE's
-                      norm_topk_prob=arch == "qwen3moe",
+                      # as the file says; else as llama.cpp does: Qwen3-MoE's top-k weights
+                      # renormalised, never Qwen2-MoE's
+                      norm_topk_prob=bool(get("expert_weights_norm", arch == "qwen3moe")),
                       # layers whose feed-forward tensors are a dense MLP's, not stacked experts
                       mlp_only_layers=[i for i in range(config["num_hidden_layers"])
                                        if f"blk.{i}.ffn_gate_exps.weight" not in names])

@@ -452,3 +452,17 @@ def test_an_unsupported_tensor_type_is_named(tmp_path):
     with pytest.raises(ValueError, match="'output.weight'.*type Q2_K, which is not supported"):
         load_gguf_params(view, target, "float32")
     assert gguf.GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K] == (256, 84)
+
+
+def test_experts_routed_other_than_by_softmax_are_refused(hf_checkpoint, tmp_path):
+    """llama.cpp's expert_gating_func names the routing; only softmax's is served."""
+    from gguf import ExpertGatingFuncType
+
+    from checkpoints.gguf import hf_config
+
+    model, _ = hf_checkpoint("qwen2-moe")
+    writer = _writer_with_shape(tmp_path / "m.gguf", "qwen2moe", model.config)
+    writer.add_expert_count(3)
+    writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+    with pytest.raises(ValueError, match="expert_gating_func 2 is not supported"):
+        _written_with_view(writer, tmp_path / "m.gguf", config=hf_config)
