@@ -94,3 +94,21 @@ def test_a_bfloat16_stack_given_as_its_raw_bits(impl):
     bits = jax.lax.bitcast_convert_type(w, BITS)
     np.testing.assert_array_equal(np.asarray(grouped_matmul_t(x, bits, sizes, impl=impl), np.float32),
                                   np.asarray(grouped_matmul_t(x, w, sizes, impl=impl), np.float32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_cpu_kernel_reads_each_matrix_in_place_in_the_stack(dtype):
+    """On CPU, "chunked" hands the kernel the whole stack and the group (`stack_matmul_t`), never a
+    copy of the matrix; the product equals matmul_t of the matrix, for every group, the last included."""
+    from kernels.matmul import STACK_TARGET, implementation
+    from kernels.matmul.grouped import stack_matmul_t
+
+    if jax.default_backend() != "cpu" or implementation() != "cpu":
+        pytest.skip("the CPU kernel runs on the CPU backend, where it can be built")
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 64)), dtype)
+    w = jnp.asarray(rng.normal(size=(4, 48, 64)), dtype)
+    run = jax.jit(lambda x, w, g: stack_matmul_t(x, w, g, x.dtype))
+    assert STACK_TARGET in run.lower(x, w, 0).as_text()
+    for g in range(4):
+        np.testing.assert_array_equal(np.asarray(run(x, w, g), np.float32), np.asarray(matmul_t(x, w[g]), np.float32))

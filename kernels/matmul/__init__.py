@@ -41,11 +41,13 @@ ENV = "JAXSERVE_MATMUL"
 IMPLEMENTATIONS = ("xla", "cpu")
 TARGET = "jaxserve_matmul_t"
 WIDEN_TARGET = "jaxserve_widen_after"  # a bfloat16 weight widened once the layer's input exists (cpu.cc)
+STACK_TARGET = "jaxserve_stack_matmul_t"  # x times one matrix of a stack, read in place (cpu.cc, grouped.py)
 SOURCE = Path(__file__).with_name("cpu.cc")
 QUANT_SOURCE = Path(__file__).with_name("quant.cc")
 QUANT_TARGETS = {"int8": "jaxserve_matmul_t_int8", "int4": "jaxserve_matmul_t_int4"}  # by QuantizedWeight.fmt
 # Every custom call "cpu" may run: (source, handler symbol, target), all registered when it is chosen.
 CUSTOM_CALLS = ((SOURCE, "JaxserveMatmulT", TARGET), (SOURCE, "JaxserveWidenAfter", WIDEN_TARGET),
+                (SOURCE, "JaxserveStackMatmulT", STACK_TARGET),
                 (QUANT_SOURCE, "JaxserveInt8MatmulT", QUANT_TARGETS["int8"]),
                 (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]))
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))

@@ -407,23 +407,14 @@ void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, in
 }
 #endif  // __AVX512BF16__
 
-ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
-  for (ffi::DataType t : {x.element_type(), w.element_type(), y->element_type()}) {
-    if (t != ffi::DataType::F32 && !IsBf16(t)) {
-      return ffi::Error::InvalidArgument("matmul (cpu): operands must be float32 or bfloat16");
-    }
-  }
-  auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
-    return ffi::Error::InvalidArgument("matmul (cpu): x must be [M, K] and w [N, K]");
-  }
-  const int64_t m_len = xd[0], n_len = wd[0], k_len = xd[1];
-  const bool w_bf16 = IsBf16(w.element_type()), x_bf16 = IsBf16(x.element_type());
+// y = x ws^T for x [M, K] and ws the N x K matrix at `ws` (bfloat16 bits where w_bf16, else float32).
+ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool w_bf16, int64_t n_len,
+                   ffi::Result<ffi::AnyBuffer> y) {
+  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+  const bool x_bf16 = IsBf16(x.element_type());
   const bool y_bf16 = IsBf16(y->element_type());
   const float* x_f32 = static_cast<const float*>(x.untyped_data());
   const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
-  const void* ws = w.untyped_data();
   // y in float32: the result buffer itself, or a copy to be rounded
   std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
   float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
@@ -501,6 +492,41 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
   return ffi::Error::Success();
 }
 
+bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || IsBf16(t); }
+
+ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  if (!IsFloat(x.element_type()) || !IsFloat(w.element_type()) || !IsFloat(y->element_type())) {
+    return ffi::Error::InvalidArgument("matmul (cpu): operands must be float32 or bfloat16");
+  }
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
+    return ffi::Error::InvalidArgument("matmul (cpu): x must be [M, K] and w [N, K]");
+  }
+  return Product(pool, x, w.untyped_data(), IsBf16(w.element_type()), wd[0], y);
+}
+
+// y = x w[group]^T for a stack w [G, N, K] (a Mixture-of-Experts layer's experts; bfloat16 may come
+// as its raw bits, uint16) and group i32[]: the matrix is read where it lies in the stack, where
+// XLA would first copy it out (see kernels/matmul/grouped.py).
+ffi::Error StackMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer group,
+                        ffi::Result<ffi::AnyBuffer> y) {
+  const bool w_bf16 = IsBf16(w.element_type()) || w.element_type() == ffi::DataType::U16;
+  if (!IsFloat(x.element_type()) || !(w_bf16 || w.element_type() == ffi::DataType::F32) ||
+      !IsFloat(y->element_type()) || group.element_type() != ffi::DataType::S32 || group.element_count() != 1) {
+    return ffi::Error::InvalidArgument("stack matmul (cpu): float32 or bfloat16 x and w, and an int32 group");
+  }
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || xd[1] != wd[2]) {
+    return ffi::Error::InvalidArgument("stack matmul (cpu): x must be [M, K] and w [G, N, K]");
+  }
+  const int64_t g = *static_cast<const int32_t*>(group.untyped_data());
+  if (g < 0 || g >= wd[0]) return ffi::Error::InvalidArgument("stack matmul (cpu): group out of range");
+  const int64_t offset = g * wd[1] * wd[2] * (w_bf16 ? 2 : 4);
+  return Product(pool, x, static_cast<const char*>(w.untyped_data()) + offset, w_bf16, wd[1], y);
+}
+
 // out = w (bfloat16) widened to float32, for XLA's float32 dot on prefill chunks (see
 // matmul/__init__.py). `after` is never read: as an operand it makes the widening wait until the
 // layer's input exists. A plain convert depends on the weight alone, and XLA:CPU ran every layer's
@@ -538,6 +564,14 @@ static auto TwoOperandsOneResult() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT, TwoOperandsOneResult());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter, TwoOperandsOneResult());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveStackMatmulT, jaxserve::StackMatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 // 1 where bfloat16 products run on the CPU's bfloat16 instructions (PairPanelTile), else 0.
 extern "C" int JaxserveMatmulNativeBf16() {

@@ -9,9 +9,9 @@ static whatever the sizes, so one compiled step runs every routing. Implementati
   default). On CPU, XLA lowers it as a masked product of every row with every group's matrix.
 - "chunked": the CPU default. A loop over the chunks of rows of the groups that have rows (the
   trip count, sum of ceil(size / chunk), follows from the sizes at run time): each iteration
-  multiplies `chunk` rows by its group's matrix alone through `matmul_t` (a quantized matrix is
-  dequantized or multiplied as stored, as one linear layer's), and writes back the rows that are
-  the group's. Only the groups that have rows are read.
+  multiplies `chunk` rows by its group's matrix alone (`stack_matmul_t`: the CPU kernel reads it
+  where it lies in the stack; a quantized matrix goes through `matmul_t` as one linear layer's),
+  and writes back the rows that are the group's. Only the groups that have rows are read.
 - "reference": the jnp definition (a masked product over every group).
 
 A quantized w (`quant.QuantizedWeight` with a leading group dimension) is multiplied as stored by
@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul import matmul_t
+from kernels.matmul import KERNEL_DTYPES, STACK_TARGET, implementation as matmul_implementation, matmul_t, row_limit
 from kernels.matmul.quant import QuantizedWeight, dequantize
 
 IMPLEMENTATIONS = ("ragged", "chunked", "reference")
@@ -68,6 +68,19 @@ def _index(stack: jax.Array, g) -> jax.Array:
     return _values(jax.lax.dynamic_index_in_dim(stack, g, keepdims=False))
 
 
+def stack_matmul_t(x: jax.Array, stack: jax.Array, g, dtype) -> jax.Array:
+    """`matmul_t(x, stack[g])` for a stack of float matrices (bfloat16 ones may be its raw bits) and a
+    traced index: where `matmul_t` would run the CPU kernel on the matrix, the kernel reads it where
+    it lies in the stack (XLA copies a dynamic slice out first: one more pass over the matrix)."""
+    values = jnp.dtype(jnp.bfloat16) if stack.dtype == BITS else jnp.dtype(stack.dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    if (matmul_implementation() == "cpu" and (mesh.empty or mesh.size == 1)
+            and {x.dtype, values, jnp.dtype(dtype)} <= set(KERNEL_DTYPES) and x.shape[0] <= row_limit(x.dtype, values)):
+        call = jax.ffi.ffi_call(STACK_TARGET, jax.ShapeDtypeStruct((x.shape[0], stack.shape[1]), dtype))
+        return call(x, stack, jnp.asarray(g, jnp.int32))
+    return matmul_t(x, _index(stack, g), dtype)
+
+
 def _group(w: jax.Array | QuantizedWeight, g) -> jax.Array | QuantizedWeight:
     """w[g] (a traced index): one group's matrix, or its quantized parts."""
     if isinstance(w, QuantizedWeight):
@@ -105,7 +118,9 @@ def _chunked(x, w, group_sizes, dtype, chunk: int):
         g = jnp.searchsorted(chunk_ends, i, side="right")  # the group whose chunks hold chunk i
         offset = (i - (chunk_ends[g] - chunks[g])) * chunk
         row = starts[g] + offset
-        y = matmul_t(jax.lax.dynamic_slice_in_dim(x, row, chunk), _group(w, g), dtype)
+        rows_in = jax.lax.dynamic_slice_in_dim(x, row, chunk)
+        y = (matmul_t(rows_in, _group(w, g), dtype) if isinstance(w, QuantizedWeight)
+             else stack_matmul_t(rows_in, w, g, dtype))
         inside = (offset + jnp.arange(chunk)) < group_sizes[g]
         kept = jnp.where(inside[:, None], y, jax.lax.dynamic_slice_in_dim(out, row, chunk))
         return jax.lax.dynamic_update_slice_in_dim(out, kept, row, 0)
