@@ -35,13 +35,16 @@ from kernels.matmul.quant import BLOCK, QuantizedWeight
 log = logging.getLogger(__name__)
 
 VIEW_MARKER = "gguf.json"  # in a model view: {"file": the GGUF file}
-VIEW_VERSION = 1  # bump when the files a view holds change
+VIEW_VERSION = 2  # bump when the files a view holds change
+# tokens that end a turn by their text, which llama.cpp also stops at (beside the file's eos, eot
+# and eom ids): chat models' end-of-turn markers
+END_OF_TURN = ("<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<EOT>")
 # GGUF general.architecture -> the Hugging Face architecture it is served as
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
-WITH_EXPERTS = {"llama": "MixtralForCausalLM"}
-SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for softmax routing, the one the models here route by  # GGUF architectures served as another when they have experts
+WITH_EXPERTS = {"llama": "MixtralForCausalLM"}  # GGUF architectures served as another when they have experts
+SOFTMAX_GATING = 1  # llama.cpp's expert_gating_func for softmax routing, the one the models here route by
 # llama.cpp's converter interleaves the two halves of each head's q and k rows for these (its rope layout)
 PERMUTED_QK = ("llama",)
 # llama.cpp's converter stores Gemma's norm weights w as 1 + w (the scale its (1 + w) norms apply)
@@ -246,8 +249,9 @@ def model_view(path: Path) -> Path:
     try:
         config = hf_config(path)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": _end_of_generation(path)}
         (tmp / "generation_config.json").write_text(json.dumps(
-            {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}, indent=2))
+            {k: v for k, v in generation.items() if v not in (None, [])}, indent=2))
         _write_tokenizer(path, tmp)
         (tmp / VIEW_MARKER).write_text(json.dumps({"file": str(path)}, indent=2))
         try:
@@ -269,6 +273,15 @@ def _write_tokenizer(path: Path, out: Path) -> None:
     if template:
         tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out))
+
+
+def _end_of_generation(path: Path) -> list[int]:
+    """The ids generation stops at, as llama.cpp takes them: the file's eos, eot and eom tokens, and
+    the tokens whose text ends a turn (END_OF_TURN; a Gemma 3 or Phi-3 file names only its eos)."""
+    meta = metadata(path)
+    ids = [meta.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")]
+    ids += [i for i, text in enumerate(meta.get("tokenizer.ggml.tokens", ())) if text in END_OF_TURN]
+    return list(dict.fromkeys(i for i in ids if i is not None))
 
 
 def view_file(model_dir: str | Path) -> Path | None:
@@ -330,7 +343,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
             raise ValueError(f"unexpected tensor {tensor.name!r} in {path} for a {target.architecture} model")
         if param in target.unused:
             continue
-        fmt = target.formats.get(param_paths(param)[0] if experts else param)
+        fmt = target.formats.get(param_paths(param)[0])  # (a fused tensor's pieces share its format)
         if fmt is not None and DIRECT.get(kind) == fmt:
             value = _blocks(tensor, kind)
         else:

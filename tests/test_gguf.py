@@ -385,6 +385,30 @@ def test_quantized_expert_stacks_load_as_blocks(kind, data_dtype, hf_checkpoint,
     assert kl <= MAX_KL, kl
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+def test_phi3_fused_blocks_split_as_they_lie(kind, hf_checkpoint, tmp_path):
+    """Phi-3's fused attn_qkv and ffn_up (gate and up) blocks are split by rows into q/k/v and
+    gate/up as they lie, never dequantized and quantized again."""
+    from flax import nnx
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.weights import load_weights
+    from kernels.matmul.quant import QuantizedWeight, dequantize
+
+    model, _ = hf_checkpoint("phi3")
+    view = write_gguf(model, "phi3", tmp_path / "m.gguf", kind)
+    _, state = load_weights(view, ModelConfig.from_hf(view), "float32")
+    layer = nnx.to_pure_dict(state)["layers"][0]
+    tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
+    for name, modules in (("attn_qkv", [layer["self_attn"][f"{p}_proj"] for p in "qkv"]),
+                          ("ffn_up", [layer["mlp"]["gate_proj"], layer["mlp"]["up_proj"]])):
+        want = gguf_dequantize(tensors[f"blk.0.{name}.weight"].data, GGMLQuantizationType[kind])
+        got = np.concatenate([dequantize(QuantizedWeight(m["weight"], m["scales"], m.get("mins"))) for m in modules])
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
 # type -> (block bytes, the offsets of its float16 fields, the format it is kept in)
 OTHER_TYPES = {"Q5_1": (24, (0, 2), "int8"), "Q4_K": (144, (0, 2), "int4"), "Q5_K": (176, (0, 2), "int8"),
                "Q6_K": (210, (208,), "int8")}
@@ -466,3 +490,19 @@ def test_experts_routed_other_than_by_softmax_are_refused(hf_checkpoint, tmp_pat
     writer.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     with pytest.raises(ValueError, match="expert_gating_func 2 is not supported"):
         _written_with_view(writer, tmp_path / "m.gguf", config=hf_config)
+
+
+def test_generation_stops_where_llama_cpp_stops(tmp_path):
+    """A view's EOS ids: the file's eos (and eot, eom) and the tokens whose text ends a turn, which
+    llama.cpp stops at too (Gemma 3's and Phi-3's files name only <eos> / <|endoftext|>)."""
+    import gguf
+
+    from checkpoints.gguf import _end_of_generation
+
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma3")
+    writer.add_token_list(["<pad>", "<eos>", "<bos>", "hello", "<end_of_turn>", "<start_of_turn>"])
+    writer.add_eos_token_id(1)
+    writer.add_tensor("x.weight", np.zeros(32, np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
+        write()
+    assert _end_of_generation(tmp_path / "t.gguf") == [1, 4]

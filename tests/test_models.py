@@ -158,3 +158,32 @@ def test_what_gemma_cannot_run_is_an_error_naming_the_file(change, message, hf_c
     (tmp_path / "config.json").write_text(json.dumps(hf | change))
     with pytest.raises(ValueError, match=f"{message}.*{tmp_path / 'config.json'}"):
         ModelConfig.from_hf(tmp_path)
+
+
+def test_an_image_text_gemma_config_of_few_fields_takes_transformers_defaults(tmp_path):
+    """Gemma 3's image-text checkpoints give little of their text model (gemma-3-4b-it's names its
+    sizes, layer count, window and rope scaling): the rest is transformers' defaults, as its
+    AutoConfig reads the same file."""
+    import transformers
+
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34, "sliding_window": 1024,
+            "model_type": "gemma3_text", "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model"}, "eos_token_id": [1, 106]}))
+    cfg = ModelConfig.from_hf(tmp_path)
+    want = transformers.AutoConfig.from_pretrained(tmp_path).get_text_config()
+    assert (cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (
+        want.vocab_size, want.num_attention_heads, want.num_key_value_heads, want.head_dim, want.rms_norm_eps, True)
+    assert cfg.options.sm_scale == want.query_pre_attn_scalar ** -0.5 and cfg.options.sliding_window == 1024
+    assert cfg.eos_token_ids == (1, 106) and sum(not local for local in cfg.options.local_layers) == 34 // 6
+
+
+def test_phi3_configs_naming_longrope_su_or_yarn_read_as_transformers_reads_them(hf_checkpoint, tmp_path):
+    _, model_dir = hf_checkpoint("phi3")
+    hf = json.loads((model_dir / "config.json").read_text())
+    assert ModelConfig.from_hf(model_dir).rope.type == "longrope"
+    for name in ("su", "yarn"):
+        rope = {k: v for k, v in hf["rope_parameters"].items() if k != "rope_type"} | {"type": name}
+        (tmp_path / "config.json").write_text(json.dumps({**hf, "rope_parameters": None, "rope_scaling": rope}))
+        assert ModelConfig.from_hf(tmp_path) == ModelConfig.from_hf(model_dir)

@@ -64,7 +64,8 @@ LLAMA = ModelFamily(name="llama", options_from_hf=llama.options_from_hf, model=l
                     hf_name_map=llama.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
 # Phi-3 is Llama's decoder; only its checkpoints (fused tensors) and its rotation differ
 PHI3 = ModelFamily(name="phi3", options_from_hf=phi3.options_from_hf, model=llama.LlamaDecoder,
-                   hf_name_map=phi3.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD)
+                   hf_name_map=phi3.HF_NAME_MAP, partition_rules=llama.PARTITION_RULES, tied_head=llama.TIED_HEAD,
+                   decoder_config=phi3.decoder_config)
 MOE = ModelFamily(name="moe", options_from_hf=moe.options_from_hf, model=moe.MoeDecoder, hf_name_map=moe.HF_NAME_MAP,
                   partition_rules=moe.PARTITION_RULES, tied_head=moe.TIED_HEAD,
                   expert_parallel_rules=moe.EXPERT_PARALLEL_RULES)

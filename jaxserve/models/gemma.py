@@ -36,12 +36,17 @@ GEMMA2 = ("Gemma2ForCausalLM",)
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 SLIDING, FULL = "sliding_attention", "full_attention"  # config.json's `layer_types`
 
-# transformers' defaults for what config.json may leave out, by architecture (they differ from
-# Llama's and from `ModelConfig.from_hf`'s: tied embeddings, a head dimension of 256)
+# transformers' defaults for what config.json may leave out, by architecture (Gemma2Config's and
+# Gemma3TextConfig's: Gemma 3's image-text checkpoints give little more than the sizes and layer
+# count of their text model, and differ from Llama's and `ModelConfig.from_hf`'s where left out)
+_SHARED_DEFAULTS = {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+                    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "attention_bias": False}
 DEFAULTS = {
-    **dict.fromkeys(GEMMA2, {"head_dim": 256, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+    **dict.fromkeys(GEMMA2, {**_SHARED_DEFAULTS, "vocab_size": 256000, "max_position_embeddings": 8192,
                              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}),
-    **dict.fromkeys(GEMMA3, {"head_dim": 256, "tie_word_embeddings": True, "max_position_embeddings": 131072,
+    **dict.fromkeys(GEMMA3, {**_SHARED_DEFAULTS, "vocab_size": 262208, "max_position_embeddings": 131072,
                              "attn_logit_softcapping": None, "final_logit_softcapping": None}),
 }
 GEMMA3_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # transformers' rope bases where config.json has none

@@ -16,6 +16,16 @@ from jaxserve.models.llama import HF_NAME_MAP as LLAMA_NAMES
 from jaxserve.models.llama import LlamaOptions
 
 
+def decoder_config(architecture: str, hf: dict) -> dict:
+    """config.json as transformers' Phi3Config reads it: early files name LongRoPE "su" or "yarn"."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(key) or {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind not in ("su", "yarn"):
+        return hf
+    return {**hf, key: {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": "longrope"}}
+
+
 def options_from_hf(architecture: str, hf: dict, path: Path) -> LlamaOptions:
     """Llama's options for a Phi-3 config.json: no biases, and the window when it has one."""
     if hf.get("hidden_act", "silu") != "silu":

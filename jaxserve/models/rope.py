@@ -67,8 +67,6 @@ def rope_from_hf(hf: dict, path: Path, params: dict | None = None) -> RopeConfig
     params = dict(params if params is not None else hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "su":  # (LongRoPE's name in early Phi-3 files)
-        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES}), in {path}")
     params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
