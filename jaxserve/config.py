@@ -25,7 +25,6 @@ from jaxserve.settings import json_object, json_or_text, optional_text, setting
 log = logging.getLogger("jaxserve.config")
 
 
-
 class RequestError(ValueError):
     """A request the engine cannot run, and the request field it is about (None: no one field), so
     that the API reports the engine's own check, once, under the field's name."""
@@ -46,7 +45,8 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    ropes: tuple[RopeConfig, ...]  # the rotations layers use: [0] the model's, then any a family adds (`ModelFamily.ropes_from_hf`)
+    # the rotations layers use: [0] the model's, then any a family adds (`ModelFamily.ropes_from_hf`)
+    ropes: tuple[RopeConfig, ...]
     max_position_embeddings: int
     tie_word_embeddings: bool
     options: ModelOptions  # the family's own settings (e.g. `llama.LlamaOptions`), from `MODEL_REGISTRY`

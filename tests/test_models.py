@@ -121,9 +121,10 @@ def test_name_maps_and_partition_rules_fit_the_family_parameters(hf_checkpoint, 
     for family in families.values():
         assert used_names[family.name] == set(family.hf_name_map)
         used_rules = set()
+        # (over the families that share these rules: Phi-3 uses Llama's)
+        sharing = set().union(*(paths[f.name] for f in families.values() if f.partition_rules is family.partition_rules))
         for rule_set in (family.partition_rules, family.expert_parallel_rules):
-            # (over the families that share these rules: Phi-3 uses Llama's)
-            for path in set().union(*(paths[f.name] for f in families.values() if f.partition_rules is family.partition_rules)):
+            for path in sharing:
                 rules = [pattern for pattern, _, _ in rule_set if re.fullmatch(pattern, path)]
                 assert len(rules) <= 1, path
                 used_rules.update(rules)

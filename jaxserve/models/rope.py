@@ -101,12 +101,13 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     """Inverse frequencies f32[rotary_dim // 2], with HF's `linear`, `llama3` and `longrope` scaling
     (computed once per model: every step's `rope_table` reads them; read-only)."""
     dim = rope.rotary_dim(head_dim)
-    inv = 1.0 / (np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    wavelengths = np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv = 1.0 / wavelengths
     if rope.type == "longrope":
-        factors = rope.long_factor if rope.long else rope.short_factor
+        factors = np.asarray(rope.long_factor if rope.long else rope.short_factor, np.float32)
         if len(factors) != len(inv):
             raise ValueError(f"longrope: {len(factors)} factors for {len(inv)} frequencies")
-        inv = 1.0 / (np.asarray(factors, np.float32) * (np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)))
+        inv = 1.0 / (factors * wavelengths)
     elif rope.type == "linear":
         inv = inv / rope.factor
     elif rope.type == "llama3":
