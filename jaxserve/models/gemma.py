@@ -79,7 +79,7 @@ def decoder_config(architecture: str, hf: dict) -> dict:
 
 def options_from_hf(architecture: str, hf: dict, path: Path) -> GemmaOptions:
     """The family's options from the text model's config (`decoder_config`), read from `path`."""
-    activation = hf.get("hidden_activation", "gelu_pytorch_tanh")
+    activation = hf["hidden_activation"]  # (`decoder_config` gives transformers' default where it is left out)
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh'), in {path}")
     if hf.get("use_bidirectional_attention"):
@@ -88,9 +88,9 @@ def options_from_hf(architecture: str, hf: dict, path: Path) -> GemmaOptions:
     if gemma3 and hf.get("attn_logit_softcapping") is not None:
         # (Gemma 3 has no attention soft-capping; transformers reads the field but never applies it)
         raise ValueError(f"attn_logit_softcapping is not supported for {architecture}, in {path}")
-    return GemmaOptions(qk_norm=gemma3, attention_bias=bool(hf.get("attention_bias", False)),
-                        sm_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-                        sliding_window=int(hf.get("sliding_window") or 4096),
+    return GemmaOptions(qk_norm=gemma3, attention_bias=bool(hf["attention_bias"]),
+                        sm_scale=float(hf["query_pre_attn_scalar"]) ** -0.5,
+                        sliding_window=int(hf["sliding_window"] or DEFAULTS[architecture]["sliding_window"]),
                         local_layers=tuple(kind == SLIDING for kind in _layer_types(architecture, hf, path)),
                         local_rope=gemma3, attn_soft_cap=hf.get("attn_logit_softcapping"),
                         final_soft_cap=hf.get("final_logit_softcapping"))
