@@ -39,6 +39,7 @@ class Limits:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the default of return_tokens_as_token_ids
     response_role: str = "assistant"  # vLLM's --response-role: the role of chat answers
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage ends every stream
+    processor_args: frozenset[str] = frozenset()  # the logits processors' argument names (top-level fields too)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -85,7 +86,6 @@ def _given(body: dict, name: str, default=None):
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "logits_processors": lambda v: bool(v),
     "priority": lambda v: v not in (None, 0),
     "audio": lambda v: v is not None,  # (the models write text only)
     "modalities": lambda v: v not in (None, ["text"]),
@@ -261,6 +261,9 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
+    if body.get("logits_processors"):
+        raise APIError("'logits_processors' are registered when the server starts (--logits-processors); a "
+                       "request uses them through their arguments, in 'vllm_xargs'", param="logits_processors")
     defaults = limits.sampling_defaults
     max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", default_max_tokens))
     if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
@@ -293,6 +296,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         logprobs=_logprobs(body, chat),
         prompt_logprobs=prompt_logprobs,
         constraint=_constraint(body),
+        extra_args=_extra_args(body, limits),
     )
     try:
         return SamplingParams(**fields)
@@ -300,6 +304,17 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         raise APIError(str(e), param=e.field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
+
+
+def _extra_args(body: dict, limits: Limits) -> dict | None:
+    """vLLM's `vllm_xargs` (SamplingParams.extra_args), with the logits processors' arguments given as
+    top-level fields (the OpenAI SDK's extra_body) under them."""
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise APIError("'vllm_xargs' must be an object", param="vllm_xargs")
+    extra = {name: body[name] for name in limits.processor_args if body.get(name) is not None}
+    extra.update(xargs or {})
+    return extra or None
 
 
 def _response_options(body: dict, limits: Limits) -> dict:

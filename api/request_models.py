@@ -142,6 +142,7 @@ class GenerationFields(BaseModel):
     return_token_ids: Bool = None
     add_special_tokens: Bool = None
     use_beam_search: Bool = None
+    vllm_xargs: described(OBJECT, "vLLM's: arguments of the server's logits processors (SamplingParams.extra_args)") = None
     length_penalty: documented(LengthPenalty, "with use_beam_search only") = None
 
     @model_validator(mode="before")

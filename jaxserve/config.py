@@ -276,6 +276,10 @@ class EngineConfig:
         "max_model_len / page_size: a fraction of the step buckets to compile, for an attention that reads only "
         "each sequence's own pages). auto: widest under the C++ CPU attention kernel, 4x otherwise",
         choices=PAGE_TABLE_WIDTHS)
+    logits_processors: tuple = setting(
+        (), "logits processors (subclasses of jaxserve.LogitsProcessor, as module:Class or module.Class) "
+        "compiled into the step, applied in this order after the penalties and before temperature to the "
+        "requests that use them (SamplingParams.extra_args; HTTP: vllm_xargs)", nargs="*")
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -298,6 +302,7 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler computes the top "
                              f"{MAX_LOGPROBS} per token), got {self.max_logprobs}")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
@@ -482,7 +487,6 @@ VLLM_OPTIONS = {
     "convert": VllmOption(_GENERATE_ONLY, ("auto", "none"), _TEXT),
     "mm_processor_kwargs": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
     "limit_mm_per_prompt": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
-    "logits_processors": VllmOption("custom logits processors are not supported", (None, []), dict(nargs="*")),
     "scheduling_policy": VllmOption("requests are scheduled first come, first served", ("fcfs",), _TEXT),
 }
 

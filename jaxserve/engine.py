@@ -27,6 +27,7 @@ from checkpoints.default_model import cache_root
 from jaxserve.config import EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
+from jaxserve.logits_processors import Processors
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import LaunchedStep, Runner
 from jaxserve.sampling import MAX_SUPPRESSED
@@ -74,9 +75,11 @@ class Engine:
         self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.processors = Processors(config.logits_processors, model_config.vocab_size)
+        self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh), executable_cache)
+                             replicated(self.mesh), executable_cache, self.processors)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._in_flight: InFlight | None = None
@@ -126,7 +129,7 @@ class Engine:
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
         sampling = RequestSampling.of(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                                      self.model_config.vocab_size)
+                                      self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
+from jaxserve.logits_processors import Processors, fingerprint
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
 from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs,
                                sample)
@@ -120,7 +121,7 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
-                 logprobs_mode: str):
+                 logprobs_mode: str, processors: Processors):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -129,7 +130,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
     closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
-    the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`."""
+    the samples come out `replicated`, so any process can read them. `logprobs_mode`, `processors`:
+    see `sample`."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, LaunchedStep, jax.Array]:
@@ -147,7 +149,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
             kv, logits, hidden = forward(graphdef, state, kv, model)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets)
-        out = sample(logits, sampling, logprobs_mode)
+        out = sample(logits, sampling, logprobs_mode, processors)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
         return kv, LaunchedStep(samples=out.packed(), prompt=prompt), previous
 
@@ -165,7 +167,8 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache):
+                 kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache,
+                 processors: Processors):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -173,7 +176,9 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
-        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode)
+        self.processors = processors  # the engine's logits processors, traced into the step
+        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
+                                    processors)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
@@ -227,7 +232,7 @@ class Runner:
     def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
-        description = repr((model, compiled_fields(self.config), shape))
+        description = repr((model, compiled_fields(self.config), fingerprint(self.processors.instances), shape))
         return self.executable_cache.compile(self.step_fn, args, description,
                                              list(self.kv_sharding.mesh.devices.flat))
 
@@ -272,10 +277,12 @@ class Runner:
         some row asked for them)."""
         asked = any(r.prompt_logprobs for r in batch.rows)
         samples, prompt = jax.device_get((launched.samples, launched.prompt if asked else None))
-        out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size))
+        out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
+                                    len(self.processors.carried))
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
-                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt)
+                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt,
+                          carried=out.carried[:rows])
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while
@@ -337,9 +344,11 @@ class Runner:
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
-                            allowed_mask=r.sampling.allowed_mask) for r in batch.rows]
+                            allowed_mask=r.sampling.allowed_mask, processor_args=r.sampling.processor_args,
+                            carried=r.carried) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
-                                             self.model_config.eos_token_ids, batch.token_masks, keep_padding=True)
+                                             self.model_config.eos_token_ids, batch.token_masks, keep_padding=True,
+                                             processors=self.processors)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst

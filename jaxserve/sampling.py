@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LOGPROBS_MODES, MAX_LOGPROBS
+from jaxserve.logits_processors import ProcessorRows, Processors
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.structured import mask_width
 
@@ -45,6 +46,8 @@ class SamplingRow:
     token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
     allowed_mask: np.ndarray | None = None  # `RequestSampling.allowed_mask`: packed allowed tokens, or any
+    processor_args: tuple | None = None  # `RequestSampling.processor_args`: per logits processor, or None
+    carried: np.ndarray | None = None  # i32[C] what its processors carried from its last token (None: none yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,16 +95,18 @@ class SamplingTensors:
     has_mask: jax.Array  # bool[B] whether the row's token_mask applies
     wants_top: jax.Array  # bool[B] the row asked for top logprobs
     wants_rank: jax.Array  # bool[B] the row asked for logprobs (the sampled token's rank)
+    processors: tuple[ProcessorRows, ...] = ()  # per registered logits processor, its rows' arguments
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
                   eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None,
-                  keep_padding: bool = False) -> SamplingTensors:
+                  keep_padding: bool = False, processors: Processors | None = None) -> SamplingTensors:
         """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
         only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
         row -> its packed allowed-token mask (a grammar's), which a row's `allowed_token_ids`
         narrow further. With `keep_padding`, an input no row uses is left a `Padding` (which the
-        runner sends to the device once) instead of an array."""
+        runner sends to the device once) instead of an array. `processors`: the engine's logits
+        processors, whose arguments the rows carry."""
         pad = num_rows - len(rows)
         params = [r.params for r in rows]
 
@@ -113,8 +118,9 @@ class SamplingTensors:
         bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
         unused = Padding if keep_padding else lambda *padding: np.asarray(Padding(*padding))
-        uses_penalties = any(r.params.uses_penalties for r in rows)
-        history = (np.full if uses_penalties else unused)((num_rows, history_len), vocab_size, "int32")
+        needs_history = any(r.params.uses_penalties or (processors is not None and processors.uses_history(
+            r.processor_args)) for r in rows)
+        history = (np.full if needs_history else unused)((num_rows, history_len), vocab_size, "int32")
         token_mask, has_mask = _token_masks(rows, num_rows, vocab_size, token_masks or {}, unused)
         for b, row in enumerate(rows):
             p = row.params
@@ -125,7 +131,7 @@ class SamplingTensors:
             if row.position - row.num_prompt_tokens < p.min_tokens and p.constraint is None:  # outputs before it
                 ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
-            if p.uses_penalties:  # then `history` is a fresh array
+            if needs_history:  # then `history` is a fresh array
                 n = min(len(row.token_ids), history_len)
                 history[b, :n] = row.token_ids[:n]
         return cls(
@@ -145,6 +151,8 @@ class SamplingTensors:
             token_mask=token_mask, has_mask=has_mask,
             wants_top=column((bool(p.logprobs) for p in params), False, bool),
             wants_rank=column((p.logprobs is not None for p in params), False, bool),
+            processors=processors.rows([r.processor_args for r in rows], num_rows, [r.carried for r in rows])
+            if processors else (),
         )
 
 
@@ -172,20 +180,23 @@ class SampleOutput:
     ranks: jax.Array  # i32[B] 1 + how many tokens are likelier than it (0 where no row asked for logprobs)
     top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[B, K]
+    carried: jax.Array  # i32[B, C] the logits processors' carried values after this token (`Processors.advance`)
 
     def packed(self) -> jax.Array:
-        """Every field in one i32[B * (3 + 2K)] buffer, in field order, floats bit for bit: the host
+        """Every field in one i32[B * (3 + 2K + C)] buffer, in field order, floats bit for bit: the host
         fetches a step's samples in one transfer (each array fetched has a fixed host cost)."""
         return jnp.concatenate([(a if a.dtype == jnp.int32 else jax.lax.bitcast_convert_type(a, jnp.int32)).ravel()
                                 for a in jax.tree.leaves(self)])
 
     @staticmethod
-    def unpacked(words: np.ndarray, k: int) -> SampleOutput:
+    def unpacked(words: np.ndarray, k: int, c: int = 0) -> SampleOutput:
         """`packed` on the host: the fields as numpy views of `words`."""
-        b = words.size // (3 + 2 * k)
+        b = words.size // (3 + 2 * k + c)
+        top = 3 * b + b * k
         return SampleOutput(tokens=words[:b], logprobs=words[b:2 * b].view(np.float32), ranks=words[2 * b:3 * b],
-                            top_ids=words[3 * b:3 * b + b * k].reshape(b, k),
-                            top_logprobs=words[3 * b + b * k:].view(np.float32).reshape(b, k))
+                            top_ids=words[3 * b:top].reshape(b, k),
+                            top_logprobs=words[top:top + b * k].view(np.float32).reshape(b, k),
+                            carried=words[top + b * k:].reshape(b, c))
 
 
 @flax.struct.dataclass
@@ -270,7 +281,8 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, t)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs") -> SampleOutput:
+def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs",
+           processors: Processors | None = None) -> SampleOutput:
     """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
 
     No step sorts the vocabulary: greedy rows take the argmax; top-k, min-p and top-p become one
@@ -279,12 +291,16 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     The top logprobs are computed only when some row asks for them. `logprobs_mode` (vLLM's) says
     which distribution they are of: "raw_logprobs", the model's own (the logits as they come, before
     any sampling setting), or "processed_logprobs", the one the token is drawn from (after the
-    mask, bias, penalties, temperature and the top-k / min-p / top-p cut; a token cut is -inf)."""
+    mask, bias, penalties, temperature and the top-k / min-p / top-p cut; a token cut is -inf).
+    `processors`: the engine's logits processors (`t.processors` holds their rows), applied after
+    the penalties and before temperature."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     processed = logprobs_mode == "processed_logprobs"
     raw_logits = logits
     logits = process_logits(logits, t)
+    if processors:
+        logits = processors.apply(logits, t.processors, t.history, t.num_prompt)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
@@ -315,14 +331,18 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    if not processed:
-        return _model_logprobs(raw_logits, tokens, t, k)
     log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
     chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
+    carried = jnp.zeros((num_rows, 0), jnp.int32)
+    if processors and processors.carried:  # (the drawn token's logprob where it was drawn: 0 for greedy rows)
+        carried = processors.advance(t.processors, tokens, jnp.where(greedy, 0.0, chosen[:, 0] - log_norm[:, 0]))
+    if not processed:
+        return _model_logprobs(raw_logits, tokens, t, k).replace(carried=carried)
     logprobs = chosen[:, 0] - log_norm[:, 0]
     top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
     ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: _rank(kept, chosen), lambda: jnp.zeros(num_rows, jnp.int32))
-    return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs,
+                        carried=carried)
 
 
 def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
@@ -342,7 +362,8 @@ def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k:
 
     chosen, ranks, top_logprobs, top_ids = jax.lax.cond(
         jnp.any(t.wants_rank), scored, lambda: (jnp.zeros(num_rows), jnp.zeros(num_rows, jnp.int32), *no_top()))
-    return SampleOutput(tokens=tokens, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+    return SampleOutput(tokens=tokens, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs,
+                        carried=jnp.zeros((num_rows, 0), jnp.int32))
 
 
 def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:

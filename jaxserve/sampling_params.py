@@ -86,7 +86,7 @@ class SamplingParams:
     # vLLM's: logprobs in one flat container instead of a dict per token; jaxserve's list of dicts
     # reads the same way (logprobs[i][token_id]) either way
     flat_logprobs: bool = False
-    extra_args: dict | None = None  # vLLM's: kept on the request for the caller; no built-in sampling reads it
+    extra_args: dict | None = None  # vLLM's: the arguments of the engine's logits processors (and the caller's)
     def __post_init__(self):
         self._normalize()
         self._check_numbers()
@@ -195,10 +195,16 @@ class RequestSampling:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # `allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row); None: any token
     allowed_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    # per logits processor of the engine, the request's arguments (`Processors.request_args`; None: unused)
+    processor_args: tuple | None = dataclasses.field(default=None, compare=False)
+    carries: bool = False  # one of them carries state from token to token (`Processors.carries`)
 
     @classmethod
-    def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int) -> RequestSampling:
-        """`encode`: text -> token ids, no special tokens. ValueError for a bad word without tokens."""
+    def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int,
+           processors=None) -> RequestSampling:
+        """`encode`: text -> token ids, no special tokens; `processors`: the engine's logits processors
+        (`jaxserve.logits_processors.Processors`). ValueError for a bad word without tokens, or
+        arguments a processor refuses."""
         forms = []
         for word in params.bad_words:
             bare = encode(word.lstrip())
@@ -215,7 +221,9 @@ class RequestSampling:
             np.bitwise_or.at(bits, ids // 32, (1 << (ids % 32)).astype(np.uint32))
             mask = bits.view(np.int32)
             mask.flags.writeable = False
-        return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask)
+        processor_args = processors.request_args(params) if processors else None
+        return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask, processor_args=processor_args,
+                   carries=bool(processors) and processors.carries(processor_args))
 
     def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
         """The bad words' last tokens that the next token must not be: those whose words' other

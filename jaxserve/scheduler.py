@@ -78,6 +78,7 @@ class ScheduledSeq:
     all_token_ids: list[int]  # prompt + generated so far, for penalties (read only)
     num_prompt_tokens: int
     prompt_logprobs: bool = False  # the logprob of each prompt token after token_ids' is asked for
+    carried: np.ndarray | None = None  # `Sequence.carried`
 
 
 @dataclasses.dataclass
@@ -101,6 +102,7 @@ class StepOutput:
     top_ids: np.ndarray  # i32[rows, K] most likely first
     top_logprobs: np.ndarray  # f32[rows, K]
     prompt: PromptLogprobs | None = None  # per token of the step, when some row asked for them
+    carried: np.ndarray | None = None  # i32[rows, C] what the logits processors carry to each row's next token
 
 
 def prompt_targets(row: ScheduledSeq) -> list[int]:
@@ -315,15 +317,16 @@ class Scheduler:
                             page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
                             seed=seq.seed,
                             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                            prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1)
+                            prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1,
+                            carried=seq.carried)
 
     def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before `batch`'s tokens are known: not when one of
-        its sampled tokens feeds the host side of the next step (a grammar's mask, or bad words of
-        several tokens). The penalties' history gets a pending token on the device
-        (`runner.make_step_fn`)."""
-        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens)
-                       for row in batch.rows)
+        its sampled tokens feeds the host side of the next step (a grammar's mask, bad words of
+        several tokens, what a logits processor carries). The penalties' history gets a pending token
+        on the device (`runner.make_step_fn`)."""
+        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens
+                                       or row.sampling.carries) for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
@@ -349,6 +352,8 @@ class Scheduler:
                 continue
             token = seq.token_ids[-1]
             seq.cumulative_logprob += float(out.logprobs[b])
+            if row.sampling.carries:
+                seq.carried = out.carried[b].copy()
             if seq.params.logprobs is not None:
                 seq.logprobs.append(_entry(out, b, seq.params.logprobs))
             self.num_generated_tokens += 1

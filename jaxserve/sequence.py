@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
+import numpy as np
+
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 
 
@@ -44,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it, if any
     cumulative_logprob: float = 0.0
+    carried: np.ndarray | None = None  # i32[C] what its logits processors carry to its next token (None: none yet)
     num_preemptions: int = 0
     text: str = ""  # generated text released so far (stop strings cut, undecided text held back)
     index: int = 0  # which of the request's n choices

@@ -80,7 +80,7 @@ FLAGS = {
     ('--runner',): None,
     ('--convert',): None,
     ('--scheduling-policy',): None,
-    ('--logits-processors',): None,
+    ('--logits-processors',): (),
     ('--chat-template',): None,
     ('--chat-template-content-format',): 'auto',
     ('--trust-request-chat-template',): False,
