@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,6 +57,22 @@ class NoRepeat(LogitsProcessor):
         rows = jnp.arange(logits.shape[0])[:, None]
         seen = jnp.zeros(logits.shape, bool).at[rows, history].max(is_output, mode="drop")
         return jnp.where(seen, -jnp.inf, logits)
+
+
+class EntropyTemperature(LogitsProcessor):
+    """docs/research_sampling.md's second example."""
+
+    args = {"entropy_strength": np.float32(0.0)}
+
+    def row_args(self, extra_args):
+        if "entropy_strength" not in extra_args:
+            return None
+        return {"entropy_strength": float(extra_args["entropy_strength"])}
+
+    def apply(self, logits, args, active):
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        entropy = -jnp.sum(jnp.where(jnp.isfinite(logprobs), jnp.exp(logprobs) * logprobs, 0.0), axis=-1)
+        return logits * (1.0 + args["entropy_strength"] * entropy)[:, None]
 
 
 class Raises(LogitsProcessor):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CROWDED_ENGINE
-from processors import BanToken, Count, NoRepeat, Raises, WrongShape
+from processors import BanToken, Count, EntropyTemperature, NoRepeat, Raises, WrongShape
 from server import post
 from test_compile import CompileCounter
 
@@ -67,6 +67,7 @@ def test_carried_state_and_history(llms):
 
 
 def test_bad_processors_fail_at_start_and_bad_arguments_per_request(llms):
+    Processors([EntropyTemperature], 256).check(history_len=16)  # (the docs' example traces)
     for cls, message in ((Raises, "does not trace: RuntimeError: broken processor"),
                          (WrongShape, "apply must return float32[2, 256]")):
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
