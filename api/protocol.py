@@ -357,9 +357,11 @@ def _as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[lis
     return ids, params
 
 
-def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer | None) -> GenerationRequest:
     """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
-    gives the prompt alone: OpenAI's way to score a text."""
+    gives the prompt alone: OpenAI's way to score a text. Without a tokenizer (--skip-tokenizer-init)
+    prompts are token ids; the answer's texts are empty, and it carries the token ids (vLLM's
+    return_token_ids) unless the request says otherwise."""
     model = check_model(body, limits)
     prompt_only = body.get("echo") is True and type(whole(body.get("max_tokens"))) is int and \
         body["max_tokens"] == 0 and body.get("max_completion_tokens") is None
@@ -380,10 +382,16 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                                                           or all(isinstance(p, list) for p in prompt)):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
+    if tokenizer is None:
+        if isinstance(prompt[0], str):
+            raise APIError("text prompts need the model's tokenizer, and this server runs without one "
+                           "(--skip-tokenizer-init): send 'prompt' as token ids", param="prompt")
+        options["return_token_ids"] = _given(body, "return_token_ids", True)
     special = _given(body, "add_special_tokens", True)
     ids = [_as_run(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
                    params)[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
-    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
+    decode = (lambda i: "") if tokenizer is None else tokenizer.decode  # (no tokenizer: no text to echo)
+    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else decode(i)
              for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
                                           **options), body, limits)

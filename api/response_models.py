@@ -94,7 +94,7 @@ class PromptLogprob(Wire):
     """vLLM's `prompt_logprobs` entry of a token."""
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None  # None without a tokenizer (--skip-tokenizer-init)
 
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # None for the prompt's first token

@@ -59,9 +59,9 @@ class _Subscriber:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
@@ -141,7 +141,7 @@ class AsyncEngine:
         except StopIteration as done:
             (result,) = done.value
         for beam in result.sequences:
-            beam.text = self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
+            beam.text = "" if self.tokenizer is None else self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
         return result
 
     async def _candidates(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams

@@ -133,5 +133,5 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
             results = done.value
     for result in results:
         for beam in result.sequences:
-            beam.text = llm.tokenizer.decode(beam.tokens)
+            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(beam.tokens)
     return results

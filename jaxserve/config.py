@@ -225,6 +225,10 @@ class EngineConfig:
         "no download)")
     tokenizer: str | None = setting(
         None, "a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
+    skip_tokenizer_init: bool = setting(
+        False, "load no tokenizer: prompts are token ids and outputs token ids with empty text, for a model "
+        "without tokenizer files (e.g. one trained on its own vocabulary); whatever needs text (text prompts, "
+        "chat, stop strings, bad words, structured outputs, /tokenize) is refused", negatable=True)
     dtype: str = setting("auto", "weights and activations (default: auto, the checkpoint's own; float16 and half "
                          "run as bfloat16, float is float32)", choices=("auto", *DTYPES, *DTYPE_ALIASES), compiled=True)
     quantization: str | None = setting(
@@ -469,7 +473,6 @@ VLLM_OPTIONS = {
     "tokenizer_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "code_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "tokenizer_mode": VllmOption("jaxserve reads the Hugging Face tokenizer of the model", ("auto", "hf"), _TEXT),
-    "skip_tokenizer_init": VllmOption("prompts and outputs go through the model's tokenizer", (False,), _SWITCH),
     "load_format": VllmOption("weights are read from safetensors and GGUF files", ("auto", "safetensors", "gguf"),
                               _TEXT),
     "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),

@@ -35,7 +35,7 @@ from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, check_tokenizer_files
 from jaxserve.warmup import BucketCompiler
 from jaxserve.weights import load_weights, weight_formats
 from kernels import implementation as attention_implementation
@@ -63,10 +63,11 @@ class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True,
+                 tokenizer: Tokenizer | Future[Tokenizer] | None, *, warmup: bool = True,
                  sampling_defaults: dict | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
-        and the engine is warmed up (`warmup`; later, where `warmup` is False). `sampling_defaults`
+        and the engine is warmed up (`warmup`; later, where `warmup` is False); None with
+        `config.skip_tokenizer_init` (outputs are then token ids, with empty text). `sampling_defaults`
         (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
         it leaves out."""
         executable_cache = compilation_cache()
@@ -163,6 +164,11 @@ class Engine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise RequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", name)
+        if self.config.skip_tokenizer_init and params.text_settings:
+            name = params.text_settings[0]
+            raise RequestError(f"{name} needs the model's tokenizer, and the engine runs without one "
+                               "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
+                               "allowed_token_ids serve instead", name)
         for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
             if value is not None and value > self.config.max_logprobs:
                 raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")
@@ -244,15 +250,21 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 
 def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
-                 ) -> tuple[Engine, Tokenizer]:
-    """Resolve the model, read its config and tokenizer, load the weights, compile the step buckets
-    (`Engine.warmup`; where `warmup` is False, the caller does that later).
+                 ) -> tuple[Engine, Tokenizer | None]:
+    """Resolve the model, read its config and tokenizer (none with `skip_tokenizer_init`: a model
+    directory without tokenizer files is refused before anything loads, `check_tokenizer_files`),
+    load the weights, compile the step buckets (`Engine.warmup`; where `warmup` is False, the caller
+    does that later).
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB;
     dtype "auto" is the checkpoint's own (`resolve_dtype`); page_table_widths "auto" follows the
     attention implementation; the requests' sampling defaults come from `generation_config`
     (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_hf(model_dir)
+    tokenizer_dir = None
+    if not config.skip_tokenizer_init:
+        tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
+        check_tokenizer_files(tokenizer_dir)
     defaults = sampling_defaults(model_dir, config.generation_config, config.override_generation_config)
     SamplingParams(**defaults)  # a bad default is an error now, not in every request
     if defaults:
@@ -266,8 +278,8 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
                                                   config.tensor_parallel_size, formats)
     config = config.resolve(model_config, **given)
-    tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
-        tokenizer = pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template)
+        tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)
+                     else pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template))
         engine = Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults)
     return engine, engine.tokenizer

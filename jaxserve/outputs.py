@@ -14,7 +14,7 @@ from jaxserve.tokenizer import Tokenizer
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely (under the distribution sampled from, for a generated token)
-    decoded_token: str | None  # None where the request set detokenize=False
+    decoded_token: str | None  # None where the request set detokenize=False, or there is no tokenizer
 
 
 @dataclasses.dataclass
@@ -56,11 +56,11 @@ class RequestOutput:
 
 
 
-def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+def logprob_entries(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs],
                     detokenize: bool = True) -> list[dict[int, Logprob]]:
     """vLLM's form: per token, {id: Logprob} for the token and then the top k (`decoded_token` None
-    without `detokenize`)."""
-    decode = tokenizer.decode_token if detokenize else (lambda token: None)
+    without `detokenize`, or without a tokenizer)."""
+    decode = tokenizer.decode_token if detokenize and tokenizer is not None else (lambda token: None)
     out = []
     for token, lp in zip(token_ids, logprobs):
         entry = {token: Logprob(lp.logprob, lp.rank, decode(token))}

@@ -177,6 +177,14 @@ class SamplingParams:
         return list(prompt_token_ids[-keep:]) if keep else list(prompt_token_ids)
 
     @property
+    def text_settings(self) -> list[str]:
+        """The settings given that read the output's text, which need the model's tokenizer: stop
+        strings, bad words, a grammar (`constraint`, named as vLLM's structured_outputs)."""
+        given = (("stop", self.stop), ("bad_words", self.bad_words),
+                 ("structured_outputs", self.constraint is not None))
+        return [name for name, used in given if used]
+
+    @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 

@@ -49,7 +49,7 @@ FLAGS = {
     ('--enforce-eager',): None,
     ('--disable-custom-all-reduce',): None,
     ('--async-scheduling',): None,
-    ('--skip-tokenizer-init',): None,
+    ('--skip-tokenizer-init', '--no-skip-tokenizer-init'): False,
     ('--enable-lora',): None,
     ('--enable-chunked-prefill', '--no-enable-chunked-prefill'): None,
     ('--max-seq-len-to-capture',): None,
