@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # (warmed up by the engine thread, while the server answers /health)
         engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template),
                                          warmup=False)
-    except FileNotFoundError as e:  # (a model that is not there, or could not be fetched: one line says which)
+    except (FileNotFoundError, ValueError) as e:  # (a model that is not there or not runnable: one line says why)
         raise SystemExit(f"jaxserve: {e}") from None
     if not is_leader():
         follow(engine)

@@ -259,6 +259,8 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
     dtype "auto" is the checkpoint's own (`resolve_dtype`); page_table_widths "auto" follows the
     attention implementation; the requests' sampling defaults come from `generation_config`
     (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
+    if config.skip_tokenizer_init and (chat_template is not None or config.tokenizer is not None):
+        raise ValueError("a chat template or --tokenizer needs a tokenizer: drop them or --skip-tokenizer-init")
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_hf(model_dir)
     tokenizer_dir = None

@@ -100,6 +100,8 @@ def test_without_the_setting_the_error_names_it(bare_model):
     with pytest.raises(SystemExit, match="--skip-tokenizer-init"):
         run_server.main(["--model", str(bare_model)])
     assert run_server.parse_args(["--skip-tokenizer-init"]).engine.skip_tokenizer_init
+    with pytest.raises(SystemExit, match="chat template or --tokenizer needs a tokenizer"):
+        run_server.main(["--model", str(bare_model), "--skip-tokenizer-init", "--chat-template", "{{ x }}"])
 
 
 def test_completions_on_token_ids(bare_served, bare_llm):
