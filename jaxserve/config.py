@@ -283,7 +283,7 @@ class EngineConfig:
     logits_processors: tuple = setting(
         (), "logits processors (subclasses of jaxserve.LogitsProcessor, as module:Class or module.Class) "
         "compiled into the step, applied in this order after the penalties and before temperature to the "
-        "requests that use them (SamplingParams.extra_args; HTTP: vllm_xargs)", nargs="*")
+        "requests that use them (SamplingParams.extra_args; HTTP: vllm_xargs)", nargs="*", type=str)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
