@@ -12,7 +12,7 @@ from conftest import SMALL_ENGINE
 from test_compile import CompileCounter
 
 from checkpoints.default_model import default_model_dir
-from jaxserve import LLM, SamplingParams
+from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.kv_cache import allocate_kv_cache
 from jaxserve.models import ModelInputs, forward, rope_table
@@ -100,9 +100,10 @@ def test_whole_vocabulary_logprobs_sum_to_one(offline):
         assert {t: lp for t, lp in best}.items() <= entry.items() and len(entry) in (50, 51)
 
 
-def test_logprob_counts_past_max_logprobs_are_refused(offline, raw_llm, monkeypatch):
+def test_what_raw_outputs_cannot_do_is_refused(offline, raw_llm, monkeypatch):
     """-1 means the whole vocabulary: refused where max_logprobs caps the count (as vLLM's), and more
-    than the vocabulary is refused where it does not; prompt logprobs stay at most MAX_LOGPROBS."""
+    than the vocabulary is refused where it does not; prompt logprobs stay at most MAX_LOGPROBS; beam
+    search, which adds logprobs up, needs a logprobs mode."""
     engine = raw_llm.engine
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_logprobs=5))
     with pytest.raises(ValueError, match=r"logprobs of -1 \(-1: the whole vocabulary\), more than max_logprobs \(5\)"):
@@ -112,6 +113,8 @@ def test_logprob_counts_past_max_logprobs_are_refused(offline, raw_llm, monkeypa
         offline.generate("x", SamplingParams(logprobs=10**6), use_tqdm=False)
     with pytest.raises(ValueError, match="at most 20 per prompt token"):
         raw_llm.generate("x", SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="beam search scores beams by their logprobs"):
+        raw_llm.beam_search(["x"], BeamSearchParams(beam_width=2, max_tokens=2))
     with pytest.raises(ValueError, match="logprobs must be -1"):
         SamplingParams(logprobs=-2)
     with pytest.raises(ValueError, match="max_logprobs must be -1"):
