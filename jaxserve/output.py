@@ -146,8 +146,8 @@ class OutputProcessor:
         if seq.is_finished:
             self.forget(seq.seq_id)
         return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
-                              entropies=new_entropies, num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
-                              stop_reason=seq.stop_reason)
+                              entropies=new_entropies, num_output_tokens=state.num_tokens,
+                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         """Whether the sequence's last token finished it: an EOS, or one of its stop_token_ids."""
