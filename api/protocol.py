@@ -15,7 +15,8 @@ import dataclasses
 import json
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from jaxserve.config import RequestError
+from jaxserve.config import MAX_LOGPROBS, RequestError
+from jaxserve.sampling import needs_distribution
 from jaxserve.sampling_params import SamplingParams
 from api.errors import APIError
 from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
@@ -98,7 +99,7 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
                  "stop_token_ids": ([],), "logit_bias": ({},),
                  "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
                  "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-                 "structured_outputs": ()}
+                 "structured_outputs": (), "return_entropy": (False,)}
 
 
 def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
@@ -297,6 +298,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         prompt_logprobs=prompt_logprobs,
         constraint=_constraint(body),
         extra_args=_extra_args(body, limits),
+        return_entropy=_given(body, "return_entropy", False),
     )
     try:
         return SamplingParams(**fields)
@@ -372,6 +374,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer | None) ->
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     options = _response_options(body, limits)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
+        if needs_distribution(params.logprobs):
+            raise APIError(f"'echo' with 'logprobs' of {params.logprobs} is not supported: prompt tokens get at most "
+                           f"{MAX_LOGPROBS} top logprobs", param="logprobs")
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _ids(prompt):

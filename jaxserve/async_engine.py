@@ -49,6 +49,8 @@ class Update:
     # when prompt logprobs are asked for: per prompt token after the first (complete from the first
     # update that carries a token on)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # per new token, when asked for (`SamplingParams.return_entropy`): of the model's distribution, in nats
+    entropies: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -226,7 +228,7 @@ class AsyncEngine:
         update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
+                        stop_reason=out.stop_reason, entropies=out.entropies,
                         prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs)
         try:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

@@ -24,13 +24,13 @@ from flax import nnx
 
 from checkpoints import resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
 from jaxserve.logits_processors import Processors
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import LaunchedStep, Runner
-from jaxserve.sampling import MAX_SUPPRESSED
+from jaxserve.sampling import MAX_SUPPRESSED, needs_distribution
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
@@ -169,14 +169,31 @@ class Engine:
             raise RequestError(f"{name} needs the model's tokenizer, and the engine runs without one "
                                "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
                                "allowed_token_ids serve instead", name)
-        for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")
+        self._check_logprobs(params)
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
         return max_tokens
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """Top logprobs up to max_logprobs (-1: the vocabulary's size, in either), as vLLM's; prompt
+        logprobs up to the MAX_LOGPROBS the step computes per prompt token."""
+        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
+        if params.prompt_logprobs is not None and needs_distribution(params.prompt_logprobs):
+            raise RequestError(f"requested prompt logprobs of {params.prompt_logprobs}: at most {MAX_LOGPROBS} per "
+                               "prompt token are supported (more, or -1, only for sampled tokens' logprobs)",
+                               "prompt_logprobs")
+        for name, field, value in (("sample logprobs", "logprobs", params.logprobs),
+                                   ("prompt logprobs", "prompt_logprobs", params.prompt_logprobs)):
+            wanted = vocab if value == -1 else value
+            if value is None or wanted <= (vocab if cap == -1 else cap):
+                continue
+            if cap == -1:
+                raise RequestError(f"requested {name} of {value}, more than the vocabulary's {vocab} tokens", field)
+            more = " (-1: the whole vocabulary)" if value == -1 else ""
+            raise RequestError(f"requested {name} of {value}{more}, more than max_logprobs ({cap}): raise "
+                               "--max-logprobs (LLM's max_logprobs; -1: no cap)", field)
 
     def abort(self, request_id: str) -> None:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:

@@ -139,7 +139,8 @@ class LLM:
                                     stop_reason=s.stop_reason,
                                     logprobs=None if s.params.logprobs is None else
                                     logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,
-                                                    s.params.detokenize))
+                                                    s.params.detokenize),
+                                    entropies=list(s.entropies) if s.params.return_entropy else None)
                    for s in _choices(seq)]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:

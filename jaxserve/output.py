@@ -35,6 +35,7 @@ class SequenceOutput:
     text: str  # newly released text (may be "")
     token_ids: list[int]  # new token ids
     logprobs: list[TokenLogprobs]  # for the new tokens, when requested
+    entropies: list[float]  # for the new tokens, when requested (`SamplingParams.return_entropy`)
     # the sequence as of this release (it may have moved on by the time the output is published)
     num_output_tokens: int
     finish_reason: str | None
@@ -119,7 +120,7 @@ class OutputProcessor:
                                                      seq.params.spaces_between_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
-        new_logprobs = seq.logprobs[state.num_tokens:]
+        new_logprobs, new_entropies = seq.logprobs[state.num_tokens:], seq.entropies[state.num_tokens:]
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
         text_tokens = new_tokens
@@ -150,8 +151,8 @@ class OutputProcessor:
         if seq.is_finished:
             self.forget(seq.seq_id)
         return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
-                              num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
-                              stop_reason=seq.stop_reason)
+                              entropies=new_entropies, num_output_tokens=state.num_tokens,
+                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         """Whether the sequence's last token finished it: an EOS, or one of its stop_token_ids."""

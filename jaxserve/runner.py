@@ -31,8 +31,8 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.logits_processors import Processors, fingerprint
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
-from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs,
-                               sample)
+from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors,
+                               needs_distribution, prompt_logprobs, sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.settings import compiled_fields
 from jaxserve.sharding import broadcast_plan, is_leader, place
@@ -59,8 +59,11 @@ class StepInputs:
 class LaunchedStep(NamedTuple):
     """A step's outputs, still on the device until `Runner.collect` fetches them."""
 
-    samples: jax.Array  # i32[B * (3 + 2K)] every row's token and logprobs (`SampleOutput.packed`)
+    samples: jax.Array  # i32[B * (4 + 2K)] every row's token, logprobs and entropy (`SampleOutput.packed`)
     prompt: PromptLogprobs  # of the prompt tokens asked about (`StepInputs.prompt_rows`), per token of the step
+    # f32[B, V] the whole distributions of the rows that ask for more than K top logprobs
+    # (`SampleOutput.distributions`); None where max_logprobs allows no more than K
+    distributions: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -121,7 +124,7 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
-                 logprobs_mode: str, processors: Processors):
+                 logprobs_mode: str, processors: Processors, distributions: bool = False):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -130,7 +133,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
     closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
-    the samples come out `replicated`, so any process can read them. `logprobs_mode`, `processors`:
+    the samples come out `replicated`, so any process can read them. `logprobs_mode`, `processors`,
+    `distributions`:
     see `sample`."""
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
@@ -149,9 +153,9 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
             kv, logits, hidden = forward(graphdef, state, kv, model)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets)
-        out = sample(logits, sampling, logprobs_mode, processors)
+        out = sample(logits, sampling, logprobs_mode, distributions=distributions, processors=processors)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
-        return kv, LaunchedStep(samples=out.packed(), prompt=prompt), previous
+        return kv, LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions), previous
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
 
@@ -178,7 +182,7 @@ class Runner:
         self.weights, state_treedef = jax.tree.flatten(state)
         self.processors = processors  # the engine's logits processors, traced into the step
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
-                                    processors)
+                                    processors, config.returns_distributions)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
@@ -232,7 +236,8 @@ class Runner:
     def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
-        description = repr((model, compiled_fields(self.config), fingerprint(self.processors.instances), shape))
+        description = repr((model, compiled_fields(self.config), fingerprint(self.processors.instances),
+                            self.config.returns_distributions, shape))
         return self.executable_cache.compile(self.step_fn, args, description,
                                              list(self.kv_sharding.mesh.devices.flat))
 
@@ -273,16 +278,19 @@ class Runner:
                 self._run(tuple(shape), broadcast_plan(inputs))
 
     def collect(self, batch: ScheduledBatch, launched: LaunchedStep) -> StepOutput:
-        """Wait for a launched step and bring its outputs to the host (the prompt logprobs only when
-        some row asked for them)."""
+        """Wait for a launched step and bring its outputs to the host (the prompt logprobs and the
+        whole distributions only when some row asked for them)."""
         asked = any(r.prompt_logprobs for r in batch.rows)
-        samples, prompt = jax.device_get((launched.samples, launched.prompt if asked else None))
+        whole = any(r.sample and needs_distribution(r.params.logprobs) for r in batch.rows)
+        samples, prompt, distributions = jax.device_get((launched.samples, launched.prompt if asked else None,
+                                                         launched.distributions if whole else None))
         out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
                                     len(self.processors.carried))
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
-                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt,
-                          carried=out.carried[:rows])
+                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows],
+                          entropies=out.entropies[:rows], prompt=prompt, carried=out.carried[:rows],
+                          distributions=None if distributions is None else distributions[:rows])
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import MAX_LOGPROBS, RequestError
+from jaxserve.config import RequestError
 from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
@@ -70,9 +70,12 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # keep going past EOS (until max_tokens)
-    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
-    # None: none; k: each prompt token's logprob (after the first) and the top k, under the model's own
-    # distribution (no sampling settings applied), as vLLM's; the prompt is then computed whole
+    # None: no logprobs; k: the sampled token's and the top k; -1: the whole vocabulary (vLLM's). Up to
+    # the engine's max_logprobs (more than MAX_LOGPROBS, or -1, only where it allows them)
+    logprobs: int | None = None
+    # None: none; k: each prompt token's logprob (after the first) and the top k (at most MAX_LOGPROBS),
+    # under the model's own distribution (no sampling settings applied), as vLLM's; the prompt is then
+    # computed whole
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
@@ -87,6 +90,9 @@ class SamplingParams:
     # reads the same way (logprobs[i][token_id]) either way
     flat_logprobs: bool = False
     extra_args: dict | None = None  # vLLM's: the arguments of the engine's logits processors (and the caller's)
+    # jaxserve's: the entropy (nats) of the model's own distribution at each generated token
+    # (`CompletionOutput.entropies`), computed in the step
+    return_entropy: bool = False
     def __post_init__(self):
         self._normalize()
         self._check_numbers()
@@ -138,10 +144,11 @@ class SamplingParams:
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check(self.extra_args is None or isinstance(self.extra_args, dict),
                f"extra_args must be a dict, got {self.extra_args!r}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # (their caps: the engine's max_logprobs)
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            _check(value is None or (_is_int(value) and value >= -1),
+                   f"{name} must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}")
+        _check(isinstance(self.return_entropy, bool), f"return_entropy must be a boolean, got {self.return_entropy!r}")
 
     def _check_token_lists(self) -> None:
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")

@@ -16,7 +16,7 @@ class TokenLogprobs(NamedTuple):
 
     logprob: float
     rank: int  # 1 = most likely
-    top_ids: list[int]  # the top k, most likely first
+    top_ids: list[int]  # the top k, most likely first (k may be the whole vocabulary)
     top_logprobs: list[float]  # theirs
 
 
@@ -54,6 +54,8 @@ class Sequence:
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
     # per generated token, when params.logprobs is set
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # per generated token, when params.return_entropy is set: of the model's distribution, in nats
+    entropies: list[float] = dataclasses.field(default_factory=list)
     # per prompt token after the first, when params.prompt_logprobs is set: filled in order by choice 0
     # as it computes the prompt (its siblings share the list)
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
