@@ -298,9 +298,10 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     processed = logprobs_mode == "processed_logprobs"
     raw_logits = logits
+    keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
     logits = process_logits(logits, t)
     if processors:
-        logits = processors.apply(logits, t.processors, t.history, t.num_prompt)
+        logits = processors.apply(logits, t.processors, t.history, t.num_prompt, keys)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
@@ -325,7 +326,6 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     def draw():
-        keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
         log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
         return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
 

@@ -229,7 +229,7 @@ class RequestSampling:
             np.bitwise_or.at(bits, ids // 32, (1 << (ids % 32)).astype(np.uint32))
             mask = bits.view(np.int32)
             mask.flags.writeable = False
-        processor_args = processors.request_args(params) if processors else None
+        processor_args = processors.request_args(params, encode) if processors else None
         return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask, processor_args=processor_args,
                    carries=bool(processors) and processors.carries(processor_args))
 
