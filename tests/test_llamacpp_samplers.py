@@ -1,7 +1,7 @@
 """llama.cpp's samplers (jaxserve/llamacpp_samplers.py) against float64 numpy references written
 from llama.cpp's definitions (src/llama-sampling.cpp), on fixed logits: which tokens survive, their
 probabilities, and, where a sampler draws, the drawn tokens' distribution (chi-square); then through
-the engine.
+the engine and the server.
 
 Tolerances: probabilities within 1e-5 relative (float32 against float64); DRY's penalties within
 1e-5 relative; mirostat's carried mu within 1e-4 relative after several steps."""
@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
+from server import MESSAGES, MODEL, post
 from test_sampling import assert_distribution, filtered
 
 from jaxserve import SamplingParams
@@ -371,3 +372,27 @@ def test_through_the_engine(offline):
     tokens = dry[0].outputs[0].token_ids
     assert len(set(greedy[0].outputs[0].token_ids)) < 24 and len(set(tokens)) == 24 and not set(tokens) & {7, 8, 9}
 
+
+def test_over_http(served, client):
+    """llama.cpp's field names on both routes; out-of-range values and beam search are 400s."""
+    kw = dict(model=MODEL, prompt="abc", max_tokens=12, seed=5)
+    greedy = client.completions.create(**kw, temperature=0, extra_body={"ignore_eos": True})
+    sigma = client.completions.create(**kw, temperature=1.0, extra_body={"ignore_eos": True, "top_n_sigma": 1e-6})
+    assert sigma.choices[0].text == greedy.choices[0].text
+    body = {"ignore_eos": True, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "typical_p": 0.9,
+            "min_keep": 2, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "."], "xtc_probability": 0.5,
+            "xtc_threshold": 0.1, "dynatemp_range": 0.3, "dynatemp_exponent": 1.5, "dry_penalty_last_n": 64}
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=2, extra_body=body)
+    assert chat.usage.completion_tokens == 10
+    for field, value, message in [("mirostat", 3, "'mirostat' must be in [0, 2]"),
+                                  ("typical_p", 1.5, "'typical_p' must be in [0.0, 1.0]"),
+                                  ("dry_base", 0.5, "'dry_base' must be in [1.0, 100.0]"),
+                                  ("dry_sequence_breakers", "x", "must be a list of strings"),
+                                  ("dry_sequence_breakers", [""], "non-empty strings"),
+                                  ("min_keep", -1, "'min_keep' must be in [0,")]:
+        for path, extra in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            r = post(served, path, {**extra, field: value})
+            assert r.status_code == 400 and message in r.json()["error"]["message"], (field, r.text)
+            assert r.json()["error"]["param"] == field
+    r = post(served, "/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 2, "mirostat": 2})
+    assert r.status_code == 400 and "'mirostat' cannot be combined with 'use_beam_search'" in r.text
