@@ -225,9 +225,12 @@ class SamplingParams:
     @property
     def text_settings(self) -> list[str]:
         """The settings given that read the output's text, which need the model's tokenizer: stop
-        strings, bad words, a grammar (`constraint`, named as vLLM's structured_outputs)."""
+        strings, bad words, a grammar (`constraint`, named as vLLM's structured_outputs), DRY's
+        sequence breakers (strings, tokenized) where DRY is on."""
+        dry = self.dry_multiplier != 0 and self.dry_penalty_last_n != 0
         given = (("stop", self.stop), ("bad_words", self.bad_words),
-                 ("structured_outputs", self.constraint is not None))
+                 ("structured_outputs", self.constraint is not None),
+                 ("dry_sequence_breakers", dry and bool(self.dry_sequence_breakers)))
         return [name for name, used in given if used]
 
     @property
