@@ -93,13 +93,20 @@ _NOT_YET = {
     "web_search_options": lambda v: v is not None,
 }
 
+# llama.cpp's sampler fields, SamplingParams' of the same names (bounds: the request models')
+LLAMACPP_FIELDS = ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base",
+                   "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability",
+                   "xtc_threshold", "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "min_keep")
+
+
 # With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
 _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
                  "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ("", []),
                  "stop_token_ids": ([],), "logit_bias": ({},),
                  "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
                  "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-                 "structured_outputs": (), "return_entropy": (False,)}
+                 "structured_outputs": (), "return_entropy": (False,),
+                 **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
 
 
 def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
@@ -257,6 +264,14 @@ def _constraint(body: dict) -> Constraint | None:
     return constraint
 
 
+def _llamacpp_fields(body: dict) -> dict:
+    """The llama.cpp sampler fields the request gives (the others keep SamplingParams' defaults)."""
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and not (isinstance(breakers, list) and all(isinstance(b, str) for b in breakers)):
+        raise APIError("'dry_sequence_breakers' must be a list of strings", param="dry_sequence_breakers")
+    return {name: body[name] for name in LLAMACPP_FIELDS if body.get(name) is not None}
+
+
 def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, chat: bool) -> SamplingParams:
     """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
     for name, used in _NOT_YET.items():
@@ -299,6 +314,7 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         constraint=_constraint(body),
         extra_args=_extra_args(body, limits),
         return_entropy=_given(body, "return_entropy", False),
+        **_llamacpp_fields(body),
     )
     try:
         return SamplingParams(**fields)

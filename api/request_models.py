@@ -146,6 +146,22 @@ class GenerationFields(BaseModel):
     add_special_tokens: Bool = None
     use_beam_search: Bool = None
     vllm_xargs: described(OBJECT, "vLLM's: arguments of the server's logits processors (SamplingParams.extra_args)") = None
+    # llama.cpp's samplers (its server's names; see docs/api.md)
+    typical_p: number(0.0, 1.0) = None
+    mirostat: integer(0, 2) = None
+    mirostat_tau: number(0.0, 100.0) = None
+    mirostat_eta: number(0.0, 1.0) = None
+    dry_multiplier: number(0.0, 100.0) = None
+    dry_base: number(1.0, 100.0) = None
+    dry_allowed_length: integer(0, MAX_TOKENS) = None
+    dry_penalty_last_n: integer(-1, MAX_TOKENS) = None
+    dry_sequence_breakers: described(STRINGS, "DRY's (default: newline, colon, double quote, asterisk)") = None
+    xtc_probability: number(0.0, 1.0) = None
+    xtc_threshold: number(0.0, 1.0) = None
+    top_n_sigma: number(-1.0, 100.0) = None
+    dynatemp_range: number(0.0, 2.0) = None
+    dynatemp_exponent: number(0.0, 100.0) = None
+    min_keep: integer(0, MAX_TOKENS) = None
     length_penalty: documented(LengthPenalty, "with use_beam_search only") = None
 
     @model_validator(mode="before")

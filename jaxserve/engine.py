@@ -27,6 +27,7 @@ from checkpoints.default_model import cache_root
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
+from jaxserve.llamacpp_samplers import BUILTIN_SAMPLERS
 from jaxserve.logits_processors import Processors
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import LaunchedStep, Runner
@@ -76,7 +77,8 @@ class Engine:
         self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
-        self.processors = Processors(config.logits_processors, model_config.vocab_size)
+        # llama.cpp's samplers, then the registered processors
+        self.processors = Processors([*BUILTIN_SAMPLERS, *config.logits_processors], model_config.vocab_size)
         self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),

@@ -12,7 +12,12 @@ its default arguments and are left untouched; a step where no row uses it skips 
 State across steps comes two ways. `history = True` gives `apply` the token history the built-in
 penalties read (prompt + generated ids, the pending token included); `carry` names arguments
 that `advance` updates after each token is drawn, which the engine keeps per sequence and sends back
-with the next step (mirostat's target surprise is one).
+with the next step (mirostat's target surprise is one). `random = True` gives `apply` a random key
+per row, a function of the row's (seed, position) like the token's draw and independent of it.
+
+The engine's built-in processors (llama.cpp's samplers, `jaxserve.llamacpp_samplers`) run on the
+same mechanism ahead of the registered ones; they read their SamplingParams fields instead of
+extra_args (`request_args`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import abc
 import hashlib
 import importlib
 import inspect
+import zlib
+from collections.abc import Callable
 from typing import ClassVar
 
 import flax.struct
@@ -30,10 +37,17 @@ import numpy as np
 
 ARG_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(bool))
 HISTORY_ARGS = ("history", "num_prompt")  # what `history = True` adds to apply's args
+RANDOM_ARG = "key"  # what `random = True` adds to apply's args
 
 
-def _with_history(proc: LogitsProcessor, args: dict, history: jax.Array, num_prompt: jax.Array) -> dict:
-    return {**args, "history": history, "num_prompt": num_prompt} if proc.history else args
+def _inputs(proc: LogitsProcessor, args: dict, history: jax.Array, num_prompt: jax.Array, keys: jax.Array) -> dict:
+    """apply's args: the processor's own, with the history and its own row keys where it asks for them."""
+    if proc.history:
+        args = {**args, "history": history, "num_prompt": num_prompt}
+    if proc.random:  # (folded with the class's name: a stream of its own, apart from the token's draw)
+        salt = zlib.crc32(f"{type(proc).__module__}.{type(proc).__qualname__}".encode())
+        args = {**args, RANDOM_ARG: jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, np.uint32(salt))}
+    return args
 
 
 class LogitsProcessor(abc.ABC):
@@ -51,12 +65,15 @@ class LogitsProcessor(abc.ABC):
 
     Optional: `history = True` (args then also hold "history" i32[rows, H], prompt + generated ids,
     vocab_size past the end, and "num_prompt" i32[rows]); `carry`, names of scalar arguments that
-    `advance` updates after each token is drawn. The engine makes one instance,
-    `Cls(vocab_size)`, and checks it traces when it starts."""
+    `advance` updates after each token is drawn; `random = True` (args then also hold "key", a
+    jax.random key per row [rows], a function of the row's seed, the position of the token being
+    sampled and the class's name only). The engine makes one instance, `Cls(vocab_size)`, and
+    checks it traces when it starts."""
 
     args: ClassVar[dict[str, np.ndarray | np.generic]] = {}
     history: ClassVar[bool] = False
     carry: ClassVar[tuple[str, ...]] = ()
+    random: ClassVar[bool] = False
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -65,10 +82,16 @@ class LogitsProcessor(abc.ABC):
     def row_args(self, extra_args: dict) -> dict[str, np.ndarray] | None:
         """The request's arguments from its `extra_args`, or None when it does not use this processor."""
 
-    def request_args(self, params) -> dict | None:
+    def request_args(self, params, encode: Callable[[str], list[int]] | None = None) -> dict | None:
         """The arguments of a request with these `SamplingParams`: `row_args` of its extra_args
-        (the built-in processors read their own SamplingParams fields instead)."""
+        (the built-in processors read their own SamplingParams fields instead, and tokenize text
+        with `encode`, the engine's text -> token ids)."""
         return self.row_args(params.extra_args or {})
+
+    @property
+    def reads_extra_args(self) -> bool:
+        """Whether its arguments come from extra_args (`row_args`), so are request fields too."""
+        return type(self).request_args is LogitsProcessor.request_args
 
     @abc.abstractmethod
     def apply(self, logits: jax.Array, args: dict[str, jax.Array], active: jax.Array) -> jax.Array:
@@ -132,7 +155,7 @@ class Processors:
     @property
     def arg_names(self) -> frozenset[str]:
         """The names of the arguments requests may give (over HTTP, also as top-level fields)."""
-        return frozenset(name for proc in self.instances for name in proc.args)
+        return frozenset(name for proc in self.instances if proc.reads_extra_args for name in proc.args)
 
     def __len__(self) -> int:
         return len(self.instances)
@@ -144,8 +167,8 @@ class Processors:
             if np.asarray(default).dtype not in ARG_DTYPES:
                 raise ValueError(f"logits processor {name}: argument {arg!r} has dtype {np.asarray(default).dtype}; "
                                  "arguments are int32, uint32, float32 or bool")
-            if arg in HISTORY_ARGS and proc.history:
-                raise ValueError(f"logits processor {name}: argument {arg!r} is reserved for its history")
+            if (arg in HISTORY_ARGS and proc.history) or (arg == RANDOM_ARG and proc.random):
+                raise ValueError(f"logits processor {name}: argument {arg!r} is reserved for its history or key")
         for arg in proc.carry:
             if arg not in proc.args or np.asarray(proc.args[arg]).shape != () or \
                     np.asarray(proc.args[arg]).dtype.itemsize != 4:
@@ -165,9 +188,10 @@ class Processors:
             args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.rows([None] * rows, rows)[p])
             history = jax.ShapeDtypeStruct((rows, history_len), jnp.int32)
             num_prompt = jax.ShapeDtypeStruct((rows,), jnp.int32)
+            keys = jax.eval_shape(lambda: jax.vmap(jax.random.key)(jnp.zeros(rows, jnp.uint32)))
             try:
-                out = jax.eval_shape(lambda lg, a, h, n: proc.apply(lg, _with_history(proc, a.args, h, n), a.active),
-                                     logits, args, history, num_prompt)
+                out = jax.eval_shape(lambda lg, a, h, n, k: proc.apply(lg, _inputs(proc, a.args, h, n, k), a.active),
+                                     logits, args, history, num_prompt, keys)
                 carried = jax.eval_shape(lambda a: proc.advance(a.args, jnp.zeros(rows, jnp.int32),
                                                                 jnp.zeros(rows, jnp.float32)), args)
             except Exception as e:
@@ -179,12 +203,14 @@ class Processors:
                 raise ValueError(f"logits processor {name}: advance must return {sorted(proc.carry)} with one "
                                  "value per row")
 
-    def request_args(self, params) -> tuple[dict[str, np.ndarray] | None, ...]:
+    def request_args(self, params, encode: Callable[[str], list[int]] | None = None
+                     ) -> tuple[dict[str, np.ndarray] | None, ...]:
         """Each processor's arguments for a request (None where it does not use it), checked against
-        the declarations: ValueError naming the processor for an unknown name or a wrong shape."""
+        the declarations: ValueError naming the processor for an unknown name or a wrong shape.
+        `encode`: the engine's text -> token ids, for processors that read text."""
         out = []
         for proc in self.instances:
-            given = proc.request_args(params)
+            given = proc.request_args(params, encode)
             if given is None:
                 out.append(None)
                 continue
@@ -237,12 +263,13 @@ class Processors:
                                                 for proc, a in zip(self.instances, request_args))
 
     def apply(self, logits: jax.Array, rows: tuple[ProcessorRows, ...], history: jax.Array,
-              num_prompt: jax.Array) -> jax.Array:
+              num_prompt: jax.Array, keys: jax.Array) -> jax.Array:
         """Inside the step: each processor in turn, on the rows that use it; skipped where none does.
-        `history` i32[B, H] and `num_prompt` i32[B]: the sampler's, for processors that read them."""
+        `history` i32[B, H] and `num_prompt` i32[B]: the sampler's, for processors that read them;
+        `keys` [B]: each row's random key (of its seed and position), for processors that draw."""
         for proc, r in zip(self.instances, rows):
             def run(x, r=r, proc=proc):
-                return jnp.where(r.active[:, None], proc.apply(x, _with_history(proc, r.args, history, num_prompt),
+                return jnp.where(r.active[:, None], proc.apply(x, _inputs(proc, r.args, history, num_prompt, keys),
                                                                r.active), x)
             logits = jax.lax.cond(jnp.any(r.active), run, lambda x, r=r: x, logits)
         return logits

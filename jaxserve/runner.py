@@ -181,6 +181,8 @@ class Runner:
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
         self.processors = processors  # the engine's logits processors, traced into the step
+        # (read once: inspect's source lookup is not safe on the threads that compile)
+        self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
                                     processors, config.returns_distributions)
         self.executable_cache = executable_cache
@@ -236,7 +238,7 @@ class Runner:
     def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
-        description = repr((model, compiled_fields(self.config), fingerprint(self.processors.instances),
+        description = repr((model, compiled_fields(self.config), self._processors_fingerprint,
                             self.config.returns_distributions, shape))
         return self.executable_cache.compile(self.step_fn, args, description,
                                              list(self.kv_sharding.mesh.devices.flat))

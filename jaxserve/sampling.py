@@ -84,6 +84,7 @@ class SamplingTensors:
     top_k: jax.Array  # i32[B]; V when off
     top_p: jax.Array  # f32[B]
     min_p: jax.Array  # f32[B]
+    min_keep: jax.Array  # i32[B] llama.cpp's: top-p and min-p keep at least this many tokens
     seed_lo: jax.Array  # u32[B] low 32 bits of the seed
     seed_hi: jax.Array  # u32[B] high 32 bits of the seed
     position: jax.Array  # i32[B] position of the token being sampled
@@ -146,6 +147,7 @@ class SamplingTensors:
                          np.int32),
             top_p=column((p.top_p for p in params), 1.0, np.float32),
             min_p=column((p.min_p for p in params), 0.0, np.float32),
+            min_keep=column((p.min_keep for p in params), 0, np.int32),
             seed_lo=column((s & 0xFFFF_FFFF for s in seeds64), 0, np.uint32),
             seed_hi=column((s >> 32 for s in seeds64), 0, np.uint32),
             position=column((r.position for r in rows), 0, np.int32),
@@ -303,7 +305,7 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, t)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs",
+def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs", *,
            distributions: bool = False, processors: Processors | None = None) -> SampleOutput:
     """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
 
@@ -323,9 +325,10 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
     processed = logprobs_mode.startswith("processed")
     raw_logits = logits
+    keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
     logits = process_logits(logits, t)
     if processors:
-        logits = processors.apply(logits, t.processors, t.history, t.num_prompt)
+        logits = processors.apply(logits, t.processors, t.history, t.num_prompt, keys)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
@@ -350,7 +353,6 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     def draw():
-        keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
         log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
         return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
 
@@ -418,21 +420,23 @@ def _scored(scores: Callable[[], jax.Array], tokens: jax.Array, t: SamplingTenso
 def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
     """The logit each row keeps at or above, from its C largest scaled logits `values` (descending):
     top-k, then min-p (relative to the best token), then top-p over what is left (the smallest prefix
-    whose mass reaches top_p). -> (f32[B] threshold, bool[B] whether C candidates were enough)."""
+    whose mass reaches top_p); min-p and top-p keep at least `min_keep` tokens (llama.cpp's), top-k
+    does not. -> (f32[B] threshold, bool[B] whether C candidates were enough)."""
     num_rows, c = values.shape
     vocab = scaled.shape[-1]
     rows = jnp.arange(num_rows)
     off = t.top_k >= vocab
     top_k = jnp.where(off, -jnp.inf, values[rows, jnp.clip(t.top_k, 1, c) - 1])
-    min_p = values[:, 0] + jnp.log(t.min_p)  # p / p_max >= min_p
+    keep = jnp.where(t.min_keep > 0, values[rows, jnp.clip(t.min_keep, 1, c) - 1], jnp.inf)  # the min_keep-th best
+    min_p = jnp.minimum(values[:, 0] + jnp.log(t.min_p), keep)  # p / p_max >= min_p
     kept = jnp.maximum(top_k, min_p)
     log_norm = jax.nn.logsumexp(jnp.where(scaled >= kept[:, None], scaled, -jnp.inf), axis=-1)
     probs = jnp.where(values >= kept[:, None], jnp.exp(values - log_norm[:, None]), 0.0)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates
     last = jnp.sum((before < t.top_p[:, None]) & (probs > 0), axis=-1) - 1
-    nucleus = jnp.where(t.top_p >= 1.0, -jnp.inf, values[rows, jnp.maximum(last, 0)])
+    nucleus = jnp.where(t.top_p >= 1.0, -jnp.inf, jnp.minimum(values[rows, jnp.maximum(last, 0)], keep))
     all_kept = jnp.sum(scaled >= kept[:, None], axis=-1) <= c
-    exact = (off | (t.top_k <= c)) & ((t.top_p >= 1.0) | (probs.sum(-1) >= t.top_p) | all_kept)
+    exact = (off | (t.top_k <= c)) & ((t.top_p >= 1.0) | (probs.sum(-1) >= t.top_p) | all_kept) & (t.min_keep <= c)
     return jnp.maximum(kept, nucleus), exact
 
 

@@ -304,7 +304,7 @@ def test_each_logprobs_mode_on_fixed_logits(mode):
     params = [SamplingParams(temperature=0.7, top_k=3, logit_bias={5: 4.0}, seed=4, logprobs=-1, return_entropy=True),
               SamplingParams(temperature=0.0, logprobs=3),
               SamplingParams(temperature=1.3, seed=2, logprobs=30, return_entropy=True)]
-    out = _jit_sample(np.tile(LOGITS, (3, 1)), tensors(params, [4, 0, 2], [3, 3, 3], 3), mode, True)
+    out = _jit_sample(np.tile(LOGITS, (3, 1)), tensors(params, [4, 0, 2], [3, 3, 3], 3), mode, distributions=True)
     processed = [(LOGITS + np.eye(VOCAB)[5] * 4.0) / 0.7, LOGITS, LOGITS / 1.3]
     processed[0] = np.where(processed[0] >= np.sort(processed[0])[-3], processed[0], -np.inf)
     want = [p if mode.startswith("processed") else LOGITS.astype(np.float64) for p in processed]
@@ -326,7 +326,7 @@ def test_distributions_and_entropies_cost_nothing_unless_asked():
     """Without a row asking, the whole distributions are zeros (their branch does not run) and the
     entropies 0; without `distributions` the output has none at all."""
     t = tensors([SamplingParams(temperature=0.0, logprobs=20), SamplingParams(seed=1)], [0, 1], [0, 0], 2)
-    out = _jit_sample(np.tile(LOGITS, (2, 1)), t, "raw_logprobs", True)
+    out = _jit_sample(np.tile(LOGITS, (2, 1)), t, "raw_logprobs", distributions=True)
     assert not np.asarray(out.distributions).any() and not np.asarray(out.entropies).any()
     assert _jit_sample(np.tile(LOGITS, (2, 1)), t).distributions is None
     words = np.asarray(_jit_sample(np.tile(LOGITS, (2, 1)), t).packed())

@@ -88,10 +88,13 @@ def test_offline_refuses_what_needs_text(bare_llm):
     with pytest.raises(ValueError, match="Unable to get tokenizer"):  # (vLLM's)
         bare_llm.get_tokenizer()
     for refused in (dict(stop=["x"]), dict(bad_words=["x"]),
-                    dict(structured_outputs=StructuredOutputsParams(json_object=True))):
+                    dict(structured_outputs=StructuredOutputsParams(json_object=True)),
+                    dict(dry_sequence_breakers=["x"], dry_multiplier=0.8)):
         with pytest.raises(ValueError, match=f"{next(iter(refused))} needs the model's tokenizer"):
             bare_llm.generate([PROMPT], SamplingParams(**refused), use_tqdm=False)
     assert not bare_llm.engine.has_unfinished()
+    dry = SamplingParams(max_tokens=4, dry_multiplier=0.8, dry_sequence_breakers=[])  # (DRY on tokens alone)
+    assert len(bare_llm.generate([PROMPT], dry, use_tqdm=False)[0].outputs[0].token_ids) == 4
 
 
 def test_without_the_setting_the_error_names_it(bare_model):
