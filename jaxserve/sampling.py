@@ -332,24 +332,8 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
     k = min(MAX_LOGPROBS, vocab)
-    candidates = min(CANDIDATES, vocab)
-
-    def top(c: int):
-        values, ids = jax.lax.top_k(scaled, c)
-        threshold, exact = _threshold(scaled, values, t)
-        return threshold, exact, values[:, :k], ids[:, :k].astype(jnp.int32)
-
-    def no_top():
-        return (jnp.full(num_rows, -jnp.inf), jnp.ones(num_rows, bool), jnp.full((num_rows, k), -jnp.inf),
-                jnp.zeros((num_rows, k), jnp.int32))
-
-    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | (t.wants_top & processed)),
-                                                         lambda: top(candidates), no_top)
-    if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
-        threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
-    threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
+    threshold, top_values, top_ids = _cut(scaled, greedy, t, k, t.wants_top & processed)
     kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
     def draw():
@@ -372,6 +356,30 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     entropies = jax.lax.cond(jnp.any(t.wants_entropy), lambda: entropy(raw_logits), lambda: jnp.zeros(num_rows))
     return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs,
                         entropies=entropies, carried=carried, distributions=whole)
+
+
+def _cut(scaled: jax.Array, greedy: jax.Array, t: SamplingTensors, k: int, want_top: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scaled logits f32[B, V] -> (f32[B, 1] the logit each row keeps at or above: its top-k, min-p
+    and top-p cut, -inf where it cuts nothing; f32[B, k] the top k scaled logits and i32[B, k] their
+    ids, computed only where a row cuts or `want_top`)."""
+    num_rows, vocab = scaled.shape
+    filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
+    candidates = min(CANDIDATES, vocab)
+
+    def top(c: int):
+        values, ids = jax.lax.top_k(scaled, c)
+        threshold, exact = _threshold(scaled, values, t)
+        return threshold, exact, values[:, :k], ids[:, :k].astype(jnp.int32)
+
+    def no_top():
+        return (jnp.full(num_rows, -jnp.inf), jnp.ones(num_rows, bool), jnp.full((num_rows, k), -jnp.inf),
+                jnp.zeros((num_rows, k), jnp.int32))
+
+    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | want_top), lambda: top(candidates), no_top)
+    if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
+        threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
+    return jnp.where(filters, threshold, -jnp.inf)[:, None], top_values, top_ids
 
 
 def _log_softmax(logits: jax.Array) -> jax.Array:
