@@ -30,6 +30,7 @@ from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
+from jaxserve.models.invariant import ROWS, by_rows
 from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs,
                                sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
@@ -120,7 +121,7 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
-                 logprobs_mode: str):
+                 logprobs_mode: str, batch_invariant: bool = False):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -129,7 +130,11 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
     closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
-    the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`."""
+    the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`.
+    `batch_invariant`: every row computed in fixed-shape tiles (`models/invariant.py`): the model
+    and the prompt logprobs by tiles of ROWS tokens, the sampler one sequence at a time."""
+
+    chunking = dict(chunk=ROWS, fixed=True) if batch_invariant else {}  # of the prompt logprobs
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, LaunchedStep, jax.Array]:
@@ -144,10 +149,13 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
         kv = copy_pages(kv, inputs.page_copies)
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits, hidden = forward(graphdef, state, kv, model)
+            kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
-                                     inputs.prompt_targets)
-        out = sample(logits, sampling, logprobs_mode)
+                                     inputs.prompt_targets, **chunking)
+        if batch_invariant:
+            out = by_rows(lambda rows: sample(*rows, logprobs_mode), (logits, sampling), model.num_seqs, rows=1)
+        else:
+            out = sample(logits, sampling, logprobs_mode)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
         return kv, LaunchedStep(samples=out.packed(), prompt=prompt), previous
 
@@ -173,7 +181,8 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
-        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode)
+        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
+                                    config.batch_invariant)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)

@@ -205,14 +205,16 @@ def _rank(logprobs: jax.Array, chosen: jax.Array) -> jax.Array:
 
 
 def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, rows: jax.Array,
-                    targets: jax.Array, chunk: int = 64) -> PromptLogprobs:
+                    targets: jax.Array, chunk: int = 64, fixed: bool = False) -> PromptLogprobs:
     """hidden [T, D] (the last layer's output at each token), rows i32[T] (the tokens asked about,
     first), targets i32[T] (the prompt token that follows each of them; -1 past them) -> the
     log-softmax of `head(hidden[rows])` (the logits) at the targets, their ranks and the top K.
     Only the tokens asked about go through the LM head, `chunk` at a time: a step never holds more
-    than [chunk, V] logits, and one with none asked about does no work here."""
+    than [chunk, V] logits, and one with none asked about does no work here. A step of fewer than
+    `chunk` tokens computes that many at a time, unless `fixed` (the batch-invariant mode: every
+    chunk has one shape)."""
     num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, jax.eval_shape(head, hidden[:1]).shape[-1])
-    chunk = min(chunk, num_tokens)
+    chunk = chunk if fixed else min(chunk, num_tokens)
     padded = -(-num_tokens // chunk) * chunk
     rows, targets = jnp.pad(rows, (0, padded - num_tokens)), jnp.pad(targets, (0, padded - num_tokens),
                                                                       constant_values=-1)
