@@ -34,9 +34,11 @@ import jax.numpy as jnp
 
 from jaxserve.models.layers import KVCache, ModelInputs
 
-# Rows per tile. Under 16 rows the CPU matmul kernels stay in their dot form, which reads the
-# weights once for the whole tile; a decode step of one sequence computes ROWS - 1 padding rows.
-ROWS = 8
+# Rows per tile: the fewest that fill a TPU's or GPU's matrix unit in bfloat16. On CPU the matmul
+# kernels multiply them in their panel forms; fewer rows (their dot forms) make a lone sequence's
+# decode step cheaper and a step of many sequences dearer (bench/RESULTS.md, "Batch-invariant mode").
+# A decode step of one sequence computes ROWS - 1 padding rows.
+ROWS = 16
 NULL_PAGE = 0  # where padding rows write their keys and values (`ModelInputs.kv_write_index`)
 
 Tree = TypeVar("Tree")
