@@ -212,7 +212,8 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
     Only the tokens asked about go through the LM head, `chunk` at a time: a step never holds more
     than [chunk, V] logits, and one with none asked about does no work here. A step of fewer than
     `chunk` tokens computes that many at a time, unless `fixed` (the batch-invariant mode: every
-    chunk has one shape)."""
+    chunk has one shape, and each row is normalised alone, so that a prompt token's logprob is its
+    logprob when sampled)."""
     num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, jax.eval_shape(head, hidden[:1]).shape[-1])
     chunk = chunk if fixed else min(chunk, num_tokens)
     padded = -(-num_tokens // chunk) * chunk
@@ -223,7 +224,8 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
         start = c * chunk
         wanted = jax.lax.dynamic_slice(targets, (start,), (chunk,))
         logits = head(hidden[jax.lax.dynamic_slice(rows, (start,), (chunk,))])
-        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        # (fixed: row by row, as the batch-invariant sampler normalises a sampled token's row)
+        logprobs = jax.lax.map(_log_softmax, logits[:, None])[:, 0] if fixed else _log_softmax(logits)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(wanted, 0)[:, None], axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
         part = PromptLogprobs(logprobs=chosen[:, 0], ranks=_rank(logprobs, chosen), top_ids=top_ids.astype(jnp.int32),
@@ -236,6 +238,11 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
     # (under a cond: XLA:CPU otherwise runs the chunk's top-k, a sort, even when the loop runs no chunk)
     out = jax.lax.cond(count > 0, lambda: jax.lax.fori_loop(0, -(-count // chunk), one_chunk, empty), lambda: empty)
     return jax.tree.map(lambda x: x[:num_tokens], out)
+
+
+def _log_softmax(logits: jax.Array) -> jax.Array:
+    """f32[N, V] logits -> their log-softmax along V."""
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _row_key(seed_lo, seed_hi, position):
@@ -337,7 +344,7 @@ def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k:
         return jnp.full((num_rows, k), -jnp.inf), jnp.zeros((num_rows, k), jnp.int32)
 
     def scored():
-        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = _log_softmax(logits)
         chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
         top_logprobs, top_ids = jax.lax.cond(jnp.any(t.wants_top), lambda: tuple(jax.lax.top_k(logprobs, k)), no_top)
         return chosen[:, 0], _rank(logprobs, chosen), top_logprobs, top_ids.astype(jnp.int32)

@@ -247,3 +247,20 @@ def test_every_attention_gives_a_row_the_same_output_in_every_tile(impl):
     assert len(outputs) == 10
     for position, seen in outputs.items():
         assert len({bits for _, bits in seen}) == 1, (position, [name for name, _ in seen])
+
+
+def test_scoring_a_generated_sequence_gives_its_sampled_logprobs(invariant_llm):
+    """Fed back as a prompt (prompt_logprobs), a generated sequence scores each of its tokens with the
+    logprobs it was sampled with, bit for bit: what an RL trainer reads back matches the rollout."""
+    prompts = [TARGET, PREFIX, TARGET[5:30]]
+    params = dict(logprobs=5, ignore_eos=True)
+    generated = invariant_llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=24, **params),
+                                       use_tqdm=False)
+    scored = invariant_llm.generate([p + g.outputs[0].token_ids for p, g in zip(prompts, generated)],
+                                    SamplingParams(max_tokens=1, prompt_logprobs=5, ignore_eos=True), use_tqdm=False)
+    for prompt, gen, score in zip(prompts, generated, scored):
+        bits = lambda entry: {t: np.float32(lp.logprob).tobytes() for t, lp in entry.items()}  # noqa: E731
+        sampled = [bits(entry) for entry in gen.outputs[0].logprobs]
+        rescored = [bits(entry) for entry in score.prompt_logprobs[len(prompt):]]
+        assert rescored == sampled
+
