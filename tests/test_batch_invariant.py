@@ -12,6 +12,11 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -264,3 +269,23 @@ def test_scoring_a_generated_sequence_gives_its_sampled_logprobs(invariant_llm):
         rescored = [bits(entry) for entry in score.prompt_logprobs[len(prompt):]]
         assert rescored == sampled
 
+
+TENSOR_PARALLEL = """
+import json, test_batch_invariant as t
+from jaxserve import LLM
+llm = LLM(**t.ENGINE, tensor_parallel_size=2, batch_invariant=True)
+results = {name: t.run(llm, arrivals) for name, arrivals in t.MIXES.items()}
+alone = results["alone"]
+print(json.dumps([name for name, r in results.items() if r[:3] != alone[:3]]))
+"""
+
+
+@SLOW
+def test_tensor_parallel_steps_are_invariant():
+    """Over 2 (virtual CPU) devices, where XLA partitions the products: every mix as alone."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", TENSOR_PARALLEL], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
