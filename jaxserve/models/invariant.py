@@ -6,7 +6,7 @@ it is given, and the order in which it adds a row's terms may change with the nu
 CPU, XLA multiplies one row as a matrix-vector product and more rows as a matrix product, a norm
 over [T, D] reduces one way for small T and another for large T, and the C++ matmul kernels change
 form at 16 rows (kernels/matmul/cpu.cc). Within one compiled shape the order is the same for every
-row, whatever the other rows hold (tests/test_batch_invariant.py measures both). So in this mode
+row, whatever the other rows hold (tests/test_batch_invariant.py shows both). So in this mode
 a step computes everything in tiles of a fixed number of rows (ROWS), each through the same
 compiled computation, whatever the step's bucket, its sequences and their chunking:
 
@@ -18,7 +18,8 @@ compiled computation, whatever the step's bucket, its sequences and their chunki
 2. the LM head, ROWS sequences at a time (`by_rows`), and the sampler one sequence at a time: it
    chooses between code paths per call (e.g. sorting the whole vocabulary when one row's top-p
    reaches past the candidates), and one sequence's settings must not choose another's;
-3. prompt logprobs, ROWS tokens at a time (`sampling.prompt_logprobs`' chunk).
+3. prompt logprobs, ROWS tokens at a time through the LM head, each row normalised alone as the
+   sampler normalises it (`sampling.prompt_logprobs`, `fixed`).
 
 Only the tiles that hold a real row are computed. A step of T tokens then reads the weights
 ceil(T / ROWS) times instead of once: the mode's cost (bench/RESULTS.md, "Batch-invariant mode").
@@ -34,10 +35,10 @@ import jax.numpy as jnp
 
 from jaxserve.models.layers import KVCache, ModelInputs
 
-# Rows per tile: the fewest that fill a TPU's or GPU's matrix unit in bfloat16. On CPU the matmul
-# kernels multiply them in their panel forms; fewer rows (their dot forms) make a lone sequence's
-# decode step cheaper and a step of many sequences dearer (bench/RESULTS.md, "Batch-invariant mode").
-# A decode step of one sequence computes ROWS - 1 padding rows.
+# Rows per tile: a TPU's bfloat16 register tile (16 x 128) and a GPU tensor-core product's row
+# count. On CPU the matmul kernels multiply them in their panel forms; fewer rows (their dot forms)
+# make a lone sequence's decode step cheaper and a step of many sequences dearer (bench/RESULTS.md,
+# "Batch-invariant mode"). A decode step of one sequence computes ROWS - 1 padding rows.
 ROWS = 16
 NULL_PAGE = 0  # where padding rows write their keys and values (`ModelInputs.kv_write_index`)
 
@@ -97,8 +98,8 @@ def tile_inputs(inputs: ModelInputs, start: jax.Array, rows: int) -> ModelInputs
 def forward_in_tiles(model: Callable[[KVCache, ModelInputs], tuple[KVCache, jax.Array]], kv: KVCache,
                      inputs: ModelInputs, rows: int = ROWS) -> tuple[KVCache, jax.Array]:
     """`model(kv, inputs)` (a `Decoder`: -> (cache, [T, hidden])) one tile of `rows` tokens at a
-    time, over the tiles that hold the step's real tokens; the hidden states of padding rows are
-    zeros."""
+    time, over the tiles that hold the step's real tokens; the hidden states of the rows past those
+    tiles are zeros."""
     num_tokens = inputs.token_ids.shape[0]
     padded = inputs.replace(token_ids=_pad_rows(inputs.token_ids, rows), positions=_pad_rows(inputs.positions, rows),
                             rope=_pad_rows(inputs.rope, rows, 1),
