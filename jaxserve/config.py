@@ -284,12 +284,18 @@ class EngineConfig:
         "auto", "the page-table widths steps are compiled for: 4x (4, 16, 64, ... pages up to max_model_len / "
         "page_size: for an attention that reads the whole table, a narrower one costs less) or widest (only "
         "max_model_len / page_size: a fraction of the step buckets to compile, for an attention that reads only "
-        "each sequence's own pages). auto: widest under the C++ CPU attention kernel, 4x otherwise",
+        "each sequence's own pages). auto: widest under the C++ CPU attention kernel or with batch-invariant, 4x "
+        "otherwise",
         choices=PAGE_TABLE_WIDTHS)
     logits_processors: tuple = setting(
         (), "logits processors (subclasses of jaxserve.LogitsProcessor, as module:Class or module.Class) "
         "compiled into the step, applied in this order after the penalties and before temperature to the "
         "requests that use them (SamplingParams.extra_args; HTTP: vllm_xargs)", nargs="*", type=str)
+    batch_invariant: bool = setting(
+        False, "make a request's logits bitwise the same whatever shares its steps (other requests, their "
+        "number, how prompts are chunked): every step is computed in tiles of a fixed number of tokens, each "
+        "through the same compiled computation (docs/research_sampling.md); steps cost more (bench/RESULTS.md)",
+        compiled=True)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -305,6 +311,9 @@ class EngineConfig:
         if self.page_table_widths not in PAGE_TABLE_WIDTHS:
             raise ValueError(f"page_table_widths must be one of {', '.join(PAGE_TABLE_WIDTHS)}, "
                              f"got {self.page_table_widths!r}")
+        if self.batch_invariant and self.page_table_widths == "4x":
+            raise ValueError("batch_invariant reads one page-table width (the widest): leave page_table_widths "
+                             "at auto or widest")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:

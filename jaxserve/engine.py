@@ -276,8 +276,8 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
     does that later).
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB;
     dtype "auto" is the checkpoint's own (`resolve_dtype`); page_table_widths "auto" follows the
-    attention implementation; the requests' sampling defaults come from `generation_config`
-    (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
+    attention implementation (widest in the batch-invariant mode); the requests' sampling defaults
+    come from `generation_config` (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
     if config.skip_tokenizer_init and (chat_template is not None or config.tokenizer is not None):
         raise ValueError("a chat template or --tokenizer needs a tokenizer: drop them or --skip-tokenizer-init")
     model_dir = resolve_model(config.model)
@@ -292,8 +292,10 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
         log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
                     "--generation-config vllm for none)", defaults)
     given = dict(dtype=resolve_dtype(config.dtype, model_dir))
-    if config.page_table_widths == "auto":  # (the C++ CPU kernel reads each sequence's own pages only)
-        given["page_table_widths"] = "widest" if attention_implementation() == "cpu" else "4x"
+    if config.page_table_widths == "auto":  # (the C++ CPU kernel reads each sequence's own pages only;
+        # the batch-invariant mode's attention reads one width)
+        wide = config.batch_invariant or attention_implementation() == "cpu"
+        given["page_table_widths"] = "widest" if wide else "4x"
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
         formats = weight_formats(model_dir, model_config, config.quantization)
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,

@@ -31,6 +31,7 @@ from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
 from jaxserve.logits_processors import Processors, fingerprint
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
+from jaxserve.models.invariant import ROWS, by_rows
 from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors,
                                needs_distribution, prompt_logprobs, sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
@@ -124,7 +125,8 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
-                 logprobs_mode: str, processors: Processors, distributions: bool = False):
+                 logprobs_mode: str, processors: Processors, distributions: bool = False,
+                 batch_invariant: bool = False):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -134,8 +136,11 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
     the samples come out `replicated`, so any process can read them. `logprobs_mode`, `processors`,
-    `distributions`:
-    see `sample`."""
+    `distributions`: see `sample`. `batch_invariant`: every row computed in fixed-shape tiles
+    (`models/invariant.py`): the model and the prompt logprobs by tiles of ROWS tokens, the sampler
+    one sequence at a time."""
+
+    chunking = dict(chunk=ROWS, fixed=True) if batch_invariant else {}  # of the prompt logprobs
 
     def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
              ) -> tuple[KVCache, LaunchedStep, jax.Array]:
@@ -150,10 +155,16 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
         kv = copy_pages(kv, inputs.page_copies)
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits, hidden = forward(graphdef, state, kv, model)
+            kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
-                                     inputs.prompt_targets)
-        out = sample(logits, sampling, logprobs_mode, distributions=distributions, processors=processors)
+                                     inputs.prompt_targets, **chunking)
+        def sample_rows(logits, sampling):
+            return sample(logits, sampling, logprobs_mode, distributions=distributions, processors=processors)
+
+        if batch_invariant:
+            out = by_rows(lambda rows: sample_rows(*rows), (logits, sampling), model.num_seqs, rows=1)
+        else:
+            out = sample_rows(logits, sampling)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
         return kv, LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions), previous
 
@@ -184,7 +195,7 @@ class Runner:
         # (read once: inspect's source lookup is not safe on the threads that compile)
         self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
-                                    processors, config.returns_distributions)
+                                    processors, config.returns_distributions, config.batch_invariant)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)

@@ -240,14 +240,17 @@ def _rank(logprobs: jax.Array, chosen: jax.Array) -> jax.Array:
 
 
 def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, rows: jax.Array,
-                    targets: jax.Array, chunk: int = 64) -> PromptLogprobs:
+                    targets: jax.Array, chunk: int = 64, fixed: bool = False) -> PromptLogprobs:
     """hidden [T, D] (the last layer's output at each token), rows i32[T] (the tokens asked about,
     first), targets i32[T] (the prompt token that follows each of them; -1 past them) -> the
     log-softmax of `head(hidden[rows])` (the logits) at the targets, their ranks and the top K.
     Only the tokens asked about go through the LM head, `chunk` at a time: a step never holds more
-    than [chunk, V] logits, and one with none asked about does no work here."""
+    than [chunk, V] logits, and one with none asked about does no work here. A step of fewer than
+    `chunk` tokens computes that many at a time, unless `fixed` (the batch-invariant mode: every
+    chunk has one shape, and each row is normalised alone, so that a prompt token's logprob is its
+    logprob when sampled)."""
     num_tokens, k = hidden.shape[0], min(MAX_LOGPROBS, jax.eval_shape(head, hidden[:1]).shape[-1])
-    chunk = min(chunk, num_tokens)
+    chunk = chunk if fixed else min(chunk, num_tokens)
     padded = -(-num_tokens // chunk) * chunk
     rows, targets = jnp.pad(rows, (0, padded - num_tokens)), jnp.pad(targets, (0, padded - num_tokens),
                                                                       constant_values=-1)
@@ -256,7 +259,8 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
         start = c * chunk
         wanted = jax.lax.dynamic_slice(targets, (start,), (chunk,))
         logits = head(hidden[jax.lax.dynamic_slice(rows, (start,), (chunk,))])
-        logprobs = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        # (fixed: row by row, as the batch-invariant sampler normalises a sampled token's row)
+        logprobs = jax.lax.map(_log_softmax, logits[:, None])[:, 0] if fixed else _log_softmax(logits)
         chosen = jnp.take_along_axis(logprobs, jnp.maximum(wanted, 0)[:, None], axis=-1)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, k)
         part = PromptLogprobs(logprobs=chosen[:, 0], ranks=_rank(logprobs, chosen), top_ids=top_ids.astype(jnp.int32),
@@ -269,6 +273,12 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
     # (under a cond: XLA:CPU otherwise runs the chunk's top-k, a sort, even when the loop runs no chunk)
     out = jax.lax.cond(count > 0, lambda: jax.lax.fori_loop(0, -(-count // chunk), one_chunk, empty), lambda: empty)
     return jax.tree.map(lambda x: x[:num_tokens], out)
+
+
+def _log_softmax(logits: jax.Array) -> jax.Array:
+    """f32[N, V] logits -> their log-softmax along V (the prompt's and the sampled tokens' logprobs
+    alike, so that both agree to the last bit)."""
+    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def _row_key(seed_lo, seed_hi, position):
@@ -380,11 +390,6 @@ def _cut(scaled: jax.Array, greedy: jax.Array, t: SamplingTensors, k: int, want_
     if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
         threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
     return jnp.where(filters, threshold, -jnp.inf)[:, None], top_values, top_ids
-
-
-def _log_softmax(logits: jax.Array) -> jax.Array:
-    """As the prompt logprobs compute it (`prompt_logprobs`), so that both agree to the last bit."""
-    return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def entropy(logits: jax.Array) -> jax.Array:

@@ -46,6 +46,7 @@ FLAGS = {
     ('--max-logprobs',): 20,
     ('--warmup',): 'auto',
     ('--page-table-widths',): 'auto',
+    ('--batch-invariant',): False,
     ('--enforce-eager',): None,
     ('--disable-custom-all-reduce',): None,
     ('--async-scheduling',): None,

@@ -18,7 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from jaxserve.models import gemma, llama, moe, phi3
+from jaxserve.models import gemma, invariant, llama, moe, phi3
 from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
@@ -114,12 +114,18 @@ def quantizable_modules(model: nnx.Module) -> dict[str, Quantizable]:
     return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, Quantizable)}
 
 
-def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs):
+def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
+            batch_invariant: bool = False):
     """Pure form of the model for use under jit: (state, cache, inputs) -> (cache, f32[B, vocab]
-    logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`)."""
+    logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`).
+    `batch_invariant`: computed in tiles of a fixed number of rows (`invariant.py`), so that no
+    row's numbers depend on the others'."""
     model = nnx.merge(graphdef, state)
-    kv, hidden = model(kv, inputs)
-    return kv, model.logits(hidden[inputs.logits_indices]), hidden
+    if not batch_invariant:
+        kv, hidden = model(kv, inputs)
+        return kv, model.logits(hidden[inputs.logits_indices]), hidden
+    kv, hidden = invariant.forward_in_tiles(model, kv, inputs)
+    return kv, invariant.by_rows(model.logits, hidden[inputs.logits_indices], inputs.num_seqs), hidden
 
 
 def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
