@@ -152,13 +152,14 @@ def assert_greedy_close(got, want: list[int], ref_logits: np.ndarray, *, atol: f
     return len(want)
 
 
-# One run per family and per checkpoint form by default; the Llama family's other architectures
-# differ in what their logits test covers (rope tables, biases, q/k norms, the window, which the
-# MoE, Gemma and Phi-3 runs also take through the engine): slow.
+# One run per family by default; the other architectures differ in what their logits test covers
+# (rope tables, biases, q/k norms, the window, Gemma 2's soft-caps, Qwen2-MoE's shared expert, the
+# image-text checkpoint's form), which the default runs take through the engine: slow.
 LLAMA_VARIANTS = ("llama-linear-rope", "llama3-rope", "mistral", "qwen2", "qwen3")
+ENGINE_SLOW = (*LLAMA_VARIANTS, "gemma2", "gemma3-vision", "qwen2-moe")
 
 
-@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in LLAMA_VARIANTS else a
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) if a in ENGINE_SLOW else a
                                   for a in ARCHITECTURES])
 def test_engine_greedy_matches_transformers_generate(arch, hf_checkpoint):
     model, model_dir = hf_checkpoint(arch)
