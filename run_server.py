@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     try:  # (warmed up by the engine thread, while the server answers /health)
         engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template),
                                          warmup=False)
-    except FileNotFoundError as e:  # (a model that is not there, or could not be fetched: one line says which)
+    except (FileNotFoundError, ValueError) as e:  # (a model that is not there or not runnable: one line says why)
         raise SystemExit(f"jaxserve: {e}") from None
     if not is_leader():
         follow(engine)
@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                     trust_request_chat_template=args.trust_request_chat_template,
                     chat_template_content_format=args.chat_template_content_format,
                     model_root=args.model or DEFAULT_MODEL_NAME, tokens_as_ids=args.return_tokens_as_token_ids,
-                    response_role=args.response_role, force_include_usage=args.enable_force_include_usage)
+                    response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
+                    processor_args=engine.processors.arg_names)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,

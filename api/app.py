@@ -53,7 +53,8 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     paths = {} if docs else dict(openapi_path=None, redoc_ui_path=None, scalar_ui_path=None, swagger_ui_path=None)
     QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")), **paths)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
-    APIState(engine, limits, tool_parser or parser_for_template(engine.tokenizer.hf.chat_template),
+    template = None if engine.tokenizer is None else engine.tokenizer.hf.chat_template
+    APIState(engine, limits, tool_parser or parser_for_template(template),
              Metrics(engine, limits.served_model_name), auto_tool_choice=auto_tool_choice,
              api_key=api_key, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
     cors.install(app)  # its preflight answer comes before the API key check

@@ -21,7 +21,7 @@ chat = Blueprint("chat", __name__)
 async def chat_complete(body: dict) -> Response | ChatCompletion:
     """The answer to a chat completions request body."""
     state = api_state()
-    req = await state.off_loop(parse_chat, body, state.limits, state.tokenizer)
+    req = await state.off_loop(parse_chat, body, state.limits, state.text_tokenizer("chat"))
     return await answer(state, req, new_id("chatcmpl"), chat=True)
 
 

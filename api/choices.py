@@ -29,7 +29,8 @@ class Choices:
         self.prompt_logprobs: list[list | None] = [None] * len(req.prompts)  # per prompt, when asked for
         self.logprobs: list[list] = [[] for _ in range(count)]
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's, for return_token_ids
-        self.unsent_ids = [0] * count  # how many of them no chunk has carried yet
+        self.entropies: list[list[float]] = [[] for _ in range(count)]  # each choice's, for return_entropy
+        self.unsent = [0] * count  # how many of their tokens no chunk has carried yet
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobsWriter(self.tokenizer, offset[c], req.tokens_as_ids)
                                     for c in range(count)]
@@ -58,13 +59,14 @@ class Choices:
         if update.prompt_logprobs is not None:
             self.prompt_logprobs[p] = update.prompt_logprobs
         self.finish[c], self.stop_reason[c] = update.finish_reason, update.stop_reason
-        text, token_ids, logprobs = update.text, update.token_ids, update.logprobs
+        text, token_ids, logprobs, entropies = update.text, update.token_ids, update.logprobs, update.entropies
         if self.req.prompt_only:
-            text, token_ids, logprobs = "", [], []
+            text, token_ids, logprobs, entropies = "", [], [], []
         else:
             self.tokens[c] = update.num_output_tokens
         self.token_ids[c] += token_ids
-        self.unsent_ids[c] += len(token_ids)
+        self.entropies[c] += entropies
+        self.unsent[c] += len(token_ids)
         parts = []
         if first and self.req.echo:
             text = self.req.prompt_texts[p] + text
@@ -101,12 +103,17 @@ class Choices:
         out += self.tools[c].feed(text)
         return out + self.tools[c].finish() if finished else out
 
-    def ids_to_send(self, c: int) -> list[int]:
-        """vLLM's return_token_ids in a stream: the token ids of choice c that no chunk has carried yet
-        (whose text may have come earlier or be held back), for the next chunk to carry."""
-        ids = self.token_ids[c][len(self.token_ids[c]) - self.unsent_ids[c]:]
-        self.unsent_ids[c] = 0
-        return ids
+    def to_send(self, c: int) -> dict:
+        """In a stream, what the next chunk of choice c carries of its tokens that no chunk has carried
+        yet (whose text may have come earlier or be held back): their ids (vLLM's return_token_ids),
+        their entropies (return_entropy), as the chunk choice's fields."""
+        n, self.unsent[c] = self.unsent[c], 0
+        out = {}
+        if self.req.return_token_ids:
+            out["token_ids"] = self.token_ids[c][len(self.token_ids[c]) - n:]
+        if self.req.params.return_entropy:
+            out["entropies"] = self.entropies[c][len(self.entropies[c]) - n:]
+        return out
 
     def usage(self) -> Usage:
         return Usage.of(sum(map(len, self.req.prompts)), sum(self.tokens), sum(self.cached))
@@ -143,6 +150,8 @@ class Choices:
             if message.content == "":
                 message.content = None  # (vLLM's, with a reasoning parser: no answer is None)
         extra = {"token_ids": self.token_ids[c]} if self.req.return_token_ids else {}
+        if self.req.params.return_entropy:
+            extra["entropies"] = self.entropies[c]
         return ChatChoice(index=c, message=message, logprobs=logprobs, finish_reason=self.finish_reason(c),
                           stop_reason=self.stop_reason[c], **extra)
 
@@ -157,6 +166,8 @@ class Choices:
             extra.update(token_ids=self.token_ids[c], prompt_token_ids=self.req.prompts[c // self.n])
         if self.req.params.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self.vllm_prompt_logprobs(c // self.n)
+        if self.req.params.return_entropy:
+            extra["entropies"] = self.entropies[c]
         return CompletionChoice(index=c, text=text, logprobs=logprobs, finish_reason=self.finish_reason(c),
                                 stop_reason=self.stop_reason[c], **extra)
 

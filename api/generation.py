@@ -45,7 +45,8 @@ def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
         for ids in req.prompts:
             state.engine.check(ids, req.params)
     except RequestError as e:  # the engine's one check of what depends on the model
-        raise APIError(str(e), param=req.prompt_field if e.field == "prompt" else e.field) from e
+        field = {"prompt": req.prompt_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
+        raise APIError(str(e), param=field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
 

@@ -18,9 +18,10 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
-def token_name(tokenizer: Tokenizer, as_ids: bool):
-    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (`return_tokens_as_token_ids`)."""
-    return (lambda token: f"token_id:{token}") if as_ids else tokenizer.decode_token
+def token_name(tokenizer: Tokenizer | None, as_ids: bool):
+    """How logprobs name a token: its text, or vLLM's "token_id:<id>" (`return_tokens_as_token_ids`,
+    and always without a tokenizer)."""
+    return (lambda token: f"token_id:{token}") if as_ids or tokenizer is None else tokenizer.decode_token
 
 
 def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
@@ -35,9 +36,10 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
             for token, lp in zip(token_ids, logprobs)]
 
 
-def prompt_logprobs(tokenizer: Tokenizer, prompt_ids: list[int], logprobs: list[TokenLogprobs]) -> PromptLogprobs:
+def prompt_logprobs(tokenizer: Tokenizer | None, prompt_ids: list[int], logprobs: list[TokenLogprobs]
+                    ) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
-    decoded_token}} for it and the top k."""
+    decoded_token}} for it and the top k (decoded_token None without a tokenizer)."""
     return [None, *({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
                      for t, lp in entry.items()}
                     for entry in logprob_entries(tokenizer, prompt_ids[1:], logprobs))]
@@ -51,8 +53,9 @@ class CompletionLogprobsWriter:
     where each token's text starts in the choice's text, counting whole characters: a token that
     holds the first bytes of a character starts where that character does."""
 
-    def __init__(self, tokenizer: Tokenizer, offset: int = 0, as_ids: bool = False):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, offset: int = 0, as_ids: bool = False):
+        # (without a tokenizer the text is empty: every token starts at `offset`)
+        self.token_bytes = (lambda token: b"") if tokenizer is None else tokenizer.token_bytes
         self.name = token_name(tokenizer, as_ids)
         self.offset = offset  # characters of the choice's text before the next token
         self._chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -74,5 +77,5 @@ class CompletionLogprobsWriter:
                     top.setdefault(self.name(t), _finite(lp))
                 out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
-            self.offset += len(self._chars.decode(self.tokenizer.token_bytes(token)))
+            self.offset += len(self._chars.decode(self.token_bytes(token)))
         return out

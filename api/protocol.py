@@ -15,7 +15,8 @@ import dataclasses
 import json
 
 from jaxserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
-from jaxserve.config import RequestError
+from jaxserve.config import MAX_LOGPROBS, RequestError
+from jaxserve.sampling import needs_distribution
 from jaxserve.sampling_params import SamplingParams
 from api.errors import APIError
 from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
@@ -39,6 +40,7 @@ class Limits:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the default of return_tokens_as_token_ids
     response_role: str = "assistant"  # vLLM's --response-role: the role of chat answers
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage ends every stream
+    processor_args: frozenset[str] = frozenset()  # the logits processors' argument names (top-level fields too)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -85,12 +87,17 @@ def _given(body: dict, name: str, default=None):
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "logits_processors": lambda v: bool(v),
     "priority": lambda v: v not in (None, 0),
     "audio": lambda v: v is not None,  # (the models write text only)
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
 }
+
+# llama.cpp's sampler fields, SamplingParams' of the same names (bounds: the request models')
+LLAMACPP_FIELDS = ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base",
+                   "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability",
+                   "xtc_threshold", "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "min_keep")
+
 
 # With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
 _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
@@ -98,7 +105,8 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
                  "stop_token_ids": ([],), "logit_bias": ({},),
                  "bad_words": ([],), "allowed_token_ids": (), "response_format": ({"type": "text"},), "tools": ([],),
                  "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-                 "structured_outputs": ()}
+                 "structured_outputs": (), "return_entropy": (False,),
+                 **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
 
 
 def _beam_search(req: GenerationRequest, body: dict, limits: Limits) -> GenerationRequest:
@@ -256,11 +264,22 @@ def _constraint(body: dict) -> Constraint | None:
     return constraint
 
 
+def _llamacpp_fields(body: dict) -> dict:
+    """The llama.cpp sampler fields the request gives (the others keep SamplingParams' defaults)."""
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and not (isinstance(breakers, list) and all(isinstance(b, str) for b in breakers)):
+        raise APIError("'dry_sequence_breakers' must be a list of strings", param="dry_sequence_breakers")
+    return {name: body[name] for name in LLAMACPP_FIELDS if body.get(name) is not None}
+
+
 def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, chat: bool) -> SamplingParams:
     """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
     for name, used in _NOT_YET.items():
         if name in body and used(body[name]):
             raise APIError(f"'{name}' is not supported by this server yet", param=name)
+    if body.get("logits_processors"):
+        raise APIError("'logits_processors' are registered when the server starts (--logits-processors); a "
+                       "request uses them through their arguments, in 'vllm_xargs'", param="logits_processors")
     defaults = limits.sampling_defaults
     max_tokens = _given(body, "max_completion_tokens", _given(body, "max_tokens", default_max_tokens))
     if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
@@ -293,6 +312,9 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         logprobs=_logprobs(body, chat),
         prompt_logprobs=prompt_logprobs,
         constraint=_constraint(body),
+        extra_args=_extra_args(body, limits),
+        return_entropy=_given(body, "return_entropy", False),
+        **_llamacpp_fields(body),
     )
     try:
         return SamplingParams(**fields)
@@ -300,6 +322,17 @@ def sampling_params(body: dict, limits: Limits, default_max_tokens: int | None, 
         raise APIError(str(e), param=e.field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
+
+
+def _extra_args(body: dict, limits: Limits) -> dict | None:
+    """vLLM's `vllm_xargs` (SamplingParams.extra_args), with the logits processors' arguments given as
+    top-level fields (the OpenAI SDK's extra_body) under them."""
+    xargs = body.get("vllm_xargs")
+    if xargs is not None and not isinstance(xargs, dict):
+        raise APIError("'vllm_xargs' must be an object", param="vllm_xargs")
+    extra = {name: body[name] for name in limits.processor_args if body.get(name) is not None}
+    extra.update(xargs or {})
+    return extra or None
 
 
 def _response_options(body: dict, limits: Limits) -> dict:
@@ -342,9 +375,11 @@ def _as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[lis
     return ids, params
 
 
-def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
+def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer | None) -> GenerationRequest:
     """With `echo`, `logprobs` covers the prompt's tokens too (the first has none), and max_tokens 0
-    gives the prompt alone: OpenAI's way to score a text."""
+    gives the prompt alone: OpenAI's way to score a text. Without a tokenizer (--skip-tokenizer-init)
+    prompts are token ids; the answer's texts are empty, and it carries the token ids (vLLM's
+    return_token_ids) unless the request says otherwise."""
     model = check_model(body, limits)
     prompt_only = body.get("echo") is True and type(whole(body.get("max_tokens"))) is int and \
         body["max_tokens"] == 0 and body.get("max_completion_tokens") is None
@@ -355,6 +390,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
     params = sampling_params(body, limits, default_max_tokens=16, chat=False)  # the legacy API's default
     options = _response_options(body, limits)
     if echo and params.logprobs is not None and params.prompt_logprobs is None:
+        if needs_distribution(params.logprobs):
+            raise APIError(f"'echo' with 'logprobs' of {params.logprobs} is not supported: prompt tokens get at most "
+                           f"{MAX_LOGPROBS} top logprobs", param="logprobs")
         params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
     prompt = body.get("prompt")
     if isinstance(prompt, str) or _ids(prompt):
@@ -365,10 +403,16 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer) -> Genera
                                                           or all(isinstance(p, list) for p in prompt)):
         raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id lists",
                        param="prompt")
+    if tokenizer is None:
+        if isinstance(prompt[0], str):
+            raise APIError("text prompts need the model's tokenizer, and this server runs without one "
+                           "(--skip-tokenizer-init): send 'prompt' as token ids", param="prompt")
+        options["return_token_ids"] = _given(body, "return_token_ids", True)
     special = _given(body, "add_special_tokens", True)
     ids = [_as_run(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
                    params)[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
-    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else tokenizer.decode(i)
+    decode = (lambda i: "") if tokenizer is None else tokenizer.decode  # (no tokenizer: no text to echo)
+    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else decode(i)
              for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
                                           **options), body, limits)

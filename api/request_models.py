@@ -18,7 +18,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, T
     WithJsonSchema, model_validator
 
 from api.errors import APIError
-from jaxserve.config import MAX_LOGPROBS
 from jaxserve.sampling_params import MAX_N
 
 MAX_TOKENS = 2**31  # OpenAI's bound on max_tokens and the other token counts
@@ -92,6 +91,9 @@ LengthPenalty = number(-100.0, 100.0)
 Temperature = number(0.0, 2.0)
 TopP = number(0.0, 1.0, lo_open=True)
 MaxTokens = integer(1, MAX_TOKENS)
+# top logprobs per token: OpenAI's 0..20, and as vLLM's more, or -1 for the whole vocabulary, where the
+# server's --max-logprobs allows (the engine checks the cap)
+TopLogprobs = integer(-1, MAX_TOKENS)
 
 
 class GenerationFields(BaseModel):
@@ -108,7 +110,7 @@ class GenerationFields(BaseModel):
     parallel_tool_calls: Bool = None
     max_completion_tokens: MaxTokens = None
     max_tokens: MaxTokens = None
-    prompt_logprobs: integer(0, MAX_LOGPROBS) = None
+    prompt_logprobs: TopLogprobs = None  # (at most 20: the engine's check)
     stream: Bool = None
     min_tokens: integer(0, MAX_TOKENS) = None
     n: integer(1, MAX_N) = None
@@ -140,8 +142,26 @@ class GenerationFields(BaseModel):
     stream_options: described(OBJECT, '{"include_usage": bool, "continuous_usage_stats": bool}') = None
     return_tokens_as_token_ids: Bool = None
     return_token_ids: Bool = None
+    return_entropy: Bool = None  # jaxserve's: each choice's `entropies`, per generated token
     add_special_tokens: Bool = None
     use_beam_search: Bool = None
+    vllm_xargs: described(OBJECT, "vLLM's: arguments of the server's logits processors (SamplingParams.extra_args)") = None
+    # llama.cpp's samplers (its server's names; see docs/api.md)
+    typical_p: number(0.0, 1.0) = None
+    mirostat: integer(0, 2) = None
+    mirostat_tau: number(0.0, 100.0) = None
+    mirostat_eta: number(0.0, 1.0) = None
+    dry_multiplier: number(0.0, 100.0) = None
+    dry_base: number(1.0, 100.0) = None
+    dry_allowed_length: integer(0, MAX_TOKENS) = None
+    dry_penalty_last_n: integer(-1, MAX_TOKENS) = None
+    dry_sequence_breakers: described(STRINGS, "DRY's (default: newline, colon, double quote, asterisk)") = None
+    xtc_probability: number(0.0, 1.0) = None
+    xtc_threshold: number(0.0, 1.0) = None
+    top_n_sigma: number(-1.0, 100.0) = None
+    dynatemp_range: number(0.0, 2.0) = None
+    dynatemp_exponent: number(0.0, 100.0) = None
+    min_keep: integer(0, MAX_TOKENS) = None
     length_penalty: documented(LengthPenalty, "with use_beam_search only") = None
 
     @model_validator(mode="before")
@@ -158,14 +178,14 @@ class CompletionRequest(GenerationFields):
     model_config = ConfigDict(json_schema_extra={"required": ["prompt"]})
 
     prompt: described({"anyOf": [STRING, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]}) = None
-    logprobs: integer(0, MAX_LOGPROBS) = None
+    logprobs: TopLogprobs = None
 
 
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions (or a raw `prompt` instead of messages, rendered by no template)."""
     messages: described({"type": "array", "items": OBJECT, "minItems": 1}) = None
     logprobs: Bool = None
-    top_logprobs: integer(0, MAX_LOGPROBS) = None
+    top_logprobs: TopLogprobs = None
     tools: described({"type": "array", "items": OBJECT}) = None
     tool_choice: described({"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]}) = None
     functions: described({"type": "array", "items": OBJECT}, "deprecated: tools") = None
@@ -188,7 +208,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: MaxTokens = None
     temperature: documented(Temperature) = None
     top_p: documented(TopP) = None
-    top_logprobs: documented(integer(0, MAX_LOGPROBS)) = None
+    top_logprobs: documented(TopLogprobs) = None
     include: described({"type": "array", "items": {"enum": ["message.output_text.logprobs"]}}) = None
     tools: described({"type": "array", "items": OBJECT}, "function tools") = None
     tool_choice: described({"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]}) = None

@@ -94,7 +94,7 @@ class PromptLogprob(Wire):
     """vLLM's `prompt_logprobs` entry of a token."""
     logprob: float
     rank: int
-    decoded_token: str
+    decoded_token: str | None  # None without a tokenizer (--skip-tokenizer-init)
 
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]  # None for the prompt's first token
@@ -155,6 +155,7 @@ class ChatChoice(Wire):
     finish_reason: FinishReason
     stop_reason: StopReason
     token_ids: list[int] = MISSING  # vLLM's return_token_ids
+    entropies: list[float] = MISSING  # jaxserve's return_entropy: per generated token, in nats
 
 
 class CompletionChoice(Wire):
@@ -166,6 +167,7 @@ class CompletionChoice(Wire):
     token_ids: list[int] = MISSING  # vLLM's return_token_ids
     prompt_token_ids: list[int] = MISSING
     prompt_logprobs: PromptLogprobs = MISSING
+    entropies: list[float] = MISSING  # jaxserve's return_entropy: per generated token, in nats
 
 
 class ChatCompletion(Wire):
@@ -195,6 +197,7 @@ class ChatChunkChoice(Wire):
     finish_reason: FinishReason = None
     stop_reason: StopReason = None
     token_ids: list[int] = MISSING  # those no chunk has carried yet
+    entropies: list[float] = MISSING  # of the same tokens
 
 
 class CompletionChunkChoice(Wire):
@@ -205,6 +208,7 @@ class CompletionChunkChoice(Wire):
     stop_reason: StopReason = None
     token_ids: list[int] = MISSING  # those no chunk has carried yet
     prompt_token_ids: list[int] = MISSING  # in each choice's first chunk
+    entropies: list[float] = MISSING  # of the tokens no chunk has carried yet
 
 
 class ChatCompletionChunk(Wire):

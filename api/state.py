@@ -43,8 +43,16 @@ class APIState:
     in_flight: int = 0  # requests being generated (vLLM's server load)
 
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer | None:
+        """None where the server runs on token ids alone (--skip-tokenizer-init)."""
         return self.engine.tokenizer
+
+    def text_tokenizer(self, route: str) -> Tokenizer:
+        """The tokenizer, for a route that cannot do without one; a 400 saying so where there is none."""
+        if self.tokenizer is None:
+            raise APIError(f"{route} needs the model's tokenizer, and this server runs without one "
+                           "(--skip-tokenizer-init): send prompts as token ids to /v1/completions")
+        return self.tokenizer
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """fn(*args), which renders or tokenizes prompts, on the tokenizing thread: a long prompt must

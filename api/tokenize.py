@@ -20,7 +20,7 @@ RENDERING_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_fina
 @tokenize.post("/tokenize")
 async def tokenize_text():
     state, body = api_state(), await json_body()
-    limits, tokenizer = state.limits, state.tokenizer
+    limits, tokenizer = state.limits, state.text_tokenizer("/tokenize")
     check_model(body, limits)
     if "messages" in body:
         rendering = {k: body[k] for k in RENDERING_FIELDS if k in body}
@@ -36,10 +36,11 @@ async def tokenize_text():
 @tokenize.post("/detokenize")
 async def detokenize():
     state, body = api_state(), await json_body()
+    tokenizer = state.text_tokenizer("/detokenize")
     check_model(body, state.limits)
     ids = body.get("tokens")
     vocab_size = state.limits.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                             and 0 <= t < vocab_size for t in ids):
         raise APIError(f"'tokens' must be a list of token ids in [0, {vocab_size})", param="tokens")
-    return DetokenizeResponse(prompt=state.tokenizer.decode(ids))
+    return DetokenizeResponse(prompt=tokenizer.decode(ids))

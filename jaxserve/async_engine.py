@@ -49,6 +49,8 @@ class Update:
     # when prompt logprobs are asked for: per prompt token after the first (complete from the first
     # update that carries a token on)
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # per new token, when asked for (`SamplingParams.return_entropy`): of the model's distribution, in nats
+    entropies: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -59,9 +61,9 @@ class _Subscriber:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None):
         self.engine = engine
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
@@ -141,7 +143,7 @@ class AsyncEngine:
         except StopIteration as done:
             (result,) = done.value
         for beam in result.sequences:
-            beam.text = self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
+            beam.text = "" if self.tokenizer is None else self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
         return result
 
     async def _candidates(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -226,7 +228,7 @@ class AsyncEngine:
         update = Update(index=seq.index, text=out.text, token_ids=out.token_ids, logprobs=out.logprobs,
                         num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                         num_output_tokens=out.num_output_tokens, finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
+                        stop_reason=out.stop_reason, entropies=out.entropies,
                         prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs)
         try:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, update)

@@ -77,6 +77,9 @@ def search(prompt_ids: list[list[int]], params: BeamSearchParams, eos_token_ids:
     def key(beam: BeamSearchSequence) -> float:
         return _score(beam, eos, params.length_penalty)
 
+    if not config.logprobs_mode.endswith("_logprobs"):  # (a sum of logits scores nothing)
+        raise ValueError(f"beam search scores beams by their logprobs: it needs logprobs_mode raw_logprobs or "
+                         f"processed_logprobs, not {config.logprobs_mode}")
     for ids in prompt_ids:
         config.check_fits(len(ids), params.max_tokens)
     live = [[BeamSearchSequence(tokens=ids, logprobs=[])] for ids in prompt_ids]
@@ -133,5 +136,5 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
             results = done.value
     for result in results:
         for beam in result.sequences:
-            beam.text = llm.tokenizer.decode(beam.tokens)
+            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(beam.tokens)
     return results

@@ -174,10 +174,12 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 DEFAULT_MAX_MODEL_LEN = 8192  # unless asked for more: long contexts cost cache and compile time
 DTYPES = ("float32", "bfloat16")  # what weights, activations and the KV cache can be
-# what sampled tokens' logprobs are of (vLLM's --logprobs-mode; see sampling.sample): the model's own
-# distribution, or the one the token is drawn from
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-MAX_LOGPROBS = 20  # top logprobs the sampler computes per token (OpenAI's bound; vLLM's default max_logprobs)
+# what sampled tokens' logprobs are (vLLM's --logprobs-mode; see sampling.sample): of the model's own
+# distribution or of the one the token is drawn from; its log-softmax, or the logits themselves
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+# top logprobs the sampler keeps per token (OpenAI's bound; vLLM's default max_logprobs); more come
+# from each row's whole distribution, an output of the step only where --max-logprobs allows more
+MAX_LOGPROBS = 20
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/warmup.py)
 WARMUP_MODES = ("auto", "minimal", "all")
@@ -225,6 +227,10 @@ class EngineConfig:
         "no download)")
     tokenizer: str | None = setting(
         None, "a directory (or hub id) to read the tokenizer and chat template from (default: --model's)")
+    skip_tokenizer_init: bool = setting(
+        False, "load no tokenizer: prompts are token ids and outputs token ids with empty text, for a model "
+        "without tokenizer files (e.g. one trained on its own vocabulary); whatever needs text (text prompts, "
+        "chat, stop strings, bad words, structured outputs, /tokenize) is refused", negatable=True)
     dtype: str = setting("auto", "weights and activations (default: auto, the checkpoint's own; float16 and half "
                          "run as bfloat16, float is float32)", choices=("auto", *DTYPES, *DTYPE_ALIASES), compiled=True)
     quantization: str | None = setting(
@@ -246,9 +252,11 @@ class EngineConfig:
         flags=("--gpu-memory-utilization",), aliases=("gpu_memory_utilization",), type=float)
     seed: int = setting(0, "seeds the requests that set none")
     logprobs_mode: str = setting(
-        "raw_logprobs", "what logprobs are of: raw_logprobs, the model's own distribution (vLLM's default), or "
-        "processed_logprobs, the one the token is drawn from (after penalties, temperature, top-k/p)",
-        choices=LOGPROBS_MODES, compiled=True)
+        "raw_logprobs", "what logprobs are: raw_logprobs, of the model's own distribution (vLLM's default); "
+        "processed_logprobs, of the one the token is drawn from (after the allowed-token mask, logit bias, "
+        "min_tokens, penalties, temperature and the top-k/min-p/top-p cut, -inf where cut); raw_logits and "
+        "processed_logits, those logits themselves instead of their log-softmax. Prompt logprobs are always "
+        "the model's own logprobs", choices=LOGPROBS_MODES, compiled=True)
     tensor_parallel_size: int = setting(
         1, "devices to split weights and KV cache over (multi-host: all devices of all processes)", flags=("-tp",),
         compiled=True)
@@ -263,8 +271,10 @@ class EngineConfig:
         "vllm (none: vLLM's neutral defaults), or a directory holding one")
     override_generation_config: dict | None = setting(
         None, 'JSON: generation-config fields over the model\'s, e.g. \'{"temperature": 0.5}\'', type=json_object)
-    max_logprobs: int = setting(MAX_LOGPROBS, "the most logprobs a request may ask for "
-                                f"(default and at most: {MAX_LOGPROBS})")
+    max_logprobs: int = setting(
+        MAX_LOGPROBS, f"the most logprobs a request may ask for (default: {MAX_LOGPROBS}); -1: no cap, and a "
+        f"request's -1 asks for the whole vocabulary. Above {MAX_LOGPROBS}, a step where some request asks for "
+        f"more also returns its rows' whole distributions (prompt logprobs stay at most {MAX_LOGPROBS})")
     warmup: str = setting(
         "auto", "step buckets compiled before the engine serves: all, or minimal: the one that runs any step "
         "(one token, the widest page table); the others then compile in the background, and each step runs the "
@@ -277,6 +287,10 @@ class EngineConfig:
         "each sequence's own pages). auto: widest under the C++ CPU attention kernel or with batch-invariant, 4x "
         "otherwise",
         choices=PAGE_TABLE_WIDTHS)
+    logits_processors: tuple = setting(
+        (), "logits processors (subclasses of jaxserve.LogitsProcessor, as module:Class or module.Class) "
+        "compiled into the step, applied in this order after the penalties and before temperature to the "
+        "requests that use them (SamplingParams.extra_args; HTTP: vllm_xargs)", nargs="*", type=str)
     batch_invariant: bool = setting(
         False, "make a request's logits bitwise the same whatever shares its steps (other requests, their "
         "number, how prompts are chunked): every step is computed in tiles of a fixed number of tokens, each "
@@ -304,9 +318,9 @@ class EngineConfig:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
-        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"max_logprobs must be in [0, {MAX_LOGPROBS}] (the sampler computes the top "
-                             f"{MAX_LOGPROBS} per token), got {self.max_logprobs}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
+        object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
@@ -369,6 +383,13 @@ class EngineConfig:
     def kv_dtype(self) -> str:
         """The KV cache's value type: `kv_cache_dtype`, or for "auto" the model's `dtype`."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def returns_distributions(self) -> bool:
+        """Whether a request may ask for more top logprobs than the sampler keeps per token
+        (MAX_LOGPROBS): the step then has an output of its rows' whole distributions
+        (`SampleOutput.distributions`), filled and fetched only in a step where some row asks."""
+        return self.max_logprobs == -1 or self.max_logprobs > MAX_LOGPROBS
 
     @property
     def max_pages_per_seq(self) -> int:
@@ -473,7 +494,6 @@ VLLM_OPTIONS = {
     "tokenizer_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "code_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "tokenizer_mode": VllmOption("jaxserve reads the Hugging Face tokenizer of the model", ("auto", "hf"), _TEXT),
-    "skip_tokenizer_init": VllmOption("prompts and outputs go through the model's tokenizer", (False,), _SWITCH),
     "load_format": VllmOption("weights are read from safetensors and GGUF files", ("auto", "safetensors", "gguf"),
                               _TEXT),
     "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),
@@ -491,7 +511,6 @@ VLLM_OPTIONS = {
     "convert": VllmOption(_GENERATE_ONLY, ("auto", "none"), _TEXT),
     "mm_processor_kwargs": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
     "limit_mm_per_prompt": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
-    "logits_processors": VllmOption("custom logits processors are not supported", (None, []), dict(nargs="*")),
     "scheduling_policy": VllmOption("requests are scheduled first come, first served", ("fcfs",), _TEXT),
 }
 

@@ -24,17 +24,19 @@ from flax import nnx
 
 from checkpoints import resolve_model
 from checkpoints.default_model import cache_root
-from jaxserve.config import EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
+from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
+from jaxserve.llamacpp_samplers import BUILTIN_SAMPLERS
+from jaxserve.logits_processors import Processors
 from jaxserve.output import OutputProcessor, SequenceOutput
 from jaxserve.runner import LaunchedStep, Runner
-from jaxserve.sampling import MAX_SUPPRESSED
+from jaxserve.sampling import MAX_SUPPRESSED, needs_distribution
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.sequence import Sequence
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.tokenizer import Tokenizer, check_tokenizer_files
 from jaxserve.warmup import BucketCompiler
 from jaxserve.weights import load_weights, weight_formats
 from kernels import implementation as attention_implementation
@@ -62,10 +64,11 @@ class Engine:
     """Scheduler + runner + output processor, and the step loop. Requests arrive as token ids."""
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 tokenizer: Tokenizer | Future[Tokenizer], *, warmup: bool = True,
+                 tokenizer: Tokenizer | Future[Tokenizer] | None, *, warmup: bool = True,
                  sampling_defaults: dict | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
-        and the engine is warmed up (`warmup`; later, where `warmup` is False). `sampling_defaults`
+        and the engine is warmed up (`warmup`; later, where `warmup` is False); None with
+        `config.skip_tokenizer_init` (outputs are then token ids, with empty text). `sampling_defaults`
         (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
         it leaves out."""
         executable_cache = compilation_cache()
@@ -74,9 +77,12 @@ class Engine:
         self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
+        # llama.cpp's samplers, then the registered processors
+        self.processors = Processors([*BUILTIN_SAMPLERS, *config.logits_processors], model_config.vocab_size)
+        self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh), executable_cache)
+                             replicated(self.mesh), executable_cache, self.processors)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         self._seeds = np.random.default_rng(config.seed)
         self._in_flight: InFlight | None = None
@@ -126,7 +132,7 @@ class Engine:
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
         sampling = RequestSampling.of(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                                      self.model_config.vocab_size)
+                                      self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
@@ -160,14 +166,36 @@ class Engine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise RequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", name)
-        for name, value in (("sample logprobs", params.logprobs), ("prompt logprobs", params.prompt_logprobs)):
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"requested {name} of {value}, more than max_logprobs ({self.config.max_logprobs})")
+        if self.config.skip_tokenizer_init and params.text_settings:
+            name = params.text_settings[0]
+            raise RequestError(f"{name} needs the model's tokenizer, and the engine runs without one "
+                               "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
+                               "allowed_token_ids serve instead", name)
+        self._check_logprobs(params)
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
         return max_tokens
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """Top logprobs up to max_logprobs (-1: the vocabulary's size, in either), as vLLM's; prompt
+        logprobs up to the MAX_LOGPROBS the step computes per prompt token."""
+        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
+        if params.prompt_logprobs is not None and needs_distribution(params.prompt_logprobs):
+            raise RequestError(f"requested prompt logprobs of {params.prompt_logprobs}: at most {MAX_LOGPROBS} per "
+                               "prompt token are supported (more, or -1, only for sampled tokens' logprobs)",
+                               "prompt_logprobs")
+        for name, field, value in (("sample logprobs", "logprobs", params.logprobs),
+                                   ("prompt logprobs", "prompt_logprobs", params.prompt_logprobs)):
+            wanted = vocab if value == -1 else value
+            if value is None or wanted <= (vocab if cap == -1 else cap):
+                continue
+            if cap == -1:
+                raise RequestError(f"requested {name} of {value}, more than the vocabulary's {vocab} tokens", field)
+            more = " (-1: the whole vocabulary)" if value == -1 else ""
+            raise RequestError(f"requested {name} of {value}{more}, more than max_logprobs ({cap}): raise "
+                               "--max-logprobs (LLM's max_logprobs; -1: no cap)", field)
 
     def abort(self, request_id: str) -> None:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
@@ -241,15 +269,23 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 
 def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
-                 ) -> tuple[Engine, Tokenizer]:
-    """Resolve the model, read its config and tokenizer, load the weights, compile the step buckets
-    (`Engine.warmup`; where `warmup` is False, the caller does that later).
+                 ) -> tuple[Engine, Tokenizer | None]:
+    """Resolve the model, read its config and tokenizer (none with `skip_tokenizer_init`: a model
+    directory without tokenizer files is refused before anything loads, `check_tokenizer_files`),
+    load the weights, compile the step buckets (`Engine.warmup`; where `warmup` is False, the caller
+    does that later).
     The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory allows, else 2 GiB;
     dtype "auto" is the checkpoint's own (`resolve_dtype`); page_table_widths "auto" follows the
     attention implementation (widest in the batch-invariant mode); the requests' sampling defaults
     come from `generation_config` (`sampling_defaults`). `chat_template` replaces the tokenizer's."""
+    if config.skip_tokenizer_init and (chat_template is not None or config.tokenizer is not None):
+        raise ValueError("a chat template or --tokenizer needs a tokenizer: drop them or --skip-tokenizer-init")
     model_dir = resolve_model(config.model)
     model_config = ModelConfig.from_hf(model_dir)
+    tokenizer_dir = None
+    if not config.skip_tokenizer_init:
+        tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
+        check_tokenizer_files(tokenizer_dir)
     defaults = sampling_defaults(model_dir, config.generation_config, config.override_generation_config)
     SamplingParams(**defaults)  # a bad default is an error now, not in every request
     if defaults:
@@ -265,8 +301,8 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
                                                   config.tensor_parallel_size, formats)
     config = config.resolve(model_config, **given)
-    tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
-        tokenizer = pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template)
+        tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)
+                     else pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template))
         engine = Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults)
     return engine, engine.tokenizer

@@ -24,8 +24,9 @@ class TokensPrompt(TypedDict):
 PromptType = str | list[int] | TextPrompt | TokensPrompt
 
 
-def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
-    """(the prompt's text where it has one, its token ids); ValueError for what is not a prompt."""
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
+    """(the prompt's text where it has one, its token ids); ValueError for what is not a prompt, and
+    for a text prompt without a tokenizer (skip_tokenizer_init)."""
     text = None
     if isinstance(prompt, dict):
         if prompt.get("multi_modal_data") or prompt.get("mm_processor_kwargs"):
@@ -40,6 +41,9 @@ def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer) -> tuple[str | Non
         else:
             prompt = prompt["prompt_token_ids"]
     if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("You cannot pass text prompts when skip_tokenizer_init=True: text needs the model's "
+                             "tokenizer; pass token ids (a list, or {'prompt_token_ids': [...]})")
         return prompt, tokenizer.encode(prompt)
     if is_token_ids(prompt):
         return text, [int(t) for t in prompt]

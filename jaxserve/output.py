@@ -35,6 +35,7 @@ class SequenceOutput:
     text: str  # newly released text (may be "")
     token_ids: list[int]  # new token ids
     logprobs: list[TokenLogprobs]  # for the new tokens, when requested
+    entropies: list[float]  # for the new tokens, when requested (`SamplingParams.return_entropy`)
     # the sequence as of this release (it may have moved on by the time the output is published)
     num_output_tokens: int
     finish_reason: str | None
@@ -47,14 +48,16 @@ class SequenceOutput:
 
 @dataclasses.dataclass
 class _TextState:
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: no text (detokenize=False, or no tokenizer)
     text: str = ""  # everything decoded so far (stop strings cut)
     num_tokens: int = 0  # output tokens already reported
     exempt: int = 0  # characters of the first min_tokens tokens: no stop string may end in them
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, scheduler: Scheduler, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer | None, scheduler: Scheduler, vocab_size: int):
+        """`tokenizer` None: the engine runs on token ids alone (its check refuses what needs text:
+        stop strings, bad words, grammars), every text is empty."""
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.vocab_size = vocab_size
@@ -110,18 +113,21 @@ class OutputProcessor:
     def _process(self, seq: Sequence) -> SequenceOutput:
         state = self._states.get(seq.seq_id)
         if state is None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens,
-                                                 seq.params.spaces_between_special_tokens)
+            detokenizer = None
+            if seq.params.detokenize and self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     seq.params.skip_special_tokens,
+                                                     seq.params.spaces_between_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
         new_tokens = seq.output_token_ids[state.num_tokens:]
-        new_logprobs = seq.logprobs[state.num_tokens:]
+        new_logprobs, new_entropies = seq.logprobs[state.num_tokens:], seq.entropies[state.num_tokens:]
         state.num_tokens += len(new_tokens)
         released = len(seq.text)
         text_tokens = new_tokens
         if new_tokens and (seq.seq_id in self._refused or
                            self._ended_by_token(seq) and not seq.params.include_stop_str_in_output):
             text_tokens = new_tokens[:-1]  # the EOS or stop token that ended it (even with special tokens kept)
-        if seq.params.detokenize:
+        if state.detokenizer is not None:
             state.text += state.detokenizer.push(text_tokens)
             if seq.is_finished:
                 state.text += state.detokenizer.flush()
@@ -145,8 +151,8 @@ class OutputProcessor:
         if seq.is_finished:
             self.forget(seq.seq_id)
         return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
-                              num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
-                              stop_reason=seq.stop_reason)
+                              entropies=new_entropies, num_output_tokens=state.num_tokens,
+                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         """Whether the sequence's last token finished it: an EOS, or one of its stop_token_ids."""

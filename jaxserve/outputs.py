@@ -14,7 +14,7 @@ from jaxserve.tokenizer import Tokenizer
 class Logprob:
     logprob: float
     rank: int  # 1 = most likely (under the distribution sampled from, for a generated token)
-    decoded_token: str | None  # None where the request set detokenize=False
+    decoded_token: str | None  # None where the request set detokenize=False, or there is no tokenizer
 
 
 @dataclasses.dataclass
@@ -26,8 +26,12 @@ class CompletionOutput:
     finish_reason: str | None  # "stop", "length", "abort"; None while running
     stop_reason: int | str | None = None  # the stop token id or string that ended it; None for EOS or length
     # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
+    # (-1: every token of the vocabulary), in the engine's logprobs_mode (the `*_logits` modes: logits)
     logprobs: list[dict[int, Logprob]] | None = None
     lora_request: None = None  # vLLM's; no LoRA adapters here
+    # jaxserve's, when SamplingParams.return_entropy is set: per token, the entropy in nats of the model's
+    # own distribution (the softmax of its raw logits) at that token
+    entropies: list[float] | None = None
 
     def finished(self) -> bool:
         """vLLM's: whether the sequence has ended."""
@@ -56,16 +60,18 @@ class RequestOutput:
 
 
 
-def logprob_entries(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[TokenLogprobs],
+def logprob_entries(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs],
                     detokenize: bool = True) -> list[dict[int, Logprob]]:
     """vLLM's form: per token, {id: Logprob} for the token and then the top k (`decoded_token` None
-    without `detokenize`)."""
-    decode = tokenizer.decode_token if detokenize else (lambda token: None)
+    without `detokenize`, or without a tokenizer). Built a dict at a time (k may be the whole vocabulary)."""
+    decode = tokenizer.decode_token if detokenize and tokenizer is not None else (lambda token: None)
     out = []
     for token, lp in zip(token_ids, logprobs):
+        top = dict(zip(lp.top_ids, map(Logprob, lp.top_logprobs, range(1, len(lp.top_ids) + 1),
+                                       map(decode, lp.top_ids))))
+        top.pop(token, None)  # (the token comes first, with its own rank)
         entry = {token: Logprob(lp.logprob, lp.rank, decode(token))}
-        for r, (t, top) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1):
-            entry.setdefault(t, Logprob(top, r, decode(t)))
+        entry.update(top)
         out.append(entry)
     return out
 

@@ -29,10 +29,11 @@ from tqdm import tqdm
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
 from jaxserve.executables import ExecutableCache
 from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
+from jaxserve.logits_processors import Processors, fingerprint
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
 from jaxserve.models.invariant import ROWS, by_rows
-from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors, prompt_logprobs,
-                               sample)
+from jaxserve.sampling import (Padding, PromptLogprobs, SampleOutput, SamplingRow, SamplingTensors,
+                               needs_distribution, prompt_logprobs, sample)
 from jaxserve.scheduler import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.settings import compiled_fields
 from jaxserve.sharding import broadcast_plan, is_leader, place
@@ -59,8 +60,11 @@ class StepInputs:
 class LaunchedStep(NamedTuple):
     """A step's outputs, still on the device until `Runner.collect` fetches them."""
 
-    samples: jax.Array  # i32[B * (3 + 2K)] every row's token and logprobs (`SampleOutput.packed`)
+    samples: jax.Array  # i32[B * (4 + 2K)] every row's token, logprobs and entropy (`SampleOutput.packed`)
     prompt: PromptLogprobs  # of the prompt tokens asked about (`StepInputs.prompt_rows`), per token of the step
+    # f32[B, V] the whole distributions of the rows that ask for more than K top logprobs
+    # (`SampleOutput.distributions`); None where max_logprobs allows no more than K
+    distributions: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -121,7 +125,8 @@ def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
 
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
-                 logprobs_mode: str, batch_invariant: bool = False):
+                 logprobs_mode: str, processors: Processors, distributions: bool = False,
+                 batch_invariant: bool = False):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
@@ -130,9 +135,10 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     `weights` are the leaves of the model state, whose structure (`graphdef`, `state_treedef`) is
     closed over, so a call hashes no module structure.
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
-    the samples come out `replicated`, so any process can read them. `logprobs_mode`: see `sample`.
-    `batch_invariant`: every row computed in fixed-shape tiles (`models/invariant.py`): the model
-    and the prompt logprobs by tiles of ROWS tokens, the sampler one sequence at a time."""
+    the samples come out `replicated`, so any process can read them. `logprobs_mode`, `processors`,
+    `distributions`: see `sample`. `batch_invariant`: every row computed in fixed-shape tiles
+    (`models/invariant.py`): the model and the prompt logprobs by tiles of ROWS tokens, the sampler
+    one sequence at a time."""
 
     chunking = dict(chunk=ROWS, fixed=True) if batch_invariant else {}  # of the prompt logprobs
 
@@ -152,12 +158,15 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
             kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets, **chunking)
+        def sample_rows(logits, sampling):
+            return sample(logits, sampling, logprobs_mode, distributions=distributions, processors=processors)
+
         if batch_invariant:
-            out = by_rows(lambda rows: sample(*rows, logprobs_mode), (logits, sampling), model.num_seqs, rows=1)
+            out = by_rows(lambda rows: sample_rows(*rows), (logits, sampling), model.num_seqs, rows=1)
         else:
-            out = sample(logits, sampling, logprobs_mode)
+            out = sample_rows(logits, sampling)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
-        return kv, LaunchedStep(samples=out.packed(), prompt=prompt), previous
+        return kv, LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions), previous
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
 
@@ -173,7 +182,8 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
-                 kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache):
+                 kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache,
+                 processors: Processors):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -181,8 +191,11 @@ class Runner:
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
+        self.processors = processors  # the engine's logits processors, traced into the step
+        # (read once: inspect's source lookup is not safe on the threads that compile)
+        self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
-                                    config.batch_invariant)
+                                    processors, config.returns_distributions, config.batch_invariant)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
@@ -236,7 +249,8 @@ class Runner:
     def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
-        description = repr((model, compiled_fields(self.config), shape))
+        description = repr((model, compiled_fields(self.config), self._processors_fingerprint,
+                            self.config.returns_distributions, shape))
         return self.executable_cache.compile(self.step_fn, args, description,
                                              list(self.kv_sharding.mesh.devices.flat))
 
@@ -277,14 +291,19 @@ class Runner:
                 self._run(tuple(shape), broadcast_plan(inputs))
 
     def collect(self, batch: ScheduledBatch, launched: LaunchedStep) -> StepOutput:
-        """Wait for a launched step and bring its outputs to the host (the prompt logprobs only when
-        some row asked for them)."""
+        """Wait for a launched step and bring its outputs to the host (the prompt logprobs and the
+        whole distributions only when some row asked for them)."""
         asked = any(r.prompt_logprobs for r in batch.rows)
-        samples, prompt = jax.device_get((launched.samples, launched.prompt if asked else None))
-        out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size))
+        whole = any(r.sample and needs_distribution(r.params.logprobs) for r in batch.rows)
+        samples, prompt, distributions = jax.device_get((launched.samples, launched.prompt if asked else None,
+                                                         launched.distributions if whole else None))
+        out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
+                                    len(self.processors.carried))
         rows = len(batch.rows)
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
-                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows], prompt=prompt)
+                          top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows],
+                          entropies=out.entropies[:rows], prompt=prompt, carried=out.carried[:rows],
+                          distributions=None if distributions is None else distributions[:rows])
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while
@@ -346,9 +365,11 @@ class Runner:
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
         rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
                             token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
-                            allowed_mask=r.sampling.allowed_mask) for r in batch.rows]
+                            allowed_mask=r.sampling.allowed_mask, processor_args=r.sampling.processor_args,
+                            carried=r.carried) for r in batch.rows]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
-                                             self.model_config.eos_token_ids, batch.token_masks, keep_padding=True)
+                                             self.model_config.eos_token_ids, batch.token_masks, keep_padding=True,
+                                             processors=self.processors)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
         for c, (src, dst) in enumerate(batch.page_copies):
             copies[c] = src, dst

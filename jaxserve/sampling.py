@@ -12,7 +12,11 @@ rows take the argmax, and the others apply temperature, top-k, min-p and top-p a
 Logprobs are, as vLLM's by default, those of the model's own distribution (the logits as they
 come out of the model); with `logprobs_mode="processed_logprobs"` those of the distribution the
 token was drawn from: the processed logits at temperature 1 for greedy rows, the tempered and
-filtered distribution otherwise. Prompt logprobs (`prompt_logprobs`) are always the model's own.
+filtered distribution otherwise. The `*_logits` modes report the logits themselves instead of
+their log-softmax (vLLM's `raw_logits`, `processed_logits`). Prompt logprobs (`prompt_logprobs`)
+are always the model's own. A row may also ask for more top logprobs than the MAX_LOGPROBS kept
+per token (`needs_distribution`: its whole distribution, in the same mode) and for the entropy
+of the model's distribution; both are computed only in a step where some row asks.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import LOGPROBS_MODES, MAX_LOGPROBS
+from jaxserve.logits_processors import ProcessorRows, Processors
 from jaxserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 from jaxserve.structured import mask_width
 
@@ -45,6 +50,8 @@ class SamplingRow:
     token_ids: list[int]  # the sequence's prompt + generated tokens (read only; for penalties)
     num_prompt_tokens: int
     allowed_mask: np.ndarray | None = None  # `RequestSampling.allowed_mask`: packed allowed tokens, or any
+    processor_args: tuple | None = None  # `RequestSampling.processor_args`: per logits processor, or None
+    carried: np.ndarray | None = None  # i32[C] what its processors carried from its last token (None: none yet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +84,7 @@ class SamplingTensors:
     top_k: jax.Array  # i32[B]; V when off
     top_p: jax.Array  # f32[B]
     min_p: jax.Array  # f32[B]
+    min_keep: jax.Array  # i32[B] llama.cpp's: top-p and min-p keep at least this many tokens
     seed_lo: jax.Array  # u32[B] low 32 bits of the seed
     seed_hi: jax.Array  # u32[B] high 32 bits of the seed
     position: jax.Array  # i32[B] position of the token being sampled
@@ -92,16 +100,20 @@ class SamplingTensors:
     has_mask: jax.Array  # bool[B] whether the row's token_mask applies
     wants_top: jax.Array  # bool[B] the row asked for top logprobs
     wants_rank: jax.Array  # bool[B] the row asked for logprobs (the sampled token's rank)
+    wants_distribution: jax.Array  # bool[B] the row asked for more top logprobs than K: its whole distribution
+    wants_entropy: jax.Array  # bool[B] the row asked for the entropy of the model's distribution
+    processors: tuple[ProcessorRows, ...] = ()  # per registered logits processor, its rows' arguments
 
     @classmethod
     def from_rows(cls, rows: list[SamplingRow], num_rows: int, vocab_size: int, history_len: int,
                   eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None,
-                  keep_padding: bool = False) -> SamplingTensors:
+                  keep_padding: bool = False, processors: Processors | None = None) -> SamplingTensors:
         """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
         only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
         row -> its packed allowed-token mask (a grammar's), which a row's `allowed_token_ids`
         narrow further. With `keep_padding`, an input no row uses is left a `Padding` (which the
-        runner sends to the device once) instead of an array."""
+        runner sends to the device once) instead of an array. `processors`: the engine's logits
+        processors, whose arguments the rows carry."""
         pad = num_rows - len(rows)
         params = [r.params for r in rows]
 
@@ -113,8 +125,9 @@ class SamplingTensors:
         bias_values = np.zeros((num_rows, MAX_LOGIT_BIAS), np.float32)
         suppress = np.full((num_rows, MAX_SUPPRESSED), vocab_size, np.int32)
         unused = Padding if keep_padding else lambda *padding: np.asarray(Padding(*padding))
-        uses_penalties = any(r.params.uses_penalties for r in rows)
-        history = (np.full if uses_penalties else unused)((num_rows, history_len), vocab_size, "int32")
+        needs_history = any(r.params.uses_penalties or (processors is not None and processors.uses_history(
+            r.processor_args)) for r in rows)
+        history = (np.full if needs_history else unused)((num_rows, history_len), vocab_size, "int32")
         token_mask, has_mask = _token_masks(rows, num_rows, vocab_size, token_masks or {}, unused)
         for b, row in enumerate(rows):
             p = row.params
@@ -125,7 +138,7 @@ class SamplingTensors:
             if row.position - row.num_prompt_tokens < p.min_tokens and p.constraint is None:  # outputs before it
                 ids = sorted(set(p.stop_token_ids) | set(eos_token_ids))  # <= MAX_SUPPRESSED (Engine checks)
                 suppress[b, :len(ids)] = ids
-            if p.uses_penalties:  # then `history` is a fresh array
+            if needs_history:  # then `history` is a fresh array
                 n = min(len(row.token_ids), history_len)
                 history[b, :n] = row.token_ids[:n]
         return cls(
@@ -134,6 +147,7 @@ class SamplingTensors:
                          np.int32),
             top_p=column((p.top_p for p in params), 1.0, np.float32),
             min_p=column((p.min_p for p in params), 0.0, np.float32),
+            min_keep=column((p.min_keep for p in params), 0, np.int32),
             seed_lo=column((s & 0xFFFF_FFFF for s in seeds64), 0, np.uint32),
             seed_hi=column((s >> 32 for s in seeds64), 0, np.uint32),
             position=column((r.position for r in rows), 0, np.int32),
@@ -143,8 +157,12 @@ class SamplingTensors:
             bias_ids=bias_ids, bias_values=bias_values, suppress_ids=suppress, history=history,
             num_prompt=column((r.num_prompt_tokens for r in rows), 0, np.int32),
             token_mask=token_mask, has_mask=has_mask,
-            wants_top=column((bool(p.logprobs) for p in params), False, bool),
+            wants_top=column((bool(p.logprobs) and not needs_distribution(p.logprobs) for p in params), False, bool),
             wants_rank=column((p.logprobs is not None for p in params), False, bool),
+            wants_distribution=column((needs_distribution(p.logprobs) for p in params), False, bool),
+            wants_entropy=column((p.return_entropy for p in params), False, bool),
+            processors=processors.rows([r.processor_args for r in rows], num_rows, [r.carried for r in rows])
+            if processors else (),
         )
 
 
@@ -165,27 +183,44 @@ def _token_masks(rows: list[SamplingRow], num_rows: int, vocab_size: int, token_
     return token_mask, has_mask
 
 
+def needs_distribution(logprobs: int | None) -> bool:
+    """Whether a request's `logprobs` (top logprobs per token) are read from its rows' whole
+    distribution: -1 (all of them, vLLM's) or more than the MAX_LOGPROBS the sampler keeps per token."""
+    return logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS
+
+
 @flax.struct.dataclass
 class SampleOutput:
+    """The sampled tokens and their logprobs, in the logprobs mode (`sample`): logits in the `*_logits` modes."""
+
     tokens: jax.Array  # i32[B]
-    logprobs: jax.Array  # f32[B] of each token (raw_logprobs: all 0 when no row asks for logprobs)
+    logprobs: jax.Array  # f32[B] of each token (all 0 when no row asks for logprobs)
     ranks: jax.Array  # i32[B] 1 + how many tokens are likelier than it (0 where no row asked for logprobs)
     top_ids: jax.Array  # i32[B, K] the K = min(MAX_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: jax.Array  # f32[B, K]
+    entropies: jax.Array  # f32[B] of the model's distribution, in nats (0 where no row asked for it)
+    carried: jax.Array  # i32[B, C] the logits processors' carried values after this token (`Processors.advance`)
+    # f32[B, V] each row's value of every token (a logprob, or a logit in the `*_logits` modes), for
+    # the rows that ask for more than K (zeros when none does); None where `sample` was not asked for
+    # it. Not packed: fetched only when asked for.
+    distributions: jax.Array | None = None
 
     def packed(self) -> jax.Array:
-        """Every field in one i32[B * (3 + 2K)] buffer, in field order, floats bit for bit: the host
-        fetches a step's samples in one transfer (each array fetched has a fixed host cost)."""
+        """The per-row fields in one i32[B * (4 + 2K + C)] buffer, in field order, floats bit for bit: the
+        host fetches a step's samples in one transfer (each array fetched has a fixed host cost)."""
+        fields = (self.tokens, self.logprobs, self.ranks, self.top_ids, self.top_logprobs, self.entropies,
+                  self.carried)
         return jnp.concatenate([(a if a.dtype == jnp.int32 else jax.lax.bitcast_convert_type(a, jnp.int32)).ravel()
-                                for a in jax.tree.leaves(self)])
+                                for a in fields])
 
     @staticmethod
-    def unpacked(words: np.ndarray, k: int) -> SampleOutput:
+    def unpacked(words: np.ndarray, k: int, c: int = 0) -> SampleOutput:
         """`packed` on the host: the fields as numpy views of `words`."""
-        b = words.size // (3 + 2 * k)
-        return SampleOutput(tokens=words[:b], logprobs=words[b:2 * b].view(np.float32), ranks=words[2 * b:3 * b],
-                            top_ids=words[3 * b:3 * b + b * k].reshape(b, k),
-                            top_logprobs=words[3 * b + b * k:].view(np.float32).reshape(b, k))
+        b = words.size // (4 + 2 * k + c)
+        floats, top = words.view(np.float32), 3 * b + b * k  # (top: where top_logprobs start)
+        return SampleOutput(tokens=words[:b], logprobs=floats[b:2 * b], ranks=words[2 * b:3 * b],
+                            top_ids=words[3 * b:top].reshape(b, k), top_logprobs=floats[top:top + b * k].reshape(b, k),
+                            entropies=floats[top + b * k:top + b * k + b], carried=words[top + b * k + b:].reshape(b, c))
 
 
 @flax.struct.dataclass
@@ -241,7 +276,8 @@ def prompt_logprobs(head: Callable[[jax.Array], jax.Array], hidden: jax.Array, r
 
 
 def _log_softmax(logits: jax.Array) -> jax.Array:
-    """f32[N, V] logits -> their log-softmax along V."""
+    """f32[N, V] logits -> their log-softmax along V (the prompt's and the sampled tokens' logprobs
+    alike, so that both agree to the last bit)."""
     return logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
@@ -279,26 +315,66 @@ def process_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     return jax.lax.cond(any_penalty, apply_penalties, lambda x, _: x, logits, t)
 
 
-def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs") -> SampleOutput:
+def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logprobs", *,
+           distributions: bool = False, processors: Processors | None = None) -> SampleOutput:
     """logits f32[B, V] -> the sampled tokens, their logprobs and the top logprobs of each row.
 
     No step sorts the vocabulary: greedy rows take the argmax; top-k, min-p and top-p become one
     logit threshold per row, read off the CANDIDATES largest logits (a full sort only for the rare row
     whose top-k or nucleus reaches past them); the draw inverts the CDF over the whole vocabulary.
     The top logprobs are computed only when some row asks for them. `logprobs_mode` (vLLM's) says
-    which distribution they are of: "raw_logprobs", the model's own (the logits as they come, before
-    any sampling setting), or "processed_logprobs", the one the token is drawn from (after the
-    mask, bias, penalties, temperature and the top-k / min-p / top-p cut; a token cut is -inf)."""
+    what they are: "raw_logprobs", the model's own (the log-softmax of the logits as they come, before
+    any sampling setting), or "processed_logprobs", those of the one the token is drawn from (after
+    the mask, bias, penalties, processors, temperature and the top-k / min-p / top-p cut; a token cut
+    is -inf); "raw_logits" and "processed_logits", the same logits without the log-softmax (ranked by
+    logit). With `distributions` (static), each row that asks for more than K top logprobs also gets
+    them for every token (`SampleOutput.distributions`). Entropies are always of the model's own
+    distribution. `processors`: the engine's logits processors (`t.processors` holds their rows),
+    applied after the penalties and before temperature."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}")
-    processed = logprobs_mode == "processed_logprobs"
+    processed = logprobs_mode.startswith("processed")
     raw_logits = logits
+    keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
     logits = process_logits(logits, t)
+    if processors:
+        logits = processors.apply(logits, t.processors, t.history, t.num_prompt, keys)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
     k = min(MAX_LOGPROBS, vocab)
+    threshold, top_values, top_ids = _cut(scaled, greedy, t, k, t.wants_top & processed)
+    kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    def draw():
+        log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
+        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+
+    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    carried = jnp.zeros((num_rows, 0), jnp.int32)
+    if processors and processors.carried:  # (the drawn token's logprob where it was drawn: 0 for greedy rows)
+        drawn_logprob = jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(kept, axis=-1)
+        carried = processors.advance(t.processors, tokens, jnp.where(greedy, 0.0, drawn_logprob))
+    if processed:  # (the top K: the candidates', cut where the row cuts)
+        shift = jax.nn.logsumexp(kept, axis=-1, keepdims=True) if logprobs_mode == "processed_logprobs" else 0.0
+        scores, known_top = (lambda: kept - shift), (jnp.where(top_values >= threshold, top_values - shift, -jnp.inf),
+                                                      top_ids)
+    else:
+        scores, known_top = (lambda: _log_softmax(raw_logits) if logprobs_mode == "raw_logprobs" else raw_logits), None
+    logprobs, ranks, top_logprobs, top_ids, whole = _scored(scores, tokens, t, k, known_top, distributions)
+    entropies = jax.lax.cond(jnp.any(t.wants_entropy), lambda: entropy(raw_logits), lambda: jnp.zeros(num_rows))
+    return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs,
+                        entropies=entropies, carried=carried, distributions=whole)
+
+
+def _cut(scaled: jax.Array, greedy: jax.Array, t: SamplingTensors, k: int, want_top: jax.Array
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The scaled logits f32[B, V] -> (f32[B, 1] the logit each row keeps at or above: its top-k, min-p
+    and top-p cut, -inf where it cuts nothing; f32[B, k] the top k scaled logits and i32[B, k] their
+    ids, computed only where a row cuts or `want_top`)."""
+    num_rows, vocab = scaled.shape
+    filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
     candidates = min(CANDIDATES, vocab)
 
     def top(c: int):
@@ -310,68 +386,70 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         return (jnp.full(num_rows, -jnp.inf), jnp.ones(num_rows, bool), jnp.full((num_rows, k), -jnp.inf),
                 jnp.zeros((num_rows, k), jnp.int32))
 
-    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | (t.wants_top & processed)),
-                                                         lambda: top(candidates), no_top)
+    threshold, exact, top_values, top_ids = jax.lax.cond(jnp.any(filters | want_top), lambda: top(candidates), no_top)
     if candidates < vocab:  # a top-k or nucleus past the candidates: that batch sorts the vocabulary
         threshold = jax.lax.cond(jnp.all(exact | ~filters), lambda: threshold, lambda: top(vocab)[0])
-    threshold = jnp.where(filters, threshold, -jnp.inf)[:, None]
-    kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-
-    def draw():
-        keys = jax.vmap(_row_key)(t.seed_lo, t.seed_hi, t.position)
-        log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
-
-    drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    if not processed:
-        return _model_logprobs(raw_logits, tokens, t, k)
-    log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-    chosen = jnp.take_along_axis(kept, tokens[:, None], axis=-1)
-    logprobs = chosen[:, 0] - log_norm[:, 0]
-    top_logprobs = jnp.where(top_values >= threshold, top_values - log_norm, -jnp.inf)
-    ranks = jax.lax.cond(jnp.any(t.wants_rank), lambda: _rank(kept, chosen), lambda: jnp.zeros(num_rows, jnp.int32))
-    return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+    return jnp.where(filters, threshold, -jnp.inf)[:, None], top_values, top_ids
 
 
-def _model_logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors, k: int) -> SampleOutput:
-    """The sampled tokens' logprobs, ranks and the top k under the model's own distribution (the
-    log-softmax of the logits as they come); computed only when some row asks for logprobs (else
-    logprobs and ranks 0, top logprobs -inf)."""
-    num_rows = logits.shape[0]
+def entropy(logits: jax.Array) -> jax.Array:
+    """f32[B, V] logits -> f32[B] the entropy of their softmax, in nats (a token at -inf adds nothing)."""
+    logprobs = _log_softmax(logits)
+    return -jnp.sum(jnp.where(jnp.isneginf(logprobs), 0.0, jnp.exp(logprobs) * logprobs), axis=-1)
+
+
+def _scored(scores: Callable[[], jax.Array], tokens: jax.Array, t: SamplingTensors, k: int,
+            known_top: tuple[jax.Array, jax.Array] | None, distributions: bool) -> tuple:
+    """What the logprobs mode reports of the sampled tokens, from `scores()` (f32[B, V], its value of
+    every token): (f32[B] the tokens' values, i32[B] their ranks, f32[B, k] the top k values,
+    i32[B, k] their ids, f32[B, V] every token's for the rows that ask for it, or None without
+    `distributions`). The top k are `known_top` where given. Computed only when some row asks for
+    logprobs (else values and ranks 0, top values -inf, distributions 0)."""
+    num_rows = tokens.shape[0]
 
     def no_top():
         return jnp.full((num_rows, k), -jnp.inf), jnp.zeros((num_rows, k), jnp.int32)
 
-    def scored():
-        logprobs = _log_softmax(logits)
-        chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)
-        top_logprobs, top_ids = jax.lax.cond(jnp.any(t.wants_top), lambda: tuple(jax.lax.top_k(logprobs, k)), no_top)
-        return chosen[:, 0], _rank(logprobs, chosen), top_logprobs, top_ids.astype(jnp.int32)
+    def top_k(values):
+        top_values, top_ids = jax.lax.top_k(values, k)
+        return top_values, top_ids.astype(jnp.int32)
 
-    chosen, ranks, top_logprobs, top_ids = jax.lax.cond(
-        jnp.any(t.wants_rank), scored, lambda: (jnp.zeros(num_rows), jnp.zeros(num_rows, jnp.int32), *no_top()))
-    return SampleOutput(tokens=tokens, logprobs=chosen, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs)
+    def scored():
+        values = scores()
+        chosen = jnp.take_along_axis(values, tokens[:, None], axis=-1)
+        top = known_top if known_top is not None else jax.lax.cond(jnp.any(t.wants_top), lambda: top_k(values),
+                                                                    no_top)
+        whole = jax.lax.cond(jnp.any(t.wants_distribution), lambda: values,
+                             lambda: jnp.zeros_like(values)) if distributions else None
+        return chosen[:, 0], _rank(values, chosen), *top, whole
+
+    def unscored():
+        whole = jnp.zeros(jax.eval_shape(scores).shape) if distributions else None
+        return jnp.zeros(num_rows), jnp.zeros(num_rows, jnp.int32), *no_top(), whole
+
+    return jax.lax.cond(jnp.any(t.wants_rank), scored, unscored)
 
 
 def _threshold(scaled: jax.Array, values: jax.Array, t: SamplingTensors) -> tuple[jax.Array, jax.Array]:
     """The logit each row keeps at or above, from its C largest scaled logits `values` (descending):
     top-k, then min-p (relative to the best token), then top-p over what is left (the smallest prefix
-    whose mass reaches top_p). -> (f32[B] threshold, bool[B] whether C candidates were enough)."""
+    whose mass reaches top_p); min-p and top-p keep at least `min_keep` tokens (llama.cpp's), top-k
+    does not. -> (f32[B] threshold, bool[B] whether C candidates were enough)."""
     num_rows, c = values.shape
     vocab = scaled.shape[-1]
     rows = jnp.arange(num_rows)
     off = t.top_k >= vocab
     top_k = jnp.where(off, -jnp.inf, values[rows, jnp.clip(t.top_k, 1, c) - 1])
-    min_p = values[:, 0] + jnp.log(t.min_p)  # p / p_max >= min_p
+    keep = jnp.where(t.min_keep > 0, values[rows, jnp.clip(t.min_keep, 1, c) - 1], jnp.inf)  # the min_keep-th best
+    min_p = jnp.minimum(values[:, 0] + jnp.log(t.min_p), keep)  # p / p_max >= min_p
     kept = jnp.maximum(top_k, min_p)
     log_norm = jax.nn.logsumexp(jnp.where(scaled >= kept[:, None], scaled, -jnp.inf), axis=-1)
     probs = jnp.where(values >= kept[:, None], jnp.exp(values - log_norm[:, None]), 0.0)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of the better candidates
     last = jnp.sum((before < t.top_p[:, None]) & (probs > 0), axis=-1) - 1
-    nucleus = jnp.where(t.top_p >= 1.0, -jnp.inf, values[rows, jnp.maximum(last, 0)])
+    nucleus = jnp.where(t.top_p >= 1.0, -jnp.inf, jnp.minimum(values[rows, jnp.maximum(last, 0)], keep))
     all_kept = jnp.sum(scaled >= kept[:, None], axis=-1) <= c
-    exact = (off | (t.top_k <= c)) & ((t.top_p >= 1.0) | (probs.sum(-1) >= t.top_p) | all_kept)
+    exact = (off | (t.top_k <= c)) & ((t.top_p >= 1.0) | (probs.sum(-1) >= t.top_p) | all_kept) & (t.min_keep <= c)
     return jnp.maximum(kept, nucleus), exact
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxserve.config import MAX_LOGPROBS, RequestError
+from jaxserve.config import RequestError
 from jaxserve.structured import Constraint, StructuredOutputsParams, mask_width
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
@@ -18,6 +18,9 @@ MAX_N = 16384  # sequences per request (vLLM's default bound)
 MAX_STOP = 64  # stop strings per request: each is looked for after every token
 MAX_STOP_CHARS = 256  # per stop string: holding text back costs O(length^2) per step
 MAX_BAD_WORDS = 64  # per request: each is checked on the host before each token
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default
+MAX_DRY_BREAKERS = 16  # per request: each is a row of its DRY arguments
+MAX_DRY_BREAKER_CHARS = 40  # llama.cpp's bound (it cuts longer ones)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -70,9 +73,12 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)  # finish when one is sampled
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False  # keep going past EOS (until max_tokens)
-    logprobs: int | None = None  # None: no logprobs; k: the sampled token's and the top k (<= MAX_LOGPROBS)
-    # None: none; k: each prompt token's logprob (after the first) and the top k, under the model's own
-    # distribution (no sampling settings applied), as vLLM's; the prompt is then computed whole
+    # None: no logprobs; k: the sampled token's and the top k; -1: the whole vocabulary (vLLM's). Up to
+    # the engine's max_logprobs (more than MAX_LOGPROBS, or -1, only where it allows them)
+    logprobs: int | None = None
+    # None: none; k: each prompt token's logprob (after the first) and the top k (at most MAX_LOGPROBS),
+    # under the model's own distribution (no sampling settings applied), as vLLM's; the prompt is then
+    # computed whole
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
@@ -86,7 +92,27 @@ class SamplingParams:
     # vLLM's: logprobs in one flat container instead of a dict per token; jaxserve's list of dicts
     # reads the same way (logprobs[i][token_id]) either way
     flat_logprobs: bool = False
-    extra_args: dict | None = None  # vLLM's: kept on the request for the caller; no built-in sampling reads it
+    extra_args: dict | None = None  # vLLM's: the arguments of the engine's logits processors (and the caller's)
+    # llama.cpp's samplers, under its names and defaults (each off at its default; see
+    # jaxserve/llamacpp_samplers.py for how they are defined and ordered)
+    typical_p: float = 1.0  # locally typical sampling: the mass of the most typical tokens kept, in [0, 1]
+    mirostat: int = 0  # 1 or 2: mirostat's version (0: off)
+    mirostat_tau: float = 5.0  # mirostat's target surprise, in bits
+    mirostat_eta: float = 0.1  # mirostat's learning rate
+    dry_multiplier: float = 0.0  # DRY's penalty of a repeat one token past dry_allowed_length (0: off)
+    dry_base: float = 1.75  # DRY's penalty grows by this factor per further repeated token (>= 1)
+    dry_allowed_length: int = 2  # repeats up to this many tokens go unpenalised
+    dry_penalty_last_n: int = -1  # DRY looks at the last n tokens (-1: the whole context, 0: off)
+    dry_sequence_breakers: list[str] = dataclasses.field(default_factory=lambda: list(DRY_SEQUENCE_BREAKERS))
+    xtc_probability: float = 0.0  # XTC: the chance, per token, that the top choices are excluded (0: off)
+    xtc_threshold: float = 0.1  # XTC: the tokens at least this likely are the top choices (above 0.5: off)
+    top_n_sigma: float = -1.0  # keep tokens within n standard deviations of the top logit (<= 0: off)
+    dynatemp_range: float = 0.0  # dynamic temperature: temperature +- this, by the entropy (0: off)
+    dynatemp_exponent: float = 1.0  # dynamic temperature: the entropy's exponent
+    min_keep: int = 0  # top-p, min-p, typical and XTC keep at least this many tokens
+    # jaxserve's: the entropy (nats) of the model's own distribution at each generated token
+    # (`CompletionOutput.entropies`), computed in the step
+    return_entropy: bool = False
     def __post_init__(self):
         self._normalize()
         self._check_numbers()
@@ -108,6 +134,8 @@ class SamplingParams:
         normalize("stop", [self.stop] if isinstance(self.stop, str) else list(self.stop or []))
         normalize("stop_token_ids", list(self.stop_token_ids or []))
         normalize("bad_words", list(self.bad_words or []))
+        if isinstance(self.dry_sequence_breakers, (list, tuple)):
+            normalize("dry_sequence_breakers", list(self.dry_sequence_breakers))
         if self.allowed_token_ids is not None:
             normalize("allowed_token_ids", list(self.allowed_token_ids))
         normalize("logit_bias", {int(k): float(v) for k, v in (self.logit_bias or {}).items()})
@@ -138,10 +166,35 @@ class SamplingParams:
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         _check(self.extra_args is None or isinstance(self.extra_args, dict),
                f"extra_args must be a dict, got {self.extra_args!r}")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # (their caps: the engine's max_logprobs)
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
-                   f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            _check(value is None or (_is_int(value) and value >= -1),
+                   f"{name} must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}")
+        _check(isinstance(self.return_entropy, bool), f"return_entropy must be a boolean, got {self.return_entropy!r}")
+        self._check_llamacpp()
+
+    def _check_llamacpp(self) -> None:
+        """llama.cpp's sampler fields (llama.cpp checks few of them: these bounds are where each is defined)."""
+        for name in ("typical_p", "xtc_probability", "xtc_threshold"):
+            value = getattr(self, name)
+            _check(_is_num(value) and 0 <= value <= 1, f"{name} must be in [0, 1], got {value!r}")
+        _check(_is_int(self.mirostat) and self.mirostat in (0, 1, 2),
+               f"mirostat must be 0 (off), 1 or 2, got {self.mirostat!r}")
+        for name in ("mirostat_tau", "mirostat_eta", "dry_multiplier", "dynatemp_range", "dynatemp_exponent"):
+            value = getattr(self, name)
+            _check(_is_num(value) and 0 <= value < float("inf"), f"{name} must be a number >= 0, got {value!r}")
+        _check(_is_num(self.dry_base) and 1 <= self.dry_base < float("inf"),
+               f"dry_base must be a number >= 1, got {self.dry_base!r}")
+        _check(_is_num(self.top_n_sigma) and abs(self.top_n_sigma) < float("inf"),
+               f"top_n_sigma must be a number (<= 0: off), got {self.top_n_sigma!r}")
+        for name, low in (("dry_allowed_length", 0), ("dry_penalty_last_n", -1), ("min_keep", 0)):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= low, f"{name} must be an integer >= {low}, got {value!r}")
+        breakers = self.dry_sequence_breakers
+        _check(isinstance(breakers, list) and len(breakers) <= MAX_DRY_BREAKERS and all(
+            isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in breakers),
+               f"dry_sequence_breakers must be at most {MAX_DRY_BREAKERS} non-empty strings of at most "
+               f"{MAX_DRY_BREAKER_CHARS} characters, got {breakers!r}")
 
     def _check_token_lists(self) -> None:
         _check(len(self.logit_bias) <= MAX_LOGIT_BIAS, f"logit_bias has more than {MAX_LOGIT_BIAS} entries")
@@ -177,6 +230,17 @@ class SamplingParams:
         return list(prompt_token_ids[-keep:]) if keep else list(prompt_token_ids)
 
     @property
+    def text_settings(self) -> list[str]:
+        """The settings given that read the output's text, which need the model's tokenizer: stop
+        strings, bad words, a grammar (`constraint`, named as vLLM's structured_outputs), DRY's
+        sequence breakers (strings, tokenized) where DRY is on."""
+        dry = self.dry_multiplier != 0 and self.dry_penalty_last_n != 0
+        given = (("stop", self.stop), ("bad_words", self.bad_words),
+                 ("structured_outputs", self.constraint is not None),
+                 ("dry_sequence_breakers", dry and bool(self.dry_sequence_breakers)))
+        return [name for name, used in given if used]
+
+    @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
@@ -195,10 +259,16 @@ class RequestSampling:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # `allowed_token_ids` as a packed mask (`SamplingTensors.token_mask`'s row); None: any token
     allowed_mask: np.ndarray | None = dataclasses.field(default=None, compare=False)
+    # per logits processor of the engine, the request's arguments (`Processors.request_args`; None: unused)
+    processor_args: tuple | None = dataclasses.field(default=None, compare=False)
+    carries: bool = False  # one of them carries state from token to token (`Processors.carries`)
 
     @classmethod
-    def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int) -> RequestSampling:
-        """`encode`: text -> token ids, no special tokens. ValueError for a bad word without tokens."""
+    def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int,
+           processors=None) -> RequestSampling:
+        """`encode`: text -> token ids, no special tokens; `processors`: the engine's logits processors
+        (`jaxserve.logits_processors.Processors`). ValueError for a bad word without tokens, or
+        arguments a processor refuses."""
         forms = []
         for word in params.bad_words:
             bare = encode(word.lstrip())
@@ -215,7 +285,9 @@ class RequestSampling:
             np.bitwise_or.at(bits, ids // 32, (1 << (ids % 32)).astype(np.uint32))
             mask = bits.view(np.int32)
             mask.flags.writeable = False
-        return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask)
+        processor_args = processors.request_args(params, encode) if processors else None
+        return cls(bad_words_token_ids=tuple(forms), allowed_mask=mask, processor_args=processor_args,
+                   carries=bool(processors) and processors.carries(processor_args))
 
     def banned_tokens(self, token_ids: list[int], num_prompt_tokens: int) -> list[int]:
         """The bad words' last tokens that the next token must not be: those whose words' other

@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv_cache import PageAllocator
-from jaxserve.sampling import PromptLogprobs
+from jaxserve.sampling import PromptLogprobs, needs_distribution
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.sequence import Sequence, SequenceStatus, TokenLogprobs
 
@@ -78,6 +78,7 @@ class ScheduledSeq:
     all_token_ids: list[int]  # prompt + generated so far, for penalties (read only)
     num_prompt_tokens: int
     prompt_logprobs: bool = False  # the logprob of each prompt token after token_ids' is asked for
+    carried: np.ndarray | None = None  # `Sequence.carried`
 
 
 @dataclasses.dataclass
@@ -100,7 +101,12 @@ class StepOutput:
     ranks: np.ndarray  # i32[rows]
     top_ids: np.ndarray  # i32[rows, K] most likely first
     top_logprobs: np.ndarray  # f32[rows, K]
+    entropies: np.ndarray  # f32[rows] of the model's distribution (where the row asked for it)
     prompt: PromptLogprobs | None = None  # per token of the step, when some row asked for them
+    carried: np.ndarray | None = None  # i32[rows, C] what the logits processors carry to each row's next token
+    # f32[rows, V] every token's logprob (or logit, in the *_logits modes), when some row asked for more
+    # than K (`needs_distribution`)
+    distributions: np.ndarray | None = None
 
 
 def prompt_targets(row: ScheduledSeq) -> list[int]:
@@ -112,9 +118,27 @@ def prompt_targets(row: ScheduledSeq) -> list[int]:
 
 
 def _entry(out: StepOutput | PromptLogprobs, i: int, k: int) -> TokenLogprobs:
-    """Entry i of a step's logprobs (sampled or prompt tokens': the same fields), with the top k."""
-    return TokenLogprobs(logprob=float(out.logprobs[i]), rank=int(out.ranks[i]), top_ids=out.top_ids[i, :k].tolist(),
-                         top_logprobs=out.top_logprobs[i, :k].tolist())
+    """Entry i of a step's logprobs (sampled or prompt tokens': the same fields), with the top k
+    (read from the row's whole distribution where k is past the K kept per token, or -1: all)."""
+    if needs_distribution(k):
+        top_ids, top_logprobs = _top(out.distributions[i], k)
+    else:
+        top_ids, top_logprobs = out.top_ids[i, :k].tolist(), out.top_logprobs[i, :k].tolist()
+    return TokenLogprobs(logprob=float(out.logprobs[i]), rank=int(out.ranks[i]), top_ids=top_ids,
+                         top_logprobs=top_logprobs)
+
+
+def _top(distribution: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+    """The k (-1: all) highest of f32[V] values and their ids, highest first; ties by id, as the
+    sampler's top K."""
+    vocab = distribution.shape[0]
+    k = vocab if k == -1 else min(k, vocab)
+    if k == vocab:
+        ids = np.argsort(-distribution, kind="stable")
+    else:  # (the k first, then only those sorted)
+        ids = np.argpartition(-distribution, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -distribution[ids]))]
+    return ids.tolist(), distribution[ids].tolist()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,15 +339,16 @@ class Scheduler:
                             page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
                             seed=seq.seed,
                             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
-                            prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1)
+                            prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1,
+                            carried=seq.carried)
 
     def can_schedule_ahead(self, batch: ScheduledBatch) -> bool:
         """Whether the next step may be planned before `batch`'s tokens are known: not when one of
-        its sampled tokens feeds the host side of the next step (a grammar's mask, or bad words of
-        several tokens). The penalties' history gets a pending token on the device
-        (`runner.make_step_fn`)."""
-        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens)
-                       for row in batch.rows)
+        its sampled tokens feeds the host side of the next step (a grammar's mask, bad words of
+        several tokens, what a logits processor carries). The penalties' history gets a pending token
+        on the device (`runner.make_step_fn`)."""
+        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens
+                                       or row.sampling.carries) for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
@@ -349,8 +374,12 @@ class Scheduler:
                 continue
             token = seq.token_ids[-1]
             seq.cumulative_logprob += float(out.logprobs[b])
+            if row.sampling.carries:
+                seq.carried = out.carried[b].copy()
             if seq.params.logprobs is not None:
                 seq.logprobs.append(_entry(out, b, seq.params.logprobs))
+            if seq.params.return_entropy:
+                seq.entropies.append(float(out.entropies[b]))
             self.num_generated_tokens += 1
             self._check_stop(seq, token)
             changed.append(seq)

@@ -6,6 +6,8 @@ import dataclasses
 import enum
 from typing import NamedTuple
 
+import numpy as np
+
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 
 
@@ -14,7 +16,7 @@ class TokenLogprobs(NamedTuple):
 
     logprob: float
     rank: int  # 1 = most likely
-    top_ids: list[int]  # the top k, most likely first
+    top_ids: list[int]  # the top k, most likely first (k may be the whole vocabulary)
     top_logprobs: list[float]  # theirs
 
 
@@ -44,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it, if any
     cumulative_logprob: float = 0.0
+    carried: np.ndarray | None = None  # i32[C] what its logits processors carry to its next token (None: none yet)
     num_preemptions: int = 0
     text: str = ""  # generated text released so far (stop strings cut, undecided text held back)
     index: int = 0  # which of the request's n choices
@@ -51,6 +54,8 @@ class Sequence:
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
     # per generated token, when params.logprobs is set
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # per generated token, when params.return_entropy is set: of the model's distribution, in nats
+    entropies: list[float] = dataclasses.field(default_factory=list)
     # per prompt token after the first, when params.prompt_logprobs is set: filled in order by choice 0
     # as it computes the prompt (its siblings share the list)
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)

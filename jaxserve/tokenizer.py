@@ -125,10 +125,25 @@ def _not_about_torch(record: logging.LogRecord) -> bool:
 logging.getLogger("transformers").addFilter(_not_about_torch)
 
 
+# the files a Hugging Face tokenizer is read from (one is enough)
+TOKENIZER_FILES = ("tokenizer*", "vocab*", "*.tiktoken", "spiece.model")
+
+
+def check_tokenizer_files(directory: str | Path) -> None:
+    """FileNotFoundError, saying the fix, where `directory` holds none of TOKENIZER_FILES: a model
+    trained on its own vocabulary may come without them, and is then served on token ids alone."""
+    if not any(next(Path(directory).glob(pattern), None) for pattern in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{directory} has no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, ...): "
+            "serve the model on token ids alone with --skip-tokenizer-init (LLM(..., skip_tokenizer_init=True)), "
+            "or read the tokenizer from another directory with --tokenizer")
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path, chat_template: str | None = None):
         from transformers import AutoTokenizer
 
+        check_tokenizer_files(model_dir)
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         if chat_template is not None:
             self.hf.chat_template = chat_template

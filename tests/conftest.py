@@ -43,8 +43,8 @@ def served():
     engine, tokenizer = build_engine(EngineConfig(**ENGINE))
     async_engine = AsyncEngine(engine, tokenizer)
     async_engine.start()
-    server = Server(create_app(async_engine, Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size)),
-                    free_port())
+    limits = Limits(MODEL, MAX_MODEL_LEN, engine.model_config.vocab_size, processor_args=engine.processors.arg_names)
+    server = Server(create_app(async_engine, limits), free_port())
     yield server, async_engine
     server.stop()
     async_engine.shutdown()

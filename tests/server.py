@@ -12,7 +12,10 @@ import httpx
 
 MODEL = "jaxserve-tiny"
 MAX_MODEL_LEN = 320
-ENGINE = dict(model="jaxserve-tiny", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, num_pages=64)
+# (with a logits processor that the requests of other tests leave unused; max_logprobs -1: requests may
+# ask for any number of top logprobs, the whole vocabulary included)
+ENGINE = dict(model="jaxserve-tiny", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64,
+              num_pages=64, max_logprobs=-1, logits_processors=("processors:BanToken",))
 
 
 def free_port() -> int:

@@ -1,10 +1,15 @@
 """Logprobs through the real server: chat's and completions' shapes, byte tokens, rank order, the
-model's own distribution, and scoring a prompt (echo, vLLM's prompt_logprobs)."""
+model's own distribution, scoring a prompt (echo, vLLM's prompt_logprobs), the whole vocabulary's
+logprobs (-1) and entropies (jaxserve's return_entropy)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from server import MODEL, completion, post, streamed_text
+
+from jaxserve import SamplingParams
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
@@ -116,3 +121,60 @@ def test_echo_with_logprobs_scores_the_prompt(served, client):
                                           extra_body={"prompt_logprobs": 2})
     assert len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
     assert all(len(entry) in (2, 3) for entry in chat.model_extra["prompt_logprobs"][1:])
+
+
+def test_whole_vocabulary_logprobs_over_http(served, client):
+    """The test server runs with --max-logprobs -1: completions' logprobs=-1 and chat's top_logprobs=-1
+    give every token of the vocabulary per generated token, whose probabilities sum to 1 (completions
+    name tokens by id here: byte tokens that decode alike would share a name); a count past 20 gives
+    that many, in rank order."""
+    vocab = served[1].engine.model_config.vocab_size
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3, "temperature": 1.0, "seed": 5, "logprobs": -1,
+            "return_tokens_as_token_ids": True}
+    lp = post(served, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 3
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert len(top) == vocab and token in top
+        assert abs(sum(math.exp(v) for v in top.values()) - 1) < 1e-4
+    messages = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True, top_logprobs=-1,
+                                       **GREEDY)
+    for entry in r.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == vocab and entry.top_logprobs[0].logprob == entry.logprob
+        assert abs(sum(math.exp(t.logprob) for t in entry.top_logprobs) - 1) < 1e-4
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, logprobs=True, top_logprobs=30,
+                                       **GREEDY)
+    for entry in r.choices[0].logprobs.content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 30 and tops == sorted(tops, reverse=True)
+    r = post(served, "/v1/chat/completions", {"model": MODEL, "messages": messages, "logprobs": True,
+                                              "top_logprobs": vocab + 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    assert "more than the vocabulary" in r.json()["error"]["message"]
+
+
+def test_entropies_over_http_as_offline(client, offline):
+    """jaxserve's `return_entropy`: each choice's `entropies`, one per generated token, equal to the
+    offline API's (computed in the step); streamed, each chunk carries those of its tokens. Absent
+    unless asked for."""
+    prompt = [114, 97, 119]
+    want = offline.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                                         return_entropy=True),
+                            use_tqdm=False)[0].outputs[0].entropies
+    extra = {"ignore_eos": True, "return_entropy": True}
+    got = completion(client, prompt=prompt, max_tokens=5, temperature=0.0, extra_body=extra).choices[0]
+    np.testing.assert_allclose(got.model_extra["entropies"], want, atol=1e-5, rtol=0)
+    chunks = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0.0, stream=True,
+                                       extra_body=extra)
+    streamed = [e for c in chunks for choice in c.choices for e in (choice.model_extra.get("entropies") or [])]
+    np.testing.assert_allclose(streamed, want, atol=1e-5, rtol=0)
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0.0,
+                                          extra_body=extra).choices[0]
+    assert len(chat.model_extra["entropies"]) == 4 and all(e > 0 for e in chat.model_extra["entropies"])
+    chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0.0,
+                                            stream=True, extra_body=extra)
+    streamed = [e for c in chunks for choice in c.choices for e in (choice.model_extra.get("entropies") or [])]
+    assert streamed == chat.model_extra["entropies"]
+    plain = completion(client, prompt=prompt, max_tokens=2, **GREEDY).choices[0]
+    assert "entropies" not in plain.model_extra

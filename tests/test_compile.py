@@ -41,10 +41,16 @@ class CompileCounter:
         jax.monitoring.unregister_event_duration_listener(self)
 
 
+# llama.cpp's samplers, each request with one set (or none)
+LLAMACPP = [{}, {"mirostat": 2}, {"dry_multiplier": 0.8, "dry_sequence_breakers": ["a", "bc"]}, {"typical_p": 0.7},
+            {"mirostat": 1, "mirostat_tau": 3.0}, {"xtc_probability": 0.5, "min_keep": 2}, {"top_n_sigma": 1.5},
+            {"dynatemp_range": 0.5}, {}]
+
+
 def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
     """Mixed lengths, sampling settings (top-k and top-p within and past the sampler's candidates),
-    penalties, biases, n, stop strings, logprobs, prompt logprobs, allowed tokens, bad words and
-    grammars."""
+    penalties, biases, n, stop strings, logprobs, prompt logprobs, allowed tokens, bad words,
+    grammars and llama.cpp's samplers."""
     llm = LLM("jaxserve-tiny", **CROWDED_ENGINE)
     rng = np.random.default_rng(0)
     prompts, params = [], []
@@ -60,7 +66,7 @@ def test_a_hundred_mixed_requests_after_warmup_compile_nothing():
             n=2 if i % 9 == 0 else 1, stop=["ab"] if i % 10 == 0 else [], logprobs=3 if i % 11 == 0 else None,
             constraint=Constraint("regex", "[a-z]{3,9}") if i % 12 == 0 else None,
             prompt_logprobs=2 if i % 14 == 0 else None, allowed_token_ids=list(range(60, 90)) if i % 15 == 0 else None,
-            bad_words=["ab", "x"] if i % 16 == 0 else []))
+            bad_words=["ab", "x"] if i % 16 == 0 else [], **LLAMACPP[i % len(LLAMACPP)]))
     with CompileCounter() as counter:
         outputs = llm.generate(prompts, params)
     assert counter.count == 0

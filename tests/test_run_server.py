@@ -43,7 +43,8 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
          "--max-num-batched-tokens", "32", "--served-model-name", "tiny", "--api-key", "k", "--seed", "1",
          "--chat-template", str(template), "--log-level", "info", "--kv-cache-memory-fraction", "0.01",
          "--log-stats-interval", "0.2", "--max-logprobs", "3", "--enforce-eager", "--swap-space", "4",
-         "--override-generation-config", '{"max_new_tokens": 7}', *flags],
+         "--override-generation-config", '{"max_new_tokens": 7}', "--logits-processors", "tests.processors:BanToken",
+         *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"{'https' if https else 'http'}://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k"}
@@ -65,6 +66,13 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
         assert r.json()["usage"]["completion_tokens"] == 7  # --override-generation-config's max_new_tokens
         r = client.post(url + "/v1/completions", headers=auth, json={"prompt": "x", "logprobs": 4})
         assert r.status_code == 400 and "max_logprobs (3)" in r.json()["error"]["message"]
+        r = client.post(url + "/v1/completions", headers=auth, json={  # (--logits-processors)
+            "prompt": "x", "max_tokens": 7, "ignore_eos": True, "temperature": 0, "return_token_ids": True})
+        banned = r.json()["choices"][0]["token_ids"][0]
+        r = client.post(url + "/v1/completions", headers=auth, json={
+            "prompt": "x", "max_tokens": 7, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
+            "vllm_xargs": {"ban_token": banned}})
+        assert banned not in r.json()["choices"][0]["token_ids"]
         if https:
             with pytest.raises(httpx.TransportError):  # TLS or nothing
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)

@@ -10,13 +10,14 @@ import scipy.stats
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.sampling import SamplingRow, SamplingTensors, sample
+from jaxserve.config import MAX_LOGPROBS
+from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, entropy, sample
 from jaxserve.sampling_params import RequestSampling
 
 VOCAB = 12
 LOGITS = np.random.default_rng(0).normal(0.0, 1.5, size=VOCAB).astype(np.float32)
 ROWS = 4000
-_jit_sample = jax.jit(sample, static_argnames="logprobs_mode")
+_jit_sample = jax.jit(sample, static_argnames=("logprobs_mode", "distributions"))
 
 
 def tensors(params: list[SamplingParams], seeds: list[int], positions: list[int], num_rows: int,
@@ -263,7 +264,7 @@ def test_raw_logprobs_are_the_models_own_whatever_the_sampling_settings():
     assert np.asarray(raw.top_ids[0, :2]).tolist() == np.argsort(-reference)[:2].tolist()
     assert np.isfinite(np.asarray(raw.top_logprobs[0])).all()  # nothing cut: top-k applies to the draw only
     with pytest.raises(ValueError, match="logprobs_mode"):
-        sample(LOGITS[None], t, "raw_logits")
+        sample(LOGITS[None], t, "logits")
 
 
 def test_allowed_token_ids_restrict_the_draw_and_the_argmax():
@@ -282,3 +283,59 @@ def test_allowed_token_ids_restrict_the_draw_and_the_argmax():
     assert abs(float(logprobs[2]) - (pair.max() - np.log(np.exp(pair).sum()))) < 1e-5
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x - np.log(np.exp(x - x.max()).sum()) - x.max()
+
+
+def _entropy(logits: np.ndarray) -> float:
+    logprobs = _log_softmax(logits)
+    return float(-(np.exp(logprobs) * logprobs).sum())
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_each_logprobs_mode_on_fixed_logits(mode):
+    """vLLM's four modes, row by row: the sampled token's value and rank, the top k and (for rows
+    asking for more than the K kept, or -1) every token's value are of the model's logits or of
+    the processed ones (bias, temperature, top-k cut at -inf; greedy rows at temperature 1), as
+    logits or log-softmaxed. Entropies are of the model's own distribution whatever the mode."""
+    params = [SamplingParams(temperature=0.7, top_k=3, logit_bias={5: 4.0}, seed=4, logprobs=-1, return_entropy=True),
+              SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=1.3, seed=2, logprobs=30, return_entropy=True)]
+    out = _jit_sample(np.tile(LOGITS, (3, 1)), tensors(params, [4, 0, 2], [3, 3, 3], 3), mode, distributions=True)
+    processed = [(LOGITS + np.eye(VOCAB)[5] * 4.0) / 0.7, LOGITS, LOGITS / 1.3]
+    processed[0] = np.where(processed[0] >= np.sort(processed[0])[-3], processed[0], -np.inf)
+    want = [p if mode.startswith("processed") else LOGITS.astype(np.float64) for p in processed]
+    if mode.endswith("logprobs"):
+        want = [_log_softmax(w) for w in want]
+    for row, token in enumerate(np.asarray(out.tokens).tolist()):
+        assert abs(float(out.logprobs[row]) - want[row][token]) < 1e-5
+        assert int(out.ranks[row]) == 1 + int((want[row] > want[row][token]).sum())
+    assert np.asarray(out.top_ids[1, :3]).tolist() == np.argsort(-want[1], kind="stable")[:3].tolist()
+    np.testing.assert_allclose(np.asarray(out.top_logprobs[1, :3]), np.sort(want[1])[::-1][:3], rtol=1e-5)
+    for row in (0, 2):
+        np.testing.assert_allclose(np.asarray(out.distributions[row]), want[row], rtol=1e-5, atol=1e-5)
+        if mode.endswith("logprobs"):
+            assert abs(np.exp(np.asarray(out.distributions[row], np.float64)).sum() - 1) < 1e-5
+        assert abs(float(out.entropies[row]) - _entropy(LOGITS)) < 1e-5
+
+
+def test_distributions_and_entropies_cost_nothing_unless_asked():
+    """Without a row asking, the whole distributions are zeros (their branch does not run) and the
+    entropies 0; without `distributions` the output has none at all."""
+    t = tensors([SamplingParams(temperature=0.0, logprobs=20), SamplingParams(seed=1)], [0, 1], [0, 0], 2)
+    out = _jit_sample(np.tile(LOGITS, (2, 1)), t, "raw_logprobs", distributions=True)
+    assert not np.asarray(out.distributions).any() and not np.asarray(out.entropies).any()
+    assert _jit_sample(np.tile(LOGITS, (2, 1)), t).distributions is None
+    words = np.asarray(_jit_sample(np.tile(LOGITS, (2, 1)), t).packed())
+    unpacked = SampleOutput.unpacked(words, min(MAX_LOGPROBS, VOCAB))
+    assert unpacked.top_ids.shape == (2, min(MAX_LOGPROBS, VOCAB)) and unpacked.entropies.shape == (2,)
+
+
+def test_entropy_matches_numpy_with_masked_tokens():
+    logits = np.stack([LOGITS, np.where(np.arange(VOCAB) % 3 == 0, -np.inf, LOGITS)]).astype(np.float32)
+    got = np.asarray(jax.jit(entropy)(logits))
+    assert abs(got[0] - _entropy(LOGITS)) < 1e-5
+    assert abs(got[1] - _entropy(logits[1][np.isfinite(logits[1])])) < 1e-5

@@ -38,7 +38,7 @@ def outputs(tokens: list[int], batch: ScheduledBatch | None = None) -> StepOutpu
                                 top_logprobs=np.zeros((len(positions), 1), np.float32))
     return StepOutput(token_ids=np.asarray(tokens, np.int32), logprobs=np.zeros(n, np.float32),
                       ranks=np.ones(n, np.int32), top_ids=np.asarray(tokens, np.int32)[:, None],
-                      top_logprobs=np.zeros((n, 1), np.float32), prompt=prompt)
+                      top_logprobs=np.zeros((n, 1), np.float32), entropies=np.zeros(n, np.float32), prompt=prompt)
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -186,6 +186,30 @@ def test_stops_eos_stop_ids_max_tokens_and_ignore_eos():
         run_step(sched, token=EOS)
     assert kept.finish_reason == "length" and kept.num_output_tokens == 8
     assert sched.allocator.num_free == sched.allocator.num_usable and not sched.has_unfinished()
+
+
+def test_logprobs_past_the_k_kept_come_from_the_whole_distribution_and_entropies_are_recorded():
+    """A row asking for more top logprobs than the sampler keeps per token (or -1: all) takes them
+    from its row of the step's whole distributions, highest first, ties by id as the sampler's top
+    K; the others from the top K. Entropies are recorded where asked for."""
+    sched = make_scheduler()
+    every, many, few = make_seq(0, 2, logprobs=-1, return_entropy=True), make_seq(1, 2, logprobs=25), make_seq(2, 2,
+                                                                                                           logprobs=1)
+    for s in (every, many, few):
+        sched.add(s)
+    batch = sched.schedule()
+    vocab = 40
+    distributions = np.random.default_rng(0).normal(size=(3, vocab)).astype(np.float32)
+    distributions[0, [3, 9]] = distributions[0].max() + 1  # a tie at the top
+    out = outputs([5, 6, 7])
+    out.entropies[:], out.distributions = [0.5, 1.5, 2.5], distributions
+    sched.update(batch, out)
+    assert every.logprobs[0].top_ids == np.argsort(-distributions[0], kind="stable").tolist()
+    assert every.logprobs[0].top_ids[:2] == [3, 9] and len(every.logprobs[0].top_logprobs) == vocab
+    assert many.logprobs[0].top_ids == np.argsort(-distributions[1], kind="stable")[:25].tolist()
+    assert many.logprobs[0].top_logprobs == np.sort(distributions[1])[::-1][:25].tolist()
+    assert few.logprobs[0].top_ids == [7]
+    assert (every.entropies, many.entropies, few.entropies) == ([0.5], [], [])
 
 
 def test_n_siblings_share_the_prompt_pages_and_copy_the_last_one_on_write():
