@@ -18,7 +18,7 @@ from pathlib import Path
 
 from checkpoints import DEFAULT_MODEL_NAME, OFFLINE_MODEL_NAME
 from jaxserve import settings
-from jaxserve.models import MODEL_REGISTRY, ModelOptions
+from jaxserve.models import MODEL_REGISTRY, ModelOptions, invariant
 from jaxserve.models.rope import RopeConfig
 from jaxserve.settings import json_object, json_or_text, optional_text, setting
 
@@ -399,9 +399,10 @@ class EngineConfig:
     def token_buckets(self) -> tuple[int, ...]:
         """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
         4, then powers of two from 16. Below 16 tokens a step costs about the same whatever its size
-        (reading the weights dominates)."""
+        (reading the weights dominates). In the batch-invariant mode none is under a tile's rows: a
+        smaller step computes a whole tile anyway (`models/invariant.py`)."""
         top = self.max_num_batched_tokens
-        small = min(self.min_token_bucket, top)
+        small = min(max(self.min_token_bucket, invariant.ROWS if self.batch_invariant else 1), top)
         return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top)) if small < b < top)}))
 
     @functools.cached_property  # (read twice a step)

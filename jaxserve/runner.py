@@ -158,6 +158,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
             kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets, **chunking)
+
         def sample_rows(logits, sampling):
             return sample(logits, sampling, logprobs_mode, distributions=distributions, processors=processors)
 

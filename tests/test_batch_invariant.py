@@ -159,6 +159,20 @@ def test_prefix_cache_hits_and_seeded_sampling_are_invariant(invariant_llm):
             assert result.cached == len(PREFIX), name
 
 
+@pytest.mark.parametrize("sampler", [dict(mirostat=2), dict(typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.05),
+                                     dict(dry_multiplier=0.8, dynatemp_range=0.5, top_n_sigma=2.0)],
+                         ids=["mirostat-2", "typical-xtc", "dry-dynatemp-top-n-sigma"])
+def test_llamacpp_samplers_are_invariant(invariant_llm, sampler):
+    """llama.cpp's samplers (processors in the per-sequence sampler, drawing by (seed, position)):
+    the target's tokens and top 20 logprobs in every mix as alone."""
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, logprobs=20, ignore_eos=True, **sampler)
+    results = {name: run(invariant_llm, [a._replace(params=params) if a.is_target else a for a in arrivals])
+               for name, arrivals in MIXES.items()}
+    alone = results["alone"]
+    for name, result in results.items():
+        assert (result.tokens, result.output) == (alone.tokens, alone.output), name
+
+
 @pytest.fixture(scope="module")
 def plain_llm():
     return LLM(**ENGINE)
