@@ -131,7 +131,7 @@ class Engine:
         `params.truncate_prompt_tokens` tokens first, when set."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params)
-        sampling = RequestSampling.of(params, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+        sampling = RequestSampling.of(params, self._encode,
                                       self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
@@ -172,6 +172,7 @@ class Engine:
                                "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
                                "allowed_token_ids serve instead", name)
         self._check_logprobs(params)
+        self.processors.request_args(params, self._encode)  # (a ValueError: the request's error)
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
@@ -196,6 +197,12 @@ class Engine:
             more = " (-1: the whole vocabulary)" if value == -1 else ""
             raise RequestError(f"requested {name} of {value}{more}, more than max_logprobs ({cap}): raise "
                                "--max-logprobs (LLM's max_logprobs; -1: no cap)", field)
+
+    @property
+    def _encode(self) -> Callable[[str], list[int]] | None:
+        """text -> token ids, no special tokens; None on token ids alone (skip_tokenizer_init)."""
+        tokenizer = self.tokenizer
+        return None if tokenizer is None else (lambda text: tokenizer.encode(text, add_special_tokens=False))
 
     def abort(self, request_id: str) -> None:
         for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:

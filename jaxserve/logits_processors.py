@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.sampling_params import SamplingParams
+
 ARG_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(bool))
 HISTORY_ARGS = ("history", "num_prompt")  # what `history = True` adds to apply's args
 RANDOM_ARG = "key"  # what `random = True` adds to apply's args
@@ -119,12 +121,13 @@ def load_class(spec) -> type[LogitsProcessor]:
 
 
 def fingerprint(classes) -> str:
-    """Names and source hashes of processor classes: part of what a compiled step is keyed by, so an
-    edited processor is never run from a stale executable."""
+    """Names and source hashes of processor classes (their whole modules': helpers and constants
+    too): part of what a compiled step is keyed by, so an edited processor is never run from a stale
+    executable."""
     parts = []
     for cls in (c if isinstance(c, type) else type(c) for c in classes):
         try:
-            source = inspect.getsource(cls)
+            source = inspect.getsource(inspect.getmodule(cls))
         except (OSError, TypeError):
             source = repr(cls.__dict__)
         parts.append(f"{cls.__module__}.{cls.__qualname__}:{hashlib.sha256(source.encode()).hexdigest()[:16]}")
@@ -167,6 +170,11 @@ class Processors:
             if np.asarray(default).dtype not in ARG_DTYPES:
                 raise ValueError(f"logits processor {name}: argument {arg!r} has dtype {np.asarray(default).dtype}; "
                                  "arguments are int32, uint32, float32 or bool")
+            # (a processor that reads SamplingParams fields itself, as llama.cpp's do, takes no top-level ones)
+            reads_extra_args = type(proc).request_args is LogitsProcessor.request_args
+            if reads_extra_args and arg in SamplingParams.__dataclass_fields__:
+                raise ValueError(f"logits processor {name}: argument {arg!r} is a SamplingParams field; name it "
+                                 "otherwise (over HTTP, arguments are also read as top-level fields)")
             if (arg in HISTORY_ARGS and proc.history) or (arg == RANDOM_ARG and proc.random):
                 raise ValueError(f"logits processor {name}: argument {arg!r} is reserved for its history or key")
         for arg in proc.carry:
@@ -230,27 +238,39 @@ class Processors:
         return tuple(out)
 
     def rows(self, request_args: list[tuple | None], num_rows: int,
-             carried: list[np.ndarray | None] | None = None) -> tuple[ProcessorRows, ...]:
+             carried: list[np.ndarray | None] | None = None, unused=None) -> tuple[ProcessorRows, ...]:
         """Host arrays for a step: request_args[b], row b's `request_args` (None: uses none), padded to
         `num_rows`; carried[b], row b's carried values from its last step (`carried` order; None:
-        its initial ones)."""
+        its initial ones). A processor no row uses gets `unused(shape, fill, dtype)` for its inputs
+        whose default is one value (`sampling.Padding`, which the runner sends once), where given."""
         out = []
         for p, proc in enumerate(self.instances):
+            users = [b for b, row in enumerate(request_args) if row is not None and row[p] is not None]
+            if not users and unused is not None:
+                out.append(ProcessorRows(args={name: self._unused(d, num_rows, unused) for name, d in proc.args.items()},
+                                         active=unused((num_rows,), 0, "bool")))
+                continue
             args = {name: np.broadcast_to(np.asarray(d), (num_rows, *np.shape(d))).copy()
                     for name, d in proc.args.items()}
             active = np.zeros(num_rows, bool)
-            for b, row in enumerate(request_args):
-                if row is None or row[p] is None:
-                    continue
-                active[b] = True
-                for name, value in row[p].items():
+            active[users] = True
+            for b in users:
+                for name, value in request_args[b][p].items():
                     args[name][b] = value
             for c, (q, name) in enumerate(self.carried):
-                for b, values in enumerate(carried or ()):
-                    if q == p and values is not None and active[b]:
-                        args[name][b] = values[c:c + 1].view(args[name].dtype)[0]
+                for b in users if q == p else ():
+                    if carried and carried[b] is not None:
+                        args[name][b] = carried[b][c:c + 1].view(args[name].dtype)[0]
             out.append(ProcessorRows(args=args, active=active))
         return tuple(out)
+
+    @staticmethod
+    def _unused(default, num_rows: int, unused):
+        default = np.asarray(default)
+        shape = (num_rows, *default.shape)
+        if default.size and np.all(default == default.flat[0]):
+            return unused(shape, default.flat[0].item(), default.dtype.name)
+        return np.broadcast_to(default, shape).copy()
 
     def uses_history(self, request_args: tuple | None) -> bool:
         return request_args is not None and any(a is not None and proc.history

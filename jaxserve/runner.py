@@ -60,7 +60,7 @@ class StepInputs:
 class LaunchedStep(NamedTuple):
     """A step's outputs, still on the device until `Runner.collect` fetches them."""
 
-    samples: jax.Array  # i32[B * (4 + 2K)] every row's token, logprobs and entropy (`SampleOutput.packed`)
+    samples: jax.Array  # i32[B * (4 + 2K + C)] every row's token, logprobs and entropy (`SampleOutput.packed`)
     prompt: PromptLogprobs  # of the prompt tokens asked about (`StepInputs.prompt_rows`), per token of the step
     # f32[B, V] the whole distributions of the rows that ask for more than K top logprobs
     # (`SampleOutput.distributions`); None where max_logprobs allows no more than K

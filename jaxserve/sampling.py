@@ -7,7 +7,8 @@ token being sampled) only, so a seeded request draws the same numbers alone or
 in any batch, and after a preemption.
 
 The order, as in vLLM: the allowed-token mask (a grammar's, `allowed_token_ids`); logit bias;
-min_tokens (EOS and stop ids masked); repetition, frequency and presence penalties; then greedy
+min_tokens (EOS and stop ids masked); repetition, frequency and presence penalties; then the
+logits processors (llama.cpp's samplers, then the engine's registered ones); then greedy
 rows take the argmax, and the others apply temperature, top-k, min-p and top-p and draw.
 Logprobs are, as vLLM's by default, those of the model's own distribution (the logits as they
 come out of the model); with `logprobs_mode="processed_logprobs"` those of the distribution the
@@ -109,7 +110,7 @@ class SamplingTensors:
                   eos_token_ids: tuple[int, ...] = (), token_masks: dict[int, np.ndarray] | None = None,
                   keep_padding: bool = False, processors: Processors | None = None) -> SamplingTensors:
         """Host arrays for `rows`, padded to `num_rows` greedy rows. The history is filled
-        only when some row uses a penalty (otherwise it is all padding); `token_masks` maps
+        only when some row uses a penalty or a processor that reads it (otherwise it is all padding); `token_masks` maps
         row -> its packed allowed-token mask (a grammar's), which a row's `allowed_token_ids`
         narrow further. With `keep_padding`, an input no row uses is left a `Padding` (which the
         runner sends to the device once) instead of an array. `processors`: the engine's logits
@@ -161,8 +162,8 @@ class SamplingTensors:
             wants_rank=column((p.logprobs is not None for p in params), False, bool),
             wants_distribution=column((needs_distribution(p.logprobs) for p in params), False, bool),
             wants_entropy=column((p.return_entropy for p in params), False, bool),
-            processors=processors.rows([r.processor_args for r in rows], num_rows, [r.carried for r in rows])
-            if processors else (),
+            processors=processors.rows([r.processor_args for r in rows], num_rows, [r.carried for r in rows],
+                                       unused) if processors else (),
         )
 
 
@@ -354,7 +355,9 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
     carried = jnp.zeros((num_rows, 0), jnp.int32)
     if processors and processors.carried:  # (the drawn token's logprob where it was drawn: 0 for greedy rows)
-        drawn_logprob = jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(kept, axis=-1)
+        carries = jnp.any(jnp.stack([r.active for r, proc in zip(t.processors, processors.instances) if proc.carry]))
+        drawn_logprob = jax.lax.cond(carries, lambda: jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0]
+                                     - jax.nn.logsumexp(kept, axis=-1), lambda: jnp.zeros(num_rows))
         carried = processors.advance(t.processors, tokens, jnp.where(greedy, 0.0, drawn_logprob))
     if processed:  # (the top K: the candidates', cut where the row cuts)
         shift = jax.nn.logsumexp(kept, axis=-1, keepdims=True) if logprobs_mode == "processed_logprobs" else 0.0

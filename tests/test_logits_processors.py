@@ -72,6 +72,8 @@ def test_bad_processors_fail_at_start_and_bad_arguments_per_request(llms):
                          (WrongShape, "apply must return float32[2, 256]")):
         with pytest.raises(ValueError, match=message.replace("[", r"\[")):
             Processors([cls], 256).check(history_len=16)
+    with pytest.raises(ValueError, match="'temperature' is a SamplingParams field"):
+        Processors([type("Shadows", (BanToken,), {"args": {"temperature": np.float32(0)}})], 256)
     with pytest.raises(ValueError, match="module:Class"):
         load_class("NoModule")
     with pytest.raises(ValueError, match="cannot be loaded"):
@@ -92,8 +94,9 @@ def test_over_http(served, client):
         out = client.completions.create(model="jaxserve-tiny", prompt="abc", max_tokens=6, temperature=0,
                                         extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
         assert banned not in out.choices[0].token_ids and out.choices[0].token_ids != first.choices[0].token_ids
-    r = post(served, "/v1/completions", {"prompt": "abc", "vllm_xargs": {"ban_token": 100000}})
-    assert r.status_code == 400 and "ban_token must be a token id" in r.json()["error"]["message"]
+    for stream in (False, True):  # (a stream too: refused before it starts)
+        r = post(served, "/v1/completions", {"prompt": "abc", "vllm_xargs": {"ban_token": 100000}, "stream": stream})
+        assert r.status_code == 400 and "ban_token must be a token id" in r.json()["error"]["message"]
     r = post(served, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                               "logits_processors": ["x:Y"]})
     assert r.status_code == 400 and "--logits-processors" in r.json()["error"]["message"]
