@@ -54,8 +54,10 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")), **paths)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     template = None if engine.tokenizer is None else engine.tokenizer.hf.chat_template
-    APIState(engine, limits, tool_parser or parser_for_template(template),
-             Metrics(engine, limits.served_model_name), auto_tool_choice=auto_tool_choice,
+    metrics = Metrics(engine, limits.served_model_name)
+    app.before_serving(metrics.loop_lag.start)  # (/metrics' event loop lag)
+    app.after_serving(metrics.loop_lag.stop)
+    APIState(engine, limits, tool_parser or parser_for_template(template), metrics, auto_tool_choice=auto_tool_choice,
              api_key=api_key, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
     cors.install(app)  # its preflight answer comes before the API key check
     app.before_request(_check_key)

@@ -1,5 +1,6 @@
-"""Prometheus metrics of one app: engine gauges read at scrape time, request timings and outcomes;
-and the server's periodic log line of the same figures (`StatsLog`).
+"""Prometheus metrics of one app: engine gauges read at scrape time, request timings and outcomes,
+how late the API's event loop wakes (`LoopLag`); and the server's periodic log line of the same
+figures (`StatsLog`).
 
 Every metric that vLLM has is there twice: under jaxserve's name and under vLLM's (`jaxserve:` ->
 `vllm:`, with vLLM's `model_name` label), so dashboards and autoscalers built on vLLM's metrics read
@@ -9,16 +10,18 @@ Each app has its own registry.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxserve.async_engine import AsyncEngine, Update
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vLLM's
+LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineCollector:
@@ -76,10 +79,44 @@ class _Twins:
         return ours, self.vllms.labels(self.model_name, *label_values)
 
 
+class LoopLag:
+    """How late the API's event loop wakes from a sleep: while it is blocked (work done on the loop
+    instead of a thread, or a thread holding the GIL) no request, stream or disconnect is served.
+    `watch` runs while the app serves (`start`, `stop`)."""
+
+    def __init__(self, registry: CollectorRegistry, interval: float = 0.05):
+        self.interval = interval
+        self.lags = Histogram(PREFIXES[0] + "event_loop_lag_seconds", f"How late the API's event loop woke from "
+                              f"each {interval} s sleep.", registry=registry, buckets=LAG_BUCKETS)
+        self.longest = Gauge(PREFIXES[0] + "event_loop_lag_max_seconds", "The longest event loop lag seen.",
+                             registry=registry)  # (vLLM has neither)
+        self._task: asyncio.Task | None = None
+
+    async def watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        longest = 0.0
+        while True:
+            start = loop.time()
+            await asyncio.sleep(self.interval)
+            lag = max(loop.time() - start - self.interval, 0.0)
+            self.lags.observe(lag)
+            if lag > longest:
+                longest = lag
+                self.longest.set(lag)
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self.watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class Metrics:
     def __init__(self, engine: AsyncEngine, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
+        self.loop_lag = LoopLag(self.registry)
 
         def twins(kind, name, doc, labels=(), **kw):
             return _Twins(kind, name, doc, self.registry, model_name, labels, **kw)

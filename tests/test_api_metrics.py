@@ -3,6 +3,7 @@ the prefix cache's figures (in /metrics and in usage)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -12,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server import ENGINE, MODEL, completion, post
 
-from api.metrics import StatsLog
+from api.metrics import LoopLag, StatsLog
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 
@@ -187,3 +188,33 @@ def test_preemptions_are_counted_and_the_recomputed_choices_match(served, client
         assert moved("num_preemptions_total") >= 1, prefix
         assert moved("generation_tokens_total") == 16 * 80, prefix
         assert moved("request_success_total|length") == 16, prefix
+
+
+def test_event_loop_lag_is_observed_while_serving(served):
+    """The API's event loop lag: observed every 50 ms from the start of serving, the longest as a gauge."""
+    deadline = time.perf_counter() + 10
+    while (values := scrape(served)).get("jaxserve:event_loop_lag_seconds_count", 0) < 2:
+        assert time.perf_counter() < deadline, "no event loop lag observed"
+        time.sleep(0.1)
+    assert 0 <= values["jaxserve:event_loop_lag_max_seconds"] < 60
+    assert values["jaxserve:event_loop_lag_seconds_sum"] >= 0
+    assert not any(key.startswith("vllm:event_loop") for key in values)
+
+
+def test_a_blocked_event_loop_shows_as_lag():
+    """Blocking the loop 0.3 s makes the watcher's 50 ms sleep end at least 0.25 s late."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    lag = LoopLag(registry)
+
+    async def block():
+        await lag.start()
+        await asyncio.sleep(0)  # (the watcher starts its first sleep)
+        time.sleep(0.3)
+        await asyncio.sleep(0.01)  # (it wakes, late)
+        await lag.stop()
+
+    asyncio.run(block())
+    assert registry.get_sample_value("jaxserve:event_loop_lag_max_seconds") >= 0.25
+    assert registry.get_sample_value("jaxserve:event_loop_lag_seconds_sum") >= 0.25
