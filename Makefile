@@ -3,13 +3,15 @@
 # `make test-all` also runs the tests marked slow;
 # `make docs` writes docs/cli.md from the code (a test fails when it is stale);
 # `make bench` runs the serving benchmark against llama.cpp and transformers (bench/serving.py)
-# and writes bench/RESULTS.md (the first run builds llama-server: about 15 min on 2 cores).
+# and writes bench/RESULTS.md (the first run builds llama-server: about 15 min on 2 cores);
+# `make soak` runs a few hundred mixed requests, bad ones and hang-ups among them, against run_server.py on
+# loopback and checks the answers, the KV pages, the memory and the event loop lag afterwards (bench/soak.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: serve test test-all bench docs clean
+.PHONY: serve test test-all bench soak docs clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +40,9 @@ $(VENV)/.installed-bench: pyproject.toml | $(PY)
 
 bench: $(VENV)/.installed-bench
 	cd bench && ../$(PY) serving.py --runs 2 --write $(ARGS)
+
+soak: $(VENV)/.installed-bench
+	$(PY) bench/soak.py $(ARGS)
 
 docs: $(VENV)/.installed
 	$(PY) -c 'import run_server; run_server.CLI_REFERENCE.write_text(run_server.cli_reference())'
