@@ -412,8 +412,9 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer | None) ->
     ids = [_as_run(tokenizer.encode(p, add_special_tokens=special) if isinstance(p, str) else list(p), limits,
                    params)[0] for p in prompt]  # (a completion's max_tokens is set: params stay)
     decode = (lambda i: "") if tokenizer is None else tokenizer.decode  # (no tokenizer: no text to echo)
-    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None else decode(i)
-             for p, i in zip(prompt, ids)]
+    # ids outside the vocabulary cannot be decoded (an OverflowError); the engine's check refuses them (a 400)
+    texts = [p if isinstance(p, str) and params.truncate_prompt_tokens is None
+             else decode(i) if all(0 <= t < limits.vocab_size for t in i) else "" for p, i in zip(prompt, ids)]
     return _beam_search(GenerationRequest(ids, texts, params, echo=echo, prompt_only=prompt_only, model=model,
                                           **options), body, limits)
 
