@@ -17,7 +17,7 @@ from api.errors import APIError
 from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
-from jaxserve.async_engine import Update
+from jaxserve.async_engine import QueueFull, Update
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.config import RequestError
 from jaxserve.outputs import Logprob
@@ -25,10 +25,13 @@ from jaxserve.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER = "1"  # seconds a client refused for a full queue or a draining server waits before retrying
 
-def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
+
+def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> None:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
-    serve, or a prompt the engine would refuse. A chat request's constraint waits for the thinking
+    serve, or a prompt the engine would refuse; 503 where the bounded waiting queue has no room
+    for it (`AsyncEngine.admit`). A chat request's constraint waits for the thinking
     (--reasoning-parser)."""
     if chat and state.reasoning_parser:
         if req.echo:
@@ -43,12 +46,17 @@ def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
         req.params = dataclasses.replace(req.params, skip_special_tokens=False)  # [TOOL_CALLS] is special
     try:
         for ids in req.prompts:
-            state.engine.check(ids, req.params)
+            state.engine.check(ids, req.params, priority=req.priority, cache_salt=req.cache_salt)
     except RequestError as e:  # the engine's one check of what depends on the model
         field = {"prompt": req.prompt_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
         raise APIError(str(e), param=field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
+    try:
+        state.engine.admit([(f"{request_id}-{i}", len(ids)) for i, ids in enumerate(req.prompts)])
+    except QueueFull as e:
+        raise APIError(str(e), status=503, type="server_overloaded", code="queue_full",
+                       headers={"Retry-After": RETRY_AFTER}) from e
 
 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
@@ -69,7 +77,8 @@ def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[A
                  req.beam or req.params)
     return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
                                 if req.beam is not None else
-                                state.engine.generate(f"{request_id}-{i}", ids, req.params),
+                                state.engine.generate(f"{request_id}-{i}", ids, req.params, priority=req.priority,
+                                                      cache_salt=req.cache_salt),
                                 req.params.n)
             for i, ids in enumerate(req.prompts)]
 

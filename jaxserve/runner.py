@@ -269,6 +269,11 @@ class Runner:
         broadcast_plan(np.array([command, *shape], np.int32))
         self._last_broadcast = time.monotonic()
 
+    @property
+    def can_step(self) -> bool:
+        """Whether the KV cache is still there (a step that failed after taking it, donated, loses it)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.kv))
+
     def keepalive(self) -> None:
         """Called by an idle process 0: tell the followers it is alive once in a while (a collective
         that waits for hours could time out)."""
