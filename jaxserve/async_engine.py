@@ -11,7 +11,8 @@ pages are freed at the next step.
 
 The waiting queue may be bounded (`admit`: the API refuses what would overflow it, before any
 work). A step that raises ends only the requests it computed (`StepFailed`); the loop stops (and
-the server with it) only when steps fail one after the other, or the KV cache is lost.
+the server with it) only when the engine cannot step: the KV cache is lost, or a step failed
+without a request to blame (it would fail again).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from jaxserve.warmup import WarmupCancelled
 
 log = logging.getLogger(__name__)
 
-MAX_FAILED_STEPS = 3  # steps failing one after the other: the engine cannot step, the loop stops
 RESERVATION_SECONDS = 30.0  # an admitted request not sent to the engine by then no longer counts as queued
 
 
@@ -246,7 +246,6 @@ class AsyncEngine:
         try:
             if not self.engine.is_ready:
                 self.engine.warmup(background=True, progress=False)
-            failed_steps = 0
             while not self._stop.is_set():
                 self._apply_commands()
                 if not self.engine.has_unfinished():
@@ -256,10 +255,8 @@ class AsyncEngine:
                     continue
                 try:
                     self.engine.step(on_release=self._publish)
-                    failed_steps = 0
                 except StepFailed as e:
-                    failed_steps += 1
-                    self._fail(e, failed_steps)
+                    self._fail(e)
         except WarmupCancelled:  # stopped while warming up: no failure
             pass
         except BaseException as e:  # the loop must not die silently: fail every waiter
@@ -276,7 +273,7 @@ class AsyncEngine:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, reason)
             self._subscribers.clear()
 
-    def _fail(self, e: StepFailed, failed_steps: int) -> None:
+    def _fail(self, e: StepFailed) -> None:
         """Tell the failed step's requests why they ended; re-raise (ending the loop) when the engine
         cannot step at all."""
         log.error("a step failed, ending its %d requests (%s); the engine goes on", len(e.request_ids),
@@ -285,9 +282,9 @@ class AsyncEngine:
             sub = self._subscribers.pop(request_id, None)
             if sub is not None:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
-        if failed_steps >= MAX_FAILED_STEPS or not self.engine.runner.can_step:
-            raise RuntimeError(f"the engine cannot step: {failed_steps} steps failed in a row, or the KV cache "
-                               "is lost") from e.__cause__
+        if not e.request_ids or not self.engine.runner.can_step:
+            raise RuntimeError("the engine cannot step: " + ("its KV cache is lost" if e.request_ids else
+                               "a step failed without a request to blame")) from e.__cause__
 
     def _apply_commands(self) -> None:
         while True:
