@@ -84,9 +84,14 @@ class LLM:
                 self.engine.abort(seq.request_id)
             raise
         with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                self.engine.step()
-                bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
+            try:
+                while self.engine.has_unfinished():
+                    self.engine.step()
+                    bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
+            except BaseException:  # (a failed step, Ctrl-C): nothing of this call is left to run later
+                for _, seq in seqs:
+                    self.engine.abort(seq.request_id)
+                raise
         return [self._output(text, seq) for text, seq in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
