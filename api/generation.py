@@ -20,6 +20,7 @@ from api.state import APIState
 from jaxserve.async_engine import QueueFull, Update
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.config import RequestError
+from jaxserve.engine import StepFailed
 from jaxserve.outputs import Logprob
 from jaxserve.sequence import TokenLogprobs
 
@@ -61,11 +62,14 @@ def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) 
 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
     """(prompt index, update) of all the request's sequences as they come (`merged`), counted in the
-    server's load meanwhile."""
+    server's load meanwhile. A step that failed while computing them is a 500 (its traceback is
+    logged once, by the engine thread)."""
     state.in_flight += 1
     try:
         async for item in merged(_streams(state, req, request_id)):
             yield item
+    except StepFailed as e:
+        raise APIError(str(e), status=500, type="internal_error") from e
     finally:
         state.in_flight -= 1
 
@@ -144,6 +148,6 @@ async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[in
 
 def stream_error_status(state: APIState, e: Exception) -> int:
     """The status of an error met after a stream's 200 (a request the engine refused: 400), counted."""
-    status = 400 if isinstance(e, ValueError) else 500
+    status = e.status if isinstance(e, APIError) else 400 if isinstance(e, ValueError) else 500
     state.metrics.error(status)
     return status

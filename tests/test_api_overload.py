@@ -53,7 +53,7 @@ def test_a_draining_server_says_503_on_health_and_to_new_requests(served, client
 MARK = 4242  # the seed of the requests whose steps fail
 
 
-def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(served, client, monkeypatch):
+def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(served, client, monkeypatch, caplog):
     runner = served[1].engine.runner
     launch = runner.launch
 
@@ -68,6 +68,7 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(served, cl
     assert r.status_code == 500
     error = r.json()["error"]
     assert error["type"] == "internal_error" and "injected step failure" in error["message"]
+    assert sum(record.exc_info is not None for record in caplog.records) == 1  # the traceback, logged once
 
     with httpx.stream("POST", served[0].url + "/v1/chat/completions", timeout=60, json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": MARK,
