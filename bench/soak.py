@@ -2,10 +2,10 @@
 then checks that the server answered every one well and came back to idle as it was.
 
     python bench/soak.py [--requests 400] [--warmup 200] [--concurrency 12] [--max-num-seqs 4]
-                         [--max-num-queued-reqs N] [--seed 0] [--time-limit 1200]
+                         [--max-num-queued-reqs 4] [--max-num-queued-tokens 1024] [--seed 0] [--time-limit 1200]
 
-1. Starts `run_server.py --model jaxserve-tiny` (small settings, loopback) and waits until every step
-   bucket is compiled.
+1. Starts `run_server.py --model jaxserve-tiny` (small settings, a bounded waiting queue, loopback) and
+   waits until every step bucket is compiled.
 2. Warm-up: `--warmup` requests of the mix; waits for idle; reads the server's resident memory.
 3. The run: `--requests` requests of the same mix, `--concurrency` at once: chat and completions,
    streamed or not, n > 1, JSON-schema grammars, tools (required and named), beam search, bad inputs
@@ -13,7 +13,7 @@ then checks that the server answered every one well and came back to idle as it 
    after a few chunks, and clients that give up waiting for a whole answer.
 4. Checks, and prints the result block for bench/RESULTS.md: every answer well-formed (a 2xx with a
    valid body, streams ending with `data: [DONE]`; or OpenAI's error body with the expected 4xx, or a
-   503 with Retry-After where `--max-num-queued-reqs` is given), no 5xx, KV pages all free when idle,
+   503 with Retry-After where the queue is bounded), no other 5xx, KV pages all free when idle,
    resident memory within 5 % of the warm-up's, the event loop's lag (/metrics) within `--lag-bound`
    while serving. Exits 1 when a check fails.
 """
@@ -40,6 +40,7 @@ MODEL = "jaxserve-tiny"
 MAX_MODEL_LEN = 256
 LAG_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1.0)  # edges of /metrics' event loop lag histogram (api/metrics.py)
 RSS_GROWTH = 0.05  # the resident memory after the run may exceed the warm-up's by this fraction
+RETRIES, MAX_RETRY_WAIT = 3, 1.0  # after a bounded queue's 503: how often a call is sent again, the longest wait
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}}}
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -228,6 +229,7 @@ class Tally:
     statuses: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     problems: list[str] = dataclasses.field(default_factory=list)
     hung_up: int = 0  # answers the client closed the connection on (mid-stream, or before any came)
+    retried: int = 0  # calls sent again after a 503
 
     def server_errors(self, queue_limited: bool) -> int:
         """Answers with a 5xx (but a bounded queue's 503), or none."""
@@ -240,6 +242,17 @@ class Tally:
 
 
 async def send(client: httpx.AsyncClient, url: str, call: Call, tally: Tally, queue_limited: bool) -> None:
+    """The call, sent again after a bounded queue's 503 (as the OpenAI SDK does) up to RETRIES times."""
+    for retry in range(RETRIES + 1):
+        if (wait := await attempt(client, url, call, tally, queue_limited)) is None or retry == RETRIES:
+            return
+        tally.retried += 1
+        await asyncio.sleep(wait)
+
+
+async def attempt(client: httpx.AsyncClient, url: str, call: Call, tally: Tally, queue_limited: bool) -> float | None:
+    """The call sent once, its answer judged and counted; the seconds to wait before sending it again
+    where a bounded queue said so (a 503 with Retry-After), else None."""
     content = dict(content=call.body) if isinstance(call.body, bytes) else dict(json=call.body)
     if call.give_up is not None:
         content["timeout"] = call.give_up
@@ -254,23 +267,27 @@ async def send(client: httpx.AsyncClient, url: str, call: Call, tally: Tally, qu
                         tally.hung_up += 1
                         break  # (leaving the block closes the connection mid-stream)
                 tally.statuses[call.kind, r.status_code] += 1
-                return
+                return None
             raw = await r.aread()
     except httpx.TimeoutException as e:
         if call.give_up is not None:
             tally.statuses[call.kind, "gave up"] += 1
             tally.hung_up += 1
-            return
+            return None
         tally.statuses[call.kind, "no answer"] += 1
         tally.problems.append(f"{call.kind}: {type(e).__name__}: {e}")
-        return
+        return None
     except httpx.HTTPError as e:
         tally.statuses[call.kind, "no answer"] += 1
         tally.problems.append(f"{call.kind}: {type(e).__name__}: {e}")
-        return
+        return None
     tally.statuses[call.kind, r.status_code] += 1
     if problem := judge(call, r.status_code, r.headers, raw, queue_limited):
         tally.problems.append(f"{call.kind}: {problem}")
+        return None
+    if r.status_code == 503 and queue_limited:
+        return min(float(r.headers["retry-after"]), MAX_RETRY_WAIT) * random.uniform(0.5, 1.0)
+    return None
 
 
 async def phase(url: str, calls: list[Call], concurrency: int, queue_limited: bool) -> Tally:
@@ -321,7 +338,7 @@ def server_pid(port: int) -> int:
             words = status.read_bytes().split(b"\0")
         except OSError:
             continue
-        if any(w.endswith(b"run_server.py") for w in words) and str(port).encode() in words:
+        if words[1:2] == [b"run_server.py"] and str(port).encode() in words:  # (python run_server.py ...)
             return int(status.parent.name)
     raise RuntimeError(f"no run_server.py process on port {port}")
 
@@ -332,8 +349,9 @@ def server_command(args: argparse.Namespace, port: int) -> list[str]:
     cmd = [sys.executable, "run_server.py", "--model", MODEL, "--port", str(port), "--max-num-seqs",
            str(args.max_num_seqs), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", "128",
            "--log-level", "warning"]
-    if args.max_num_queued_reqs is not None:
-        cmd += ["--max-num-queued-reqs", str(args.max_num_queued_reqs)]
+    for flag in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        if getattr(args, flag):
+            cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     return cmd
 
 
@@ -364,32 +382,33 @@ def lag_line(started: dict[str, float], after: dict[str, float], bound: float) -
 def soak(args: argparse.Namespace, url: str, pid: int) -> list[tuple[str, bool]]:
     """Warm-up, run, idle; the result lines and whether each check holds."""
     rng = random.Random(args.seed)
-    queue_limited = args.max_num_queued_reqs is not None
+    queue_limited = bool(args.max_num_queued_reqs or args.max_num_queued_tokens)
     deadline = time.perf_counter() + args.time_limit
 
-    def run(count: int) -> tuple[Tally, float]:
-        calls = [mix(rng) for _ in range(count)]
+    def run(calls: list[Call]) -> tuple[Tally, float]:
         start = time.perf_counter()
         tally = asyncio.run(asyncio.wait_for(phase(url, calls, args.concurrency, queue_limited),
                                              max(deadline - start, 1)))
         return tally, time.perf_counter() - start
 
     started = scrape(url)
-    warm, _ = run(args.warmup)
+    warm, _ = run([mix(rng) for _ in range(args.warmup)])
     wait_idle(url, 60)
     rss_before = rss_mib(pid)
-    tally, elapsed = run(args.requests)
+    calls = [mix(rng) for _ in range(args.requests)]
+    tally, elapsed = run(calls)
     after = wait_idle(url, 60)
     rss_after = rss_mib(pid)
     lag = lag_line(started, after, args.lag_bound)
-    kinds = collections.Counter(kind for kind, _ in tally.statuses.elements())
+    kinds = collections.Counter(call.kind for call in calls)
     growth = rss_after / rss_before - 1
     five = tally.server_errors(queue_limited) + warm.server_errors(queue_limited)
     malformed = len(tally.problems) + len(warm.problems) - five
     return [
         (f"requests: {args.requests} after a warm-up of {args.warmup}, {args.concurrency} at once, in "
          f"{elapsed:.0f} s; " + ", ".join(f"{kind} {n}" for kind, n in sorted(kinds.items())), True),
-        (f"answers: {statuses_line(tally)}; {tally.hung_up} hung up on by the client", True),
+        (f"answers: {statuses_line(tally)}; {tally.retried} sent again after a 503, {tally.hung_up} hung up on "
+         "by the client", True),
         (f"5xx or no answer: {five}", five == 0),
         (f"malformed or unexpected answers: {malformed}" + "".join(
             f"\n  {p}" for p in (warm.problems + tally.problems)[:10]), malformed == 0),
@@ -409,8 +428,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200, help="requests of the same mix before memory is measured")
     ap.add_argument("--concurrency", type=int, default=12)
     ap.add_argument("--max-num-seqs", type=int, default=4)
-    ap.add_argument("--max-num-queued-reqs", type=int, default=None,
-                    help="pass the server's flag of that name; 503s with Retry-After then count as well-formed")
+    ap.add_argument("--max-num-queued-reqs", type=int, default=4,
+                    help="the server's flag of that name (0: no bound); 503s with Retry-After count as well-formed "
+                         "where the queue is bounded")
+    ap.add_argument("--max-num-queued-tokens", type=int, default=1024,
+                    help="the server's flag of that name (0: no bound)")
     ap.add_argument("--lag-bound", type=float, default=0.25, choices=LAG_BOUNDS,
                     help="seconds the event loop may be late at most while serving (a bucket of its histogram)")
     ap.add_argument("--seed", type=int, default=0)

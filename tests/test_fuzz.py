@@ -118,12 +118,12 @@ def check_fuzz(served, client, max_examples: int) -> None:
 
 
 def test_fuzzed_requests_get_no_5xx_and_openai_errors(served, client):
-    check_fuzz(served, client, max_examples=12)
+    check_fuzz(served, client, max_examples=20)
 
 
 @pytest.mark.slow
 def test_fuzzed_requests_get_no_5xx_and_openai_errors_many(served, client):
-    check_fuzz(served, client, max_examples=400)
+    check_fuzz(served, client, max_examples=1000)
 
 
 # What the fuzzer found, each a 500 before its fix.
