@@ -433,7 +433,7 @@ def main() -> None:
                          "where the queue is bounded")
     ap.add_argument("--max-num-queued-tokens", type=int, default=1024,
                     help="the server's flag of that name (0: no bound)")
-    ap.add_argument("--lag-bound", type=float, default=0.25, choices=LAG_BOUNDS,
+    ap.add_argument("--lag-bound", type=float, default=0.1, choices=LAG_BOUNDS,
                     help="seconds the event loop may be late at most while serving (a bucket of its histogram)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit", type=float, default=1200, help="seconds for the warm-up and the run together")
