@@ -27,7 +27,7 @@ from pathlib import Path
 
 import jax
 
-from api.app import create_app
+from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.metrics import StatsLog
 from api.protocol import Limits
@@ -84,6 +84,9 @@ def _add_server_arguments(p) -> None:
     p.add_argument("--allowed-methods", type=json_strings, default=["*"], help='CORS: allowed methods (default: ["*"])')
     p.add_argument("--allowed-headers", type=json_strings, default=["*"], help='CORS: allowed headers (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow the browser's credentials")
+    p.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
+                   help="the largest request body accepted, in bytes (default: 16 MiB); a larger one is a 413, "
+                        "refused before it is read whole")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
     p.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates client certificates are checked with")
@@ -149,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
     if args.log_stats_interval <= 0:
         p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
+    if args.max_request_body_bytes <= 0:
+        p.error(f"--max-request-body-bytes must be > 0, got {args.max_request_body_bytes}")
     return args
 
 
@@ -259,7 +264,8 @@ def main(argv: list[str] | None = None) -> None:
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
-                     reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs)
+                     reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
+                     max_request_body_bytes=args.max_request_body_bytes)
     async_engine.start()
     try:
         asyncio.run(serve(app, args, async_engine))

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import openai
 import pytest
-from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
+from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 
-from api.app import create_app
+from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.protocol import Limits
 
@@ -161,6 +161,33 @@ def test_a_request_the_engine_refuses_gets_a_400_before_its_stream(served):
             "stop_token_ids": list(range(40))}
     r = post(served, "/v1/completions", body)
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+
+
+def test_a_body_over_the_limit_is_a_413(served):
+    """--max-request-body-bytes (16 MiB by default): a larger body is a 413 with OpenAI's error body
+    naming the limit, whether it says its length (refused before it is sent) or comes in chunks
+    (refused once the limit is passed); a server with a lower limit serves the bodies under it."""
+    def send(url: str, body: bytes, chunked: bool) -> httpx.Response:
+        content = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
+        return httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"},
+                          timeout=60)
+
+    over = b'{"prompt": "' + b"a" * MAX_REQUEST_BODY_BYTES + b'", "max_tokens": 1}'
+    for chunked in (False, True):
+        r = send(served[0].url, over, chunked)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert f"limit of {MAX_REQUEST_BODY_BYTES} bytes" in error["message"] and "--max-request-body-bytes" in \
+            error["message"] and error["type"] == "invalid_request_error"
+    small = Server(create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), max_request_body_bytes=100), free_port())
+    try:
+        fits = b'{"prompt": "a", "max_tokens": 1}'
+        for chunked in (False, True):
+            assert send(small.url, fits, chunked).status_code == 200
+            r = send(small.url, fits[:-1] + b", " + b" " * 100 + b"}", chunked)
+            assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
+    finally:
+        small.stop()
 
 
 def test_api_key_guards_v1_routes(served):

@@ -105,6 +105,7 @@ FLAGS = {
     ('--allowed-methods',): ['*'],
     ('--allowed-headers',): ['*'],
     ('--allow-credentials',): False,
+    ('--max-request-body-bytes',): 16 * 1024 * 1024,
     ('--ssl-keyfile',): None,
     ('--ssl-certfile',): None,
     ('--ssl-ca-certs',): None,
