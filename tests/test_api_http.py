@@ -35,6 +35,7 @@ def test_health_and_models(served, client):
 BAD_REQUESTS = [
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),  # (too deep to parse)
     ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
