@@ -26,10 +26,11 @@ from jaxserve.sequence import TokenLogprobs
 log = logging.getLogger(__name__)
 
 
-def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
+async def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
-    serve, or a prompt the engine would refuse. A chat request's constraint waits for the thinking
-    (--reasoning-parser)."""
+    serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is
+    compiled on the tokenizing thread, not the event loop, before the request reaches the engine). A
+    chat request's constraint waits for the thinking (--reasoning-parser)."""
     if chat and state.reasoning_parser:
         if req.echo:
             raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
@@ -49,6 +50,11 @@ def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
         raise APIError(str(e), param=field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
+    if req.params.constraint is not None:
+        try:
+            await state.off_loop(state.engine.check_constraint, req.params.constraint)
+        except ValueError as e:
+            raise APIError(str(e)) from e
 
 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:

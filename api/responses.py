@@ -305,7 +305,7 @@ async def create_response():
     """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
     req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
-    admit(state, req, chat=True)
+    await admit(state, req, chat=True)
     builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                               req.params.top_p, logprobs=req.params.logprobs is not None)
     if req.stream:
