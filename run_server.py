@@ -40,7 +40,7 @@ from jaxserve.config import VLLM_OPTIONS, EngineConfig, add_vllm_arguments, chec
 from jaxserve.engine import build_engine
 from jaxserve.settings import json_strings
 from jaxserve.sharding import initialize_distributed, is_leader
-from jaxserve.tokenizer import CONTENT_FORMATS
+from jaxserve.tokenizer import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
 
 log = logging.getLogger("jaxserve.server")
 
@@ -105,6 +105,9 @@ def _add_api_arguments(p) -> None:
                         "list of parts), or auto (openai where the template loops over a message's content)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests pass their own chat_template (default: such requests are a 400, as in vLLM)")
+    p.add_argument("--chat-template-timeout", type=float, default=CHAT_TEMPLATE_TIMEOUT_S,
+                   help="seconds the chat template may take to render a request's messages (default: 10); past "
+                        "them the rendering stops and the request is a 400")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how to read tool calls in the model's output (default: from the chat template)")
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
@@ -152,6 +155,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
     if args.log_stats_interval <= 0:
         p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
+    if args.chat_template_timeout <= 0:
+        p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
     if args.max_request_body_bytes <= 0:
         p.error(f"--max-request-body-bytes must be > 0, got {args.max_request_body_bytes}")
     return args
@@ -258,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                     chat_template_content_format=args.chat_template_content_format,
                     model_root=args.model or DEFAULT_MODEL_NAME, tokens_as_ids=args.return_tokens_as_token_ids,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
-                    processor_args=engine.processors.arg_names)
+                    processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,

@@ -261,8 +261,10 @@ def test_pathological_grammars_are_quick_400s(served, monkeypatch):
     with pytest.raises(ValueError, match="compiler down"):
         served[1].check_constraint(Constraint("json_schema", json.dumps(_ref_chain(10_000))))
     start = time.monotonic()
-    r = post(served, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 8, "guided_regex": "(a|b)*a(a|b){40}"})
+    r = post(served, "/v1/completions",
+             {"model": MODEL, "prompt": "a", "max_tokens": 8, "guided_regex": "(a|b)*a(a|b){40}"})
     assert r.status_code == 200 and re.fullmatch("[ab]*", r.json()["choices"][0]["text"])
     assert time.monotonic() - start < 15
-    r = post(served, "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 4, "guided_choice": ["yes", "no"]})
+    r = post(served, "/v1/completions",
+             {"model": MODEL, "prompt": "a", "max_tokens": 4, "guided_choice": ["yes", "no"]})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
