@@ -26,6 +26,7 @@ import time
 
 GRAMMAR_CHECK_TIMEOUT_S = 5.0  # a grammar must compile within this, or its request is a 400
 CHILD_MEMORY_BYTES = 4 << 30  # the child's address space: a grammar that needs more is refused
+CHILD_START_TIMEOUT_S = 60.0  # for the child to import llguidance (a cold disk) and say it is ready
 DEFAULT_THREAD_STACK_BYTES = 2 << 20  # glibc's stack for a new thread where the stack size has no limit
 
 
@@ -68,23 +69,36 @@ class GrammarSandbox:
             return json.loads(reply)
 
     def _start(self) -> None:
-        # -I: the child's imports come from site-packages, never from this package's directory
-        self._child = subprocess.Popen([sys.executable, "-I", __file__, str(thread_stack_bytes() // 2)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                       bufsize=0)
-        os.set_blocking(self._child.stdin.fileno(), False)
+        """A new child, once it says it is ready; RuntimeError where it does not start (a broken
+        installation: not the request's fault)."""
+        # -P: the child's imports never come from this package's directory
+        child = subprocess.Popen([sys.executable, "-P", __file__, str(thread_stack_bytes() // 2)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        os.set_blocking(child.stdin.fileno(), False)
+        try:
+            ready = _exchange(child, b"", time.monotonic() + CHILD_START_TIMEOUT_S)
+        except TimeoutError:
+            ready = None
+        if ready != b"ready\n":
+            _kill(child)
+            raise RuntimeError("the grammar sandbox process did not start (its error, if any, is in the log above)")
+        self._child = child
 
     def _stop(self) -> None:
-        self._child.kill()
-        self._child.wait()
-        self._child.stdin.close()
-        self._child.stdout.close()
+        _kill(self._child)
         self._child = None
 
 
+def _kill(child: subprocess.Popen) -> None:
+    child.kill()
+    child.wait()
+    child.stdin.close()
+    child.stdout.close()
+
+
 def _exchange(child: subprocess.Popen, request: bytes, deadline: float) -> bytes | None:
-    """Send one request line and read the reply line; None if the child dies first, TimeoutError if
-    the deadline passes first."""
+    """Send one request line (if any) and read the reply line; None if the child dies first,
+    TimeoutError if the deadline passes first."""
     out, into = child.stdin.fileno(), child.stdout.fileno()
     reply = b""
     try:
@@ -129,6 +143,8 @@ def _serve(stack_bytes: int) -> None:
     threading.stack_size(stack_bytes)
     import llguidance
 
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
     for line in sys.stdin.buffer:
         grammar, errors = json.loads(line), []
         worker = threading.Thread(target=lambda: errors.append(llguidance.LLMatcher.validate_grammar(grammar)))

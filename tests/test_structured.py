@@ -7,6 +7,7 @@ import asyncio
 import functools
 import json
 import re
+import sys
 import time
 
 import jsonschema
@@ -268,3 +269,10 @@ def test_pathological_grammars_are_quick_400s(served, monkeypatch):
     r = post(served, "/v1/completions",
              {"model": MODEL, "prompt": "a", "max_tokens": 4, "guided_choice": ["yes", "no"]})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_sandbox_that_cannot_start_is_an_internal_error(monkeypatch):
+    """A broken installation (the child cannot start) is the server's error, never the grammar's."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="did not start"):
+        grammar_sandbox.GrammarSandbox().check('start: "a"')
