@@ -72,7 +72,8 @@ class GrammarSandbox:
         """A new child, once it says it is ready; RuntimeError where it does not start (a broken
         installation: not the request's fault)."""
         # -P: the child's imports never come from this package's directory
-        child = subprocess.Popen([sys.executable, "-P", __file__, str(thread_stack_bytes() // 2)],
+        stack = thread_stack_bytes() // 2 & ~0xFFFF  # (whole pages, as thread stacks must be)
+        child = subprocess.Popen([sys.executable, "-P", __file__, str(stack)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
         os.set_blocking(child.stdin.fileno(), False)
         try:
@@ -139,7 +140,9 @@ def check_grammar(grammar: str) -> str:
 def _serve(stack_bytes: int) -> None:
     """The child: validate each grammar (a JSON string per line on stdin) in a thread of `stack_bytes`,
     and answer llguidance's error (a JSON string per line on stdout)."""
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY_BYTES, CHILD_MEMORY_BYTES))
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    memory = CHILD_MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(hard, CHILD_MEMORY_BYTES)
+    resource.setrlimit(resource.RLIMIT_AS, (memory, hard))
     threading.stack_size(stack_bytes)
     import llguidance
 
