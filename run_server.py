@@ -7,7 +7,9 @@ sent meanwhile wait for it), then the others in the background (`--warmup`).
     python run_server.py --model /path/to/model.gguf
     python run_server.py --model /path/to/hf-checkpoint --max-model-len 4096 --quantization int8
 
-SIGINT / SIGTERM stop the server: in-flight requests are cancelled, the engine thread stops, the process exits.
+SIGINT / SIGTERM drain the server, then stop it: /health and new requests get 503 at once, the requests
+in flight go on for up to --shutdown-timeout seconds, those left then end with finish_reason "abort", and
+the process exits 0. A second signal exits at once.
 
 Multi-host (one process per host, e.g. a TPU slice): every process runs the same command plus
 `--coordinator-address HOST:PORT --num-processes N --process-id I` (or `--distributed` where JAX
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import ssl
+import time
 from pathlib import Path
 
 import jax
@@ -32,6 +35,7 @@ from api.cors import CorsPolicy
 from api.metrics import StatsLog
 from api.protocol import Limits
 from api.reasoning import PARSERS as REASONING_PARSERS
+from api.state import api_state_of
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.async_engine import AsyncEngine
@@ -43,6 +47,7 @@ from jaxserve.sharding import initialize_distributed, is_leader
 from jaxserve.tokenizer import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
 
 log = logging.getLogger("jaxserve.server")
+ABORT_SECONDS = 5.0  # for aborted requests' last chunks to be sent, once the drain's time is up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +92,16 @@ def _add_server_arguments(p) -> None:
     p.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
                    help="the largest request body accepted, in bytes (default: 16 MiB); a larger one is a 413, "
                         "refused before it is read whole")
+    p.add_argument("--max-num-queued-reqs", type=int, default=None,
+                   help="the most requests that may wait to start (default: no bound); past it a request gets 503 "
+                        "with Retry-After, before any work is done for it")
+    p.add_argument("--max-num-queued-tokens", type=int, default=None,
+                   help="the most prompt tokens the requests waiting to start may hold (default: no bound); past it "
+                        "a request gets 503 with Retry-After (one request alone always waits)")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0,
+                   help="on SIGTERM or SIGINT, the seconds the requests in flight get to finish before those left "
+                        "end with finish_reason abort (default: 0, at once); meanwhile /health and new requests "
+                        "get 503. A second signal exits at once")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS: the private key file (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS: the certificate file")
     p.add_argument("--ssl-ca-certs", default=None, help="HTTPS: the CA certificates client certificates are checked with")
@@ -159,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
     if args.max_request_body_bytes <= 0:
         p.error(f"--max-request-body-bytes must be > 0, got {args.max_request_body_bytes}")
+    for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shutdown_timeout < 0:
+        p.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return args
 
 
@@ -204,8 +224,16 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
         config.verify_mode = ssl.VerifyMode(args.ssl_cert_reqs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    def on_signal(sig: int) -> None:
+        if draining:
+            print(f"jaxserve: {signal.Signals(sig).name} again: exiting now", flush=True)
+            os._exit(128 + sig)
+        draining.append(asyncio.create_task(drain(app, engine, args.shutdown_timeout, stop, signal.Signals(sig))))
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     async def watch_engine():  # a dead engine loop cannot serve: stop, and exit non-zero
         while not stop.is_set():
@@ -236,6 +264,31 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
         task.cancel()
 
 
+async def drain(app, engine: AsyncEngine, timeout: float, stop: asyncio.Event, sig: signal.Signals) -> None:
+    """Refuse new work, let the requests in flight finish for up to `timeout` seconds, end the rest
+    (finish_reason "abort": their streams end as usual), then stop serving."""
+    state = api_state_of(app)
+    state.draining = True
+
+    def busy() -> bool:
+        stats = engine.stats
+        return bool(state.in_flight or engine.queued[0] or stats.num_running or stats.num_waiting)
+
+    async def settle(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while busy() and time.monotonic() < deadline and engine.is_running:
+            await asyncio.sleep(0.05)
+
+    log.info("%s: draining: /health and new requests get 503; the requests in flight have %.0f s to finish",
+             sig.name, timeout)
+    await settle(timeout)
+    if busy():
+        log.info("aborting the requests still in flight after %.0f s (--shutdown-timeout)", timeout)
+        engine.abort_all()
+        await settle(ABORT_SECONDS)
+    stop.set()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -254,7 +307,8 @@ def main(argv: list[str] | None = None) -> None:
     if not is_leader():
         follow(engine)
         return
-    async_engine = AsyncEngine(engine, tokenizer)
+    async_engine = AsyncEngine(engine, tokenizer, max_queued_requests=args.max_num_queued_reqs,
+                               max_queued_tokens=args.max_num_queued_tokens)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     limits = Limits(served_model_name=names[0], other_model_names=tuple(names[1:]),
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,

@@ -24,6 +24,7 @@ from api.completions import completions
 from api.cors import CorsPolicy
 from api.metrics import Metrics
 from api.errors import APIError
+from api.generation import RETRY_AFTER
 from api.protocol import Limits
 from api.responses import responses
 from api.server_info import server_info
@@ -64,6 +65,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
              api_key=api_key, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
     cors.install(app)  # its preflight answer comes before the API key check
     app.before_request(_check_key)
+    app.before_request(_check_draining)
     app.register_error_handler(APIError, _api_error)
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
@@ -84,9 +86,16 @@ async def _check_key():
                            type="authentication_error", code="invalid_api_key")
 
 
+async def _check_draining():
+    """While the server drains before stopping, a 503 for new work (the requests in flight go on)."""
+    if api_state().draining and request.method == "POST" and request.path != "/ping":
+        raise APIError("the server is shutting down: send the request to another replica", status=503,
+                       type="service_unavailable", code="shutting_down", headers={"Retry-After": RETRY_AFTER})
+
+
 def _error_response(e: APIError):
     api_state().metrics.error(e.status)
-    return e.body(), e.status
+    return e.body(), e.status, e.headers
 
 
 async def _api_error(e: APIError):

@@ -100,8 +100,9 @@ class Choices:
                 out.append(DeltaMessage(reasoning=reasoning, reasoning_content=reasoning))  # (vLLM's older name)
         if self.tools is None:
             return out + ([DeltaMessage(content=text)] if text else [])
-        out += self.tools[c].feed(text)
-        return out + self.tools[c].finish() if finished else out
+        cut = finished and self.finish[c] == "length"
+        out += self.tools[c].feed(text, cut)
+        return out + self.tools[c].finish(cut) if finished else out
 
     def to_send(self, c: int) -> dict:
         """In a stream, what the next chunk of choice c carries of its tokens that no chunk has carried
@@ -141,7 +142,7 @@ class Choices:
             think, content = split_reasoning(self.req.thinking, text)
             text = content or ""
         if self.tools is not None:
-            message = self.tools[c].message(text)
+            message = self.tools[c].message(text, cut=self.finish[c] == "length")
             message.role = self.req.role
         else:
             message = ChatMessage(role=self.req.role, content=text)

@@ -17,20 +17,25 @@ from api.errors import APIError
 from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
-from jaxserve.async_engine import Update
+from jaxserve.async_engine import QueueFull, Update
 from jaxserve.beam_search import BeamSearchParams
 from jaxserve.config import RequestError
+from jaxserve.engine import StepFailed
 from jaxserve.outputs import Logprob
 from jaxserve.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
+RETRY_AFTER = "1"  # seconds a client refused for a full queue or a draining server waits before retrying
 
-async def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
+
+async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> None:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
     serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is
-    compiled on the tokenizing thread, not the event loop, before the request reaches the engine). A
-    chat request's constraint waits for the thinking (--reasoning-parser)."""
+    compiled on the tokenizing thread, not the event loop, before the request reaches the engine);
+    then 503 where the bounded waiting queue has no room for it (`AsyncEngine.admit`: last, so a
+    refused request holds no place in it). A chat request's constraint waits for the thinking
+    (--reasoning-parser)."""
     if chat and state.reasoning_parser:
         if req.echo:
             raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
@@ -44,7 +49,7 @@ async def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
         req.params = dataclasses.replace(req.params, skip_special_tokens=False)  # [TOOL_CALLS] is special
     try:
         for ids in req.prompts:
-            state.engine.check(ids, req.params)
+            state.engine.check(ids, req.params, priority=req.priority, cache_salt=req.cache_salt)
     except RequestError as e:  # the engine's one check of what depends on the model
         field = {"prompt": req.prompt_field, "logprobs": "top_logprobs" if chat else "logprobs"}.get(e.field, e.field)
         raise APIError(str(e), param=field) from e
@@ -55,15 +60,23 @@ async def admit(state: APIState, req: GenerationRequest, chat: bool) -> None:
             await state.off_loop(state.engine.check_constraint, req.params.constraint)
         except ValueError as e:
             raise APIError(str(e)) from e
+    try:
+        state.engine.admit([(f"{request_id}-{i}", len(ids)) for i, ids in enumerate(req.prompts)])
+    except QueueFull as e:
+        raise APIError(str(e), status=503, type="server_overloaded", code="queue_full",
+                       headers={"Retry-After": RETRY_AFTER}) from e
 
 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
     """(prompt index, update) of all the request's sequences as they come (`merged`), counted in the
-    server's load meanwhile."""
+    server's load meanwhile. A step that failed while computing them is a 500 (its traceback is
+    logged once, by the engine thread)."""
     state.in_flight += 1
     try:
         async for item in merged(_streams(state, req, request_id)):
             yield item
+    except StepFailed as e:
+        raise APIError(str(e), status=500, type="internal_error") from e
     finally:
         state.in_flight -= 1
 
@@ -75,7 +88,8 @@ def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[A
                  req.beam or req.params)
     return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
                                 if req.beam is not None else
-                                state.engine.generate(f"{request_id}-{i}", ids, req.params),
+                                state.engine.generate(f"{request_id}-{i}", ids, req.params, priority=req.priority,
+                                                      cache_salt=req.cache_salt),
                                 req.params.n)
             for i, ids in enumerate(req.prompts)]
 
@@ -141,6 +155,6 @@ async def merged(streams: list[AsyncIterator[Update]]) -> AsyncIterator[tuple[in
 
 def stream_error_status(state: APIState, e: Exception) -> int:
     """The status of an error met after a stream's 200 (a request the engine refused: 400), counted."""
-    status = 400 if isinstance(e, ValueError) else 500
+    status = e.status if isinstance(e, APIError) else 400 if isinstance(e, ValueError) else 500
     state.metrics.error(status)
     return status

@@ -31,6 +31,7 @@ class _EngineCollector:
     def collect(self):
         stats = self.engine.stats
         compiled, buckets = self.engine.compile_progress
+        queued_requests, queued_tokens = self.engine.queued
         ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
         figures = [
             (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
@@ -39,6 +40,10 @@ class _EngineCollector:
             (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", stats.kv_cache_usage),
             (vllms, GaugeMetricFamily, "gpu_cache_usage_perc", "KV cache use, 1 is full (vLLM's older name).",
              stats.kv_cache_usage),
+            (ours, GaugeMetricFamily, "num_requests_queued", "Requests waiting to start (the queue that "
+             "--max-num-queued-reqs bounds).", queued_requests),
+            (ours, GaugeMetricFamily, "num_tokens_queued", "Prompt tokens of the requests waiting to start (the "
+             "queue that --max-num-queued-tokens bounds).", queued_tokens),
             (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
             (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
              stats.kv_pages_total),

@@ -68,6 +68,8 @@ class GenerationRequest:
     role: str = "assistant"  # chat: the answer's role (--response-role; with no generation prompt, the last message's)
     thinking: bool | None = None  # chat, --reasoning-parser: whether the output starts inside the thinking
     prompt_field: str = "prompt"  # the field the prompts came from, which errors about them name
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache pages
 
 
 def _ids(value) -> list[int] | None:
@@ -89,7 +91,6 @@ def _given(body: dict, name: str, default=None):
 _NOT_YET = {
     "best_of": lambda v: v not in (None, 1),
     "suffix": lambda v: bool(v),
-    "priority": lambda v: v not in (None, 0),
     "audio": lambda v: v is not None,  # (the models write text only)
     "modalities": lambda v: v not in (None, ["text"]),
     "web_search_options": lambda v: v is not None,
@@ -338,9 +339,10 @@ def _extra_args(body: dict, limits: Limits) -> dict | None:
 
 
 def _response_options(body: dict, limits: Limits) -> dict:
-    """GenerationRequest's fields on how the response is sent: stream, include_usage,
-    continuous_usage (vLLM's continuous_usage_stats, with include_usage only), tokens_as_ids
-    (vLLM's return_tokens_as_token_ids) and return_token_ids."""
+    """GenerationRequest's fields on how the request runs and its response is sent: stream,
+    include_usage, continuous_usage (vLLM's continuous_usage_stats, with include_usage only),
+    tokens_as_ids (vLLM's return_tokens_as_token_ids), return_token_ids, priority and cache_salt
+    (checked by the engine)."""
     stream = _given(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -351,7 +353,8 @@ def _response_options(body: dict, limits: Limits) -> dict:
     return dict(stream=stream, include_usage=include_usage,
                 continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
                 tokens_as_ids=_given(body, "return_tokens_as_token_ids", limits.tokens_as_ids),
-                return_token_ids=_given(body, "return_token_ids", False))
+                return_token_ids=_given(body, "return_token_ids", False),
+                priority=_given(body, "priority", 0), cache_salt=body.get("cache_salt"))
 
 
 def check_model(body: dict, limits: Limits) -> str:

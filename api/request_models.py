@@ -163,6 +163,8 @@ class GenerationFields(BaseModel):
     dynatemp_exponent: number(0.0, 100.0) = None
     min_keep: integer(0, MAX_TOKENS) = None
     length_penalty: documented(LengthPenalty, "with use_beam_search only") = None
+    priority: integer(-(2**63), 2**63 - 1) = None  # vLLM's: lower first (--scheduling-policy priority; else 0)
+    cache_salt: Str = None  # vLLM's: only requests with the same salt share prefix-cache pages
 
     @model_validator(mode="before")
     @classmethod
@@ -219,6 +221,8 @@ class ResponsesRequest(BaseModel):
     user: documented(Str) = None
     metadata: documented(Object) = None
     truncation: described({"enum": ["disabled"]}) = None
+    priority: documented(integer(-(2**63), 2**63 - 1)) = None
+    cache_salt: documented(Str) = None
 
 
 def _error(rule: Typed | Bounds, name: str, error: ValidationError) -> APIError:

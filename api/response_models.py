@@ -265,6 +265,8 @@ class ModelList(Wire):
 
 class ServerLoad(Wire):
     server_load: int  # requests being generated
+    queued_requests: int  # of those and the ones admitted, the requests waiting to start
+    queued_tokens: int  # their prompt tokens
 
 
 class Version(Wire):

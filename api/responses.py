@@ -154,7 +154,7 @@ def chat_request(body: dict) -> dict:
     body = validated(ResponsesRequest, body)  # (a 400 names the Responses field)
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
-                         ("user", "user")):
+                         ("user", "user"), ("priority", "priority"), ("cache_salt", "cache_salt")):
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if LOGPROBS_INCLUDE in include:
@@ -305,9 +305,9 @@ async def create_response():
     """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
     req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
-    await admit(state, req, chat=True)
     builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                               req.params.top_p, logprobs=req.params.logprobs is not None)
+    await admit(state, req, builder.state.id, chat=True)
     if req.stream:
         return Response(_events_or_failure(state, req, builder), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})

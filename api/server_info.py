@@ -20,18 +20,22 @@ server_info = Blueprint("server_info", __name__)
 @server_info.route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
 async def health():
     """200 once requests are served; 503 while the engine warms up (requests sent meanwhile wait
-    for it) or after it stopped."""
-    engine = api_state().engine
-    if engine.is_ready:
+    for it), while the server drains before stopping, or after the engine stopped."""
+    state = api_state()
+    engine = state.engine
+    if engine.is_ready and not state.draining:
         return "", 200
-    return EngineDown(error="engine warming up: compiling its first step buckets" if engine.is_running
-                      else "engine not running"), 503
+    error = ("engine not running" if not engine.is_running else "shutting down: finishing the requests in flight"
+             if state.draining else "engine warming up: compiling its first step buckets")
+    return EngineDown(error=error), 503
 
 
 @server_info.get("/load")
 async def load():
-    """vLLM's: the requests being generated."""
-    return ServerLoad(server_load=api_state().in_flight)
+    """vLLM's: the requests being generated; and jaxserve's: those waiting to start, and their prompt tokens."""
+    state = api_state()
+    requests, tokens = state.engine.queued
+    return ServerLoad(server_load=state.in_flight, queued_requests=requests, queued_tokens=tokens)
 
 
 @server_info.get("/metrics")

@@ -41,6 +41,7 @@ class APIState:
     tokenizing: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     in_flight: int = 0  # requests being generated (vLLM's server load)
+    draining: bool = False  # stopping: /health says 503, new requests get a 503, those in flight go on
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -69,7 +70,11 @@ class APIState:
 
 def api_state() -> APIState:
     """The state of the app serving the current request."""
-    return current_app.extensions[_EXTENSION]
+    return api_state_of(current_app)
+
+
+def api_state_of(app) -> APIState:
+    return app.extensions[_EXTENSION]
 
 
 async def json_body() -> dict:

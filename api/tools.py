@@ -6,16 +6,21 @@ deprecated `functions` / `function_call`), and turning a choice's text into tool
 - a named function: decoding is constrained to that function's arguments (its JSON schema).
 - "required": decoding is constrained to a JSON array of calls `[{"name", "arguments"}]`
   (one call only when `parallel_tool_calls` is false).
+
+An answer cut short by max_tokens keeps the shape of calls, as OpenAI's does: the calls made so far,
+the last with its arguments as far as they got (`_RequiredParser.cut_calls`), and no content.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 from api.response_models import ChatMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from api.tool_parsers import ToolCall, ToolCallStreamer, ToolParser, tool_call_from
 from jaxserve.structured import Constraint
+from jaxserve.tokenizer import REPLACEMENT_CHAR
 
 
 class ToolError(ValueError):
@@ -103,6 +108,98 @@ class _RequiredParser(ToolParser):
     def _calls(self, text: str) -> list[ToolCall]:
         return [tool_call_from(obj, "arguments") for obj in json.loads(text)]
 
+    def cut_calls(self, text: str) -> list[ToolCall]:
+        """The calls of an array cut short: each whole element, then the cut one where its name is
+        whole, with its arguments so far. [] where not even one name is."""
+        decoder, calls, i = json.JSONDecoder(), [], _skip(text, 0, "[")
+        while i < len(text) and text[i] != "]":
+            try:
+                obj, end = decoder.raw_decode(text, i)
+            except ValueError:  # the element cut short
+                return calls + _cut_call(text, i)
+            calls.append(tool_call_from(obj, "arguments"))
+            i = _skip(text, end, ",")
+        return calls
+
+
+def _skip(text: str, i: int, chars: str) -> int:
+    """The index of the first character from i on that is neither whitespace nor one of `chars`."""
+    while i < len(text) and (text[i].isspace() or text[i] in chars):
+        i += 1
+    return i
+
+
+def _cut_call(text: str, i: int) -> list[ToolCall]:
+    """The call of the element cut short at text[i] (its "{"), if its name is whole; its arguments
+    as far as they got, written as whole ones are (`_as_dumped`)."""
+    decoder, name, arguments = json.JSONDecoder(), None, ""
+    i = _skip(text, i, "{")
+    while i < len(text):
+        try:
+            key, i = decoder.raw_decode(text, i)
+        except ValueError:  # a key cut short
+            break
+        i = _skip(text, i, ":")
+        try:
+            value, end = decoder.raw_decode(text, i)
+        except ValueError:  # the value cut short: the last one
+            value, end = None, len(text)
+        if key == "name" and isinstance(value, str):  # (a string that decodes is whole)
+            name = value
+        elif key == "arguments":
+            arguments = _as_dumped(text[i:end])
+        i = _skip(text, end, ",")
+    return [ToolCall(name, arguments)] if name is not None else []
+
+
+_PUNCTUATION = {",": ", ", ":": ": ", "[": "[", "]": "]", "{": "{", "}": "}"}  # as json.dumps writes it
+_WORD = re.compile(r'[^\s,:\[\]{}"]+')  # a number or literal
+
+
+def _as_dumped(text: str) -> str:
+    """JSON text, maybe cut short, as `json.dumps` writes whole arguments (", " and ": " between
+    items, strings re-escaped): so cut arguments are a prefix of what they would have become. A cut
+    escape is left out; a number or literal at the end stays as written (it may go on)."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == '"':
+            end = _string_end(text, i)
+            out.append(_cut_string(text[i + 1:]) if end is None
+                       else json.dumps(json.loads(text[i:end]), ensure_ascii=False))
+            i = len(text) if end is None else end
+        elif text[i] in _PUNCTUATION or text[i].isspace():
+            out.append(_PUNCTUATION.get(text[i], ""))  # (whitespace: dumps writes none but its separators')
+            i += 1
+        else:  # a number or true / false / null
+            end = _WORD.match(text, i).end()
+            out.append(text[i:end] if end == len(text) else json.dumps(json.loads(text[i:end])))
+            i = end
+    return "".join(out)
+
+
+def _string_end(text: str, i: int) -> int | None:
+    """The index after the string that opens at text[i]; None where it is cut short."""
+    i += 1
+    while i < len(text):
+        if text[i] == '"':
+            return i + 1
+        i += 2 if text[i] == "\\" else 1
+    return None
+
+
+def _cut_string(body: str) -> str:
+    """A string cut short (its text after the opening quote), re-escaped as `json.dumps` writes it,
+    without its closing quote; a cut escape, or half of a surrogate pair, left out."""
+    i = whole = 0
+    while i < len(body):
+        i += (6 if body[i + 1:i + 2] == "u" else 2) if body[i] == "\\" else 1
+        if i <= len(body):
+            whole = i
+    value = json.loads(f'"{body[:whole]}"')
+    if value and "\ud800" <= value[-1] <= "\udbff":
+        value = value[:-1]
+    return json.dumps(value, ensure_ascii=False)[:-1]
+
 
 class ChoiceTools:
     """One choice's tool calls: streamed as OpenAI's `delta.tool_calls`, or whole in `message.tool_calls`."""
@@ -121,19 +218,33 @@ class ChoiceTools:
             return "stop"
         return "function_call" if self.request.legacy else "tool_calls"
 
-    def message(self, text: str) -> ChatMessage:
-        """The non-streamed message for the choice's whole text."""
+    def message(self, text: str, cut: bool = False) -> ChatMessage:
+        """The non-streamed message for the choice's whole text; `cut`: max_tokens ended it."""
+        text = self._uncut(text, cut)
         if self.named:
             content, calls = None, [dataclasses.replace(self.named, arguments=text)]
         else:
             content, calls = self.streamer.parser.parse(text)
-            calls = calls if self.request.parallel else calls[:1]
+            content, calls = self._answer(content, calls, text, cut)
         self.has_calls = bool(calls)
         if not calls:
-            return ChatMessage(role="assistant", content=text)
+            return ChatMessage(role="assistant", content=content)
         if self.request.legacy:
             return ChatMessage(role="assistant", content=content, function_call=calls[0].to_openai().function)
         return ChatMessage(role="assistant", content=content, tool_calls=[c.to_openai() for c in calls])
+
+    def _uncut(self, text: str, cut: bool) -> str:
+        """A forced call's text without the character that max_tokens cut in its bytes (which the
+        detokenizer ends with as U+FFFD): no part of the arguments yet."""
+        return text.rstrip(REPLACEMENT_CHAR) if cut and self.request.mode in ("named", "required") else text
+
+    def _answer(self, content: str | None, calls: list[ToolCall], text: str, cut: bool
+                ) -> tuple[str | None, list[ToolCall]]:
+        """The parser's (content, calls) of the text, or a "required" array's calls so far where
+        max_tokens cut it (which does not parse): no content, as the array is no answer in words."""
+        if cut and not calls and self.request.mode == "required":
+            content, calls = None, self.streamer.parser.cut_calls(text)
+        return content, calls if self.request.parallel else calls[:1]
 
     def _delta(self, index: int, call: ToolCall | None = None, arguments: str | None = None) -> DeltaMessage:
         """A streamed call's head (id and name, `call`) or more of its arguments; in the legacy
@@ -146,8 +257,9 @@ class ChoiceTools:
             delta = DeltaToolCall(index=index, function=function)
         return DeltaMessage(function_call=function) if self.request.legacy else DeltaMessage(tool_calls=[delta])
 
-    def feed(self, text: str) -> list[DeltaMessage]:
-        """Streaming: deltas for newly released text."""
+    def feed(self, text: str, cut: bool = False) -> list[DeltaMessage]:
+        """Streaming: deltas for newly released text; `cut`: its last, where max_tokens ended the choice."""
+        text = self._uncut(text, cut)
         if self.named:
             deltas = []
             if not self.has_calls:
@@ -159,12 +271,13 @@ class ChoiceTools:
         content = self.streamer.feed(text)
         return [DeltaMessage(content=content)] if content else []
 
-    def finish(self) -> list[DeltaMessage]:
-        """Streaming: the deltas left at the end (content held back, then each call: id and name, arguments)."""
+    def finish(self, cut: bool = False) -> list[DeltaMessage]:
+        """Streaming: the deltas left at the end (content held back, then each call: id and name,
+        arguments), the same calls as `message`'s; `cut`: max_tokens ended the choice."""
         if self.named:
             return []
         rest, calls = self.streamer.finish()
-        calls = calls if self.request.parallel else calls[:1]
+        rest, calls = self._answer(rest, calls, self.streamer.text, cut)
         deltas = [DeltaMessage(content=rest)] if rest else []
         for i, call in enumerate(calls):
             deltas += [self._delta(i, call), self._delta(i, arguments=call.arguments)]

@@ -8,6 +8,11 @@ steps (those sent during the warm-up once it ends), runs `Engine.step()` (which 
 text), and posts each sequence's update onto the requester's asyncio queue with
 `call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
 pages are freed at the next step.
+
+The waiting queue may be bounded (`admit`: the API refuses what would overflow it, before any
+work). A step that raises ends only the requests it computed (`StepFailed`); the loop stops (and
+the server with it) only when the engine cannot step: the KV cache is lost, or a step failed
+without a request to blame (it would fail again).
 """
 
 from __future__ import annotations
@@ -18,20 +23,27 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
-from jaxserve.engine import Engine
+from jaxserve.engine import Engine, StepFailed
 from jaxserve.outputs import Logprob, logprob_entries
 from jaxserve.scheduler import SchedulerStats
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import TokenLogprobs
+from jaxserve.sequence import Sequence, TokenLogprobs
 from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.warmup import WarmupCancelled
 
 log = logging.getLogger(__name__)
+
+RESERVATION_SECONDS = 30.0  # an admitted request not sent to the engine by then no longer counts as queued
+
+
+class QueueFull(Exception):
+    """A request the bounded waiting queue has no room for (the API's 503)."""
 
 
 @dataclasses.dataclass
@@ -62,8 +74,14 @@ class _Subscriber:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None, *, max_queued_requests: int | None = None,
+                 max_queued_tokens: int | None = None):
+        """`max_queued_requests` / `max_queued_tokens` (None: unbounded) bound the requests waiting to
+        start and their prompt tokens (`admit`)."""
         self.engine = engine
+        self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
+        # request id -> (prompt tokens, when admitted, sent): admitted, not yet in the engine's queue
+        self._admitted: dict[str, tuple[int, float, bool]] = {}
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
@@ -105,21 +123,68 @@ class AsyncEngine:
         """(step buckets compiled, step buckets): the rest compile in the background once ready."""
         return self.engine.compile_progress
 
-    def check(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check(self, prompt_token_ids: list[int], params: SamplingParams, **options) -> None:
         """ValueError now, in the caller's thread, for a request the engine would refuse (see
-        `Engine.check_request`; the prompt as it runs, truncated)."""
-        self.engine.check_request(prompt_token_ids, params)
+        `Engine.check_request`, which takes `options`; the prompt as it runs, truncated)."""
+        self.engine.check_request(prompt_token_ids, params, **options)
 
     def check_constraint(self, constraint: Constraint) -> None:
         """ValueError now, in the caller's thread, for a constraint that does not compile, or not in
         time (`OutputProcessor.check_constraint`): it may take a while, so not on an event loop."""
         self.engine.output.check_constraint(constraint)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[Update]:
-        """Updates of the request's n sequences until all finish; leaving early aborts them."""
+    @property
+    def queued(self) -> tuple[int, int]:
+        """(requests, prompt tokens) waiting to start: admitted and not yet sent, on their way to the
+        engine, or in its queue (as of its last snapshot; one on its way may count twice for a moment)."""
+        with self._lock:
+            now = time.monotonic()
+            for request_id, (_, admitted, sent) in list(self._admitted.items()):
+                if not sent and now - admitted > RESERVATION_SECONDS:  # admitted, then never sent
+                    del self._admitted[request_id]
+            requests, tokens = len(self._admitted), sum(n for n, _, _ in self._admitted.values())
+        stats = self.engine.stats
+        return requests + stats.num_queued_requests, tokens + stats.num_queued_tokens
+
+    def admit(self, requests: list[tuple[str, int]]) -> None:
+        """Count (request id, prompt tokens) as queued from now on, or QueueFull where the bounded
+        queue has no room for them all. A request alone is admitted into an empty queue whatever its
+        prompt's length (it could never be otherwise)."""
+        if self.max_queued_requests is not None or self.max_queued_tokens is not None:
+            requests_queued, tokens_queued = self.queued
+            new_tokens = sum(n for _, n in requests)
+            if self.max_queued_requests is not None and requests_queued + len(requests) > self.max_queued_requests:
+                raise QueueFull(f"the server is overloaded: {requests_queued} requests are waiting, and at most "
+                                f"{self.max_queued_requests} may wait (--max-num-queued-reqs); retry later")
+            if (self.max_queued_tokens is not None and requests_queued
+                    and tokens_queued + new_tokens > self.max_queued_tokens):
+                raise QueueFull(f"the server is overloaded: {tokens_queued} prompt tokens are waiting, and this "
+                                f"request's {new_tokens} would pass the {self.max_queued_tokens} that may wait "
+                                "(--max-num-queued-tokens); retry later")
+        with self._lock:
+            now = time.monotonic()
+            self._admitted.update((request_id, (n, now, False)) for request_id, n in requests)
+
+    def _sent(self, request_id: str) -> None:
+        """An admitted request is on its way to the engine (counted as queued until it arrives)."""
+        with self._lock:
+            if request_id in self._admitted:
+                self._admitted[request_id] = (*self._admitted[request_id][:2], True)
+
+    def _arrived(self, request_id: str) -> None:
+        """An admitted request is in the engine's queue, or refused there: no longer counted here."""
+        with self._lock:
+            self._admitted.pop(request_id, None)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
+        """Updates of the request's n sequences until all finish; leaving early aborts them. A step that
+        fails raises `StepFailed`."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        if not self._send(("add", request_id, list(prompt_token_ids), params, subscriber)):
+        self._sent(request_id)
+        if not self._send(("add", request_id, list(prompt_token_ids), params, subscriber,
+                           dict(priority=priority, cache_salt=cache_salt))):
+            self._arrived(request_id)
             raise RuntimeError("the engine is not running")
         unfinished = params.n
         try:
@@ -138,6 +203,7 @@ class AsyncEngine:
         """vLLM's server-side beam search: `beam_search.search`, each round's beams run side by side
         as requests of one token (so they share steps and the prefix cache). A beam's text is that
         of its generated tokens, as in vLLM's server."""
+        self._arrived(request_id)  # (its rounds are requests of their own, counted as they wait)
         run = search([prompt_token_ids], params, frozenset(self.engine.model_config.eos_token_ids),
                      self.engine.config)
         step = round_params(params)
@@ -157,12 +223,19 @@ class AsyncEngine:
         """The next-token candidates of one beam (its one token's logprobs entry)."""
         tokens, logprobs = [], []
         async for update in self.generate(request_id, prompt_token_ids, params):
+            if update.finish_reason == "abort":
+                raise RuntimeError("the beam search was aborted: the server is shutting down")
             tokens += update.token_ids
             logprobs += update.logprobs
         return logprob_entries(self.tokenizer, tokens, logprobs)[0]
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """End every request now: each unfinished sequence's last update says finish_reason "abort"
+        (a stream then ends as usual)."""
+        self._send(("abort_all",))
 
     def _send(self, command: tuple) -> bool:
         """Queue a command for the loop; False if the loop no longer takes any."""
@@ -186,7 +259,10 @@ class AsyncEngine:
                     self._wake.clear()
                     self.engine.runner.keepalive()
                     continue
-                self.engine.step(on_release=self._publish)
+                try:
+                    self.engine.step(on_release=self._publish)
+                except StepFailed as e:
+                    self._fail(e)
         except WarmupCancelled:  # stopped while warming up: no failure
             pass
         except BaseException as e:  # the loop must not die silently: fail every waiter
@@ -203,6 +279,19 @@ class AsyncEngine:
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, reason)
             self._subscribers.clear()
 
+    def _fail(self, e: StepFailed) -> None:
+        """Tell the failed step's requests why they ended; re-raise (ending the loop) when the engine
+        cannot step at all."""
+        log.error("a step failed, ending its %d requests (%s); the engine goes on", len(e.request_ids),
+                  ", ".join(e.request_ids[:8]), exc_info=e.__cause__)
+        for request_id in e.request_ids:
+            sub = self._subscribers.pop(request_id, None)
+            if sub is not None:
+                sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
+        if not e.request_ids or not self.engine.runner.can_step:
+            raise RuntimeError("the engine cannot step: " + ("its KV cache is lost" if e.request_ids else
+                               "a step failed without a request to blame")) from e.__cause__
+
     def _apply_commands(self) -> None:
         while True:
             try:
@@ -210,17 +299,32 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt_ids, params, sub = command
+                _, request_id, prompt_ids, params, sub, options = command
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
-                except ValueError as e:
+                    self.engine.add_request(request_id, prompt_ids, params, **options)
+                except Exception as e:  # (refused: a ValueError, the request's 400; else a bug, its 500)
+                    if not isinstance(e, ValueError):
+                        log.exception("adding request %s failed", request_id)
                     sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
                     continue
+                finally:
+                    self._arrived(request_id)
                 self._subscribers[request_id] = sub
+            elif command[0] == "abort_all":
+                for request_id in list(self._subscribers):
+                    for seq in self.engine.abort(request_id):
+                        self._publish_abort(seq)
             else:
                 _, request_id = command
                 if self._subscribers.pop(request_id, None) is not None:
                     self.engine.abort(request_id)
+
+    def _publish_abort(self, seq: Sequence) -> None:
+        """The last update of an aborted sequence, and of the siblings it had yet to fork."""
+        for index in range(seq.index, seq.index + 1 + seq.pending_forks):
+            choice = seq if index == seq.index else dataclasses.replace(
+                seq, index=index, token_ids=list(seq.prompt_token_ids), forks=[])
+            self._publish(SequenceOutput(choice, "", [], [], [], choice.num_output_tokens, "abort", None))
 
     def _publish(self, out: SequenceOutput) -> None:
         seq = out.seq

@@ -183,6 +183,7 @@ MAX_LOGPROBS = 20
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/warmup.py)
 WARMUP_MODES = ("auto", "minimal", "all")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
 
 
@@ -296,6 +297,10 @@ class EngineConfig:
         "number, how prompts are chunked): every step is computed in tiles of a fixed number of tokens, each "
         "through the same compiled computation (docs/research_sampling.md); steps cost more (bench/RESULTS.md)",
         compiled=True)
+    scheduling_policy: str = setting(
+        "fcfs", "the order waiting requests are served in: fcfs (first come, first served) or priority (by each "
+        "request's priority, lower first, ties by arrival; a waiting request preempts the lowest-priority running "
+        "one when seats or pages run out)", choices=SCHEDULING_POLICIES)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -316,6 +321,9 @@ class EngineConfig:
                              "at auto or widest")
         if self.warmup not in WARMUP_MODES:
             raise ValueError(f"warmup must be one of {', '.join(WARMUP_MODES)}, got {self.warmup!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if self.max_logprobs < -1:
@@ -512,7 +520,6 @@ VLLM_OPTIONS = {
     "convert": VllmOption(_GENERATE_ONLY, ("auto", "none"), _TEXT),
     "mm_processor_kwargs": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
     "limit_mm_per_prompt": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
-    "scheduling_policy": VllmOption("requests are scheduled first come, first served", ("fcfs",), _TEXT),
 }
 
 

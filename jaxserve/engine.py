@@ -9,6 +9,7 @@ step launched before: update, release text). `build_engine` makes one from an
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -51,6 +52,15 @@ def compilation_cache() -> ExecutableCache:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return ExecutableCache(cache_root() / "executables")
+
+
+class StepFailed(RuntimeError):
+    """A step raised (a device error, a logits processor's or a grammar's bug): the requests it
+    computed have been ended (their pages freed); the engine goes on with the others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the step computing this request failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
 
 
 class InFlight(NamedTuple):
@@ -124,29 +134,42 @@ class Engine:
         """Stop compiling in the background (after the buckets being compiled)."""
         self.compiler.close()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
         (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt (`check_request`)
         or a constraint that does not compile. The prompt is cut to its last
-        `params.truncate_prompt_tokens` tokens first, when set."""
+        `params.truncate_prompt_tokens` tokens first, when set. `priority` (lower first) orders it
+        under the priority scheduling policy; `cache_salt` keeps its prefix-cache pages apart from
+        those of requests with another salt, or none (vLLM's)."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
-        max_tokens = self.check_request(prompt_token_ids, params)
+        max_tokens = self.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         sampling = RequestSampling.of(params, self._encode,
                                       self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
-                       params=params, sampling=sampling, seed=seed, max_tokens=max_tokens)
+                       params=params, sampling=sampling, seed=seed, max_tokens=max_tokens, priority=priority,
+                       hash_seed=None if cache_salt is None else hashlib.sha256(
+                           b"cache_salt\0" + cache_salt.encode()).digest())
         self.scheduler.add(seq)
         self.stats = self.scheduler.stats()
         return seq
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
+                      cache_salt: str | None = None) -> int:
         """The request's max_tokens, or ValueError for what this engine cannot run (all but the
         constraint), for the prompt as it runs (truncated: `SamplingParams.truncate`). Reads only
         the configuration: any thread may call it, e.g. to refuse a streamed request before its
         response starts."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if priority and self.config.scheduling_policy != "priority":
+            raise RequestError(f"Got priority {priority} but priority scheduling is not enabled (the scheduling "
+                               "policy is fcfs: start the engine with --scheduling-policy priority)", "priority")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise RequestError("cache_salt must be a non-empty string", "cache_salt")
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", "prompt")
         vocab = self.model_config.vocab_size
@@ -204,11 +227,14 @@ class Engine:
         tokenizer = self.tokenizer
         return None if tokenizer is None else (lambda text: tokenizer.encode(text, add_special_tokens=False))
 
-    def abort(self, request_id: str) -> None:
-        for seq in [s for s in self.scheduler.seqs.values() if s.request_id == request_id]:
-            self.scheduler.abort(seq.seq_id)
+    def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
+        """End the request's unfinished sequences now (finish reason `reason`) -> them."""
+        seqs = [s for s in self.scheduler.seqs.values() if s.request_id == request_id]
+        for seq in seqs:
+            self.scheduler.finish(seq.seq_id, reason)
             self.output.forget(seq.seq_id)
         self.stats = self.scheduler.stats()
+        return seqs
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -224,25 +250,40 @@ class Engine:
         the next (a grammar's mask) is it finished first."""
         if not self.is_ready:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
-        released = []
-        if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight.batch):
-            released = self._finish_in_flight(on_release)
-        batch = self.scheduler.schedule(self.runner.token_budget())
-        in_flight = None
-        if batch.rows:
-            self.output.constrain(batch)
-            in_flight = InFlight(batch, self.runner.launch(batch))
-        if self._in_flight is not None:
-            released = self._finish_in_flight(on_release)  # (its stats snapshot sees this schedule too)
-        else:
-            self.stats = self.scheduler.stats()
-        self._in_flight = in_flight
+        released, batch = [], None
+        try:
+            if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight.batch):
+                released = self._finish_in_flight(on_release)
+            batch = self.scheduler.schedule(self.runner.token_budget())
+            in_flight = None
+            if batch.rows:
+                self.output.constrain(batch)
+                in_flight = InFlight(batch, self.runner.launch(batch))
+            if self._in_flight is not None:
+                released = self._finish_in_flight(on_release)  # (its stats snapshot sees this schedule too)
+            else:
+                self.stats = self.scheduler.stats()
+            self._in_flight = in_flight
+        except Exception as e:
+            raise StepFailed(self._fail(batch), e) from e
         return released
+
+    def _fail(self, batch: ScheduledBatch | None) -> list[str]:
+        """After a step raised: end (finish reason "error") the requests of the step being planned and
+        of the one in flight, which may have been half recorded -> their ids."""
+        rows = [*(batch.rows if batch is not None else ()),
+                *(self._in_flight.batch.rows if self._in_flight is not None else ())]
+        self._in_flight = None
+        failed = {seq.request_id for row in rows if (seq := self.scheduler.seqs.get(row.seq_id)) is not None}
+        for request_id in failed:
+            self.abort(request_id, "error")
+        return sorted(failed)
 
     def _finish_in_flight(self, on_release: Callable[[SequenceOutput], None] | None) -> list[SequenceOutput]:
         """Wait for the launched step; record its tokens, advance grammars, release text."""
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         changed = self.scheduler.update(in_flight.batch, self.runner.collect(in_flight.batch, in_flight.launched))
+        self._in_flight = None  # (not before: a step that fails here fails its requests, `_fail`)
         self.output.advance_grammars(changed)
         released = self.output.process(changed)  # a stop string found here drops the sequence's row
         self.stats = self.scheduler.stats()  # before any release: whoever hears of a finish sees it counted

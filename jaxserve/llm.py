@@ -58,29 +58,40 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
                  ) -> list[RequestOutput]:
-        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those.
+        """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those;
+        a dict may hold a `cache_salt` (vLLM's: only prompts with the same salt share prefix-cache pages).
         Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come.
-        vLLM's `lora_request` and `priority` are taken at None (and priorities of 0: scheduling
-        is first come, first served)."""
-        _check_unsupported(lora_request=lora_request, priority=priority)
+        `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
+        vLLM's). vLLM's `lora_request` is taken at None."""
+        _check_unsupported(lora_request=lora_request)
         prompts = prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else \
             [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         seqs: list[tuple[str | None, Sequence]] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priority):
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
-                seqs.append((text, self.engine.add_request(str(next(self._request_ids)), ids, p)))
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                seqs.append((text, self.engine.add_request(str(next(self._request_ids)), ids, p, priority=rank,
+                                                           cache_salt=salt)))
         except ValueError:
             for _, seq in seqs:
                 self.engine.abort(seq.request_id)
             raise
         with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished():
-                self.engine.step()
-                bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
+            try:
+                while self.engine.has_unfinished():
+                    self.engine.step()
+                    bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
+            except BaseException:  # (a failed step, Ctrl-C): nothing of this call is left to run later
+                for _, seq in seqs:
+                    self.engine.abort(seq.request_id)
+                raise
         return [self._output(text, seq) for text, seq in seqs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -151,14 +162,10 @@ class LLM:
                              num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
-def _check_unsupported(lora_request=None, priority: list[int] | None = None) -> None:
-    """vLLM's per-request LoRA adapters and priorities, which jaxserve does not have: None, or
-    priorities of 0 (vLLM's message where priority scheduling is off)."""
+def _check_unsupported(lora_request=None) -> None:
+    """vLLM's per-request LoRA adapters, which jaxserve does not have: None only."""
     if lora_request is not None:
         raise ValueError("LoRA adapters are not supported: lora_request must be None")
-    if priority is not None and any(p != 0 for p in priority):
-        raise ValueError(f"got priority {next(p for p in priority if p != 0)} but priority scheduling is not "
-                         "enabled: requests are scheduled first come, first served")
 
 
 def _choices(seq: Sequence) -> list[Sequence]:

@@ -269,6 +269,16 @@ class Runner:
         broadcast_plan(np.array([command, *shape], np.int32))
         self._last_broadcast = time.monotonic()
 
+    @property
+    def can_step(self) -> bool:
+        """Whether the KV cache is still sound: a step that failed after taking it (donated) loses it,
+        and one that failed on the device leaves it holding the error."""
+        try:
+            jax.block_until_ready(self.kv)
+        except Exception:
+            return False
+        return True
+
     def keepalive(self) -> None:
         """Called by an idle process 0: tell the followers it is alive once in a while (a collective
         that waits for hours could time out)."""

@@ -12,6 +12,11 @@ When a running sequence needs a page and none is free, the newest running
 sequence is preempted: its pages are freed and it waits at the front of the
 queue to be recomputed from its tokens.
 
+Under the priority policy (`EngineConfig.scheduling_policy`) the waiting queue
+and the batch are kept in order of (priority, arrival): the lowest priority is
+preempted first, and a waiting sequence of a higher priority than the lowest
+running one that finds no seat or pages preempts it.
+
 Prefix caching: every page that fills up is registered under the hash of its
 tokens and all before them; a sequence that joins the batch starts on the
 cached pages of its longest registered prefix and computes only the rest.
@@ -39,6 +44,7 @@ touches device arrays. It knows nothing about the model, tokenizers or HTTP.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import hashlib
@@ -155,6 +161,8 @@ class SchedulerStats:
     num_prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int  # ... and found there
     finish_counts: dict[str, int]  # finish reason -> sequences
+    num_queued_requests: int = 0  # requests none of whose sequences has started yet
+    num_queued_tokens: int = 0  # their prompt tokens
 
     @property
     def kv_cache_usage(self) -> float:
@@ -177,6 +185,8 @@ class Scheduler:
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
         self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
+        self.by_priority = config.scheduling_policy == "priority"
+        self._arrivals = itertools.count()
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -187,9 +197,25 @@ class Scheduler:
         if seq.seq_id in self.seqs:
             raise ValueError(f"sequence id {seq.seq_id} is already queued; take ids from new_seq_id()")
         seq.pending_forks = seq.params.n - 1
+        seq.arrival = next(self._arrivals)
         self.seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._wait(seq)
         self._fork_if_ready(seq)
+
+    @staticmethod
+    def _order(seq: Sequence) -> tuple[int, int, int]:
+        """Its place under the priority policy: priority, then arrival, then choice."""
+        return seq.priority, seq.arrival, seq.index
+
+    def _wait(self, seq: Sequence, front: bool = False) -> None:
+        """Queue seq: at the back (first come, first served) or `front` (preempted, or a sibling that
+        found no seat), or in its place under the priority policy."""
+        if self.by_priority:
+            bisect.insort(self.waiting, seq, key=self._order)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.seqs)
@@ -216,12 +242,14 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """The counters and gauges as of now (read by the engine thread; others read its snapshot)."""
         alloc = self.allocator
+        queued = [seq for seq in self.waiting if seq.index == 0 and not seq.num_preemptions]  # (never run)
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_pages_used=alloc.num_usable - alloc.num_free, kv_pages_total=alloc.num_usable,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
-            num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts))
+            num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts),
+            num_queued_requests=len(queued), num_queued_tokens=sum(seq.num_prompt_tokens for seq in queued))
 
     def schedule(self, token_budget: int | None = None) -> ScheduledBatch:
         """The next step's plan, of at most `token_budget` tokens (default and at most:
@@ -230,6 +258,9 @@ class Scheduler:
         if token_budget is not None:
             total = budget = min(total, token_budget)
         batch = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        if self.by_priority:
+            self._make_room(batch, budget)
+        made_room = len(batch.preempted)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -241,8 +272,11 @@ class Scheduler:
                 break  # seq itself was preempted: it was the newest
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
-        while not batch.preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (len(batch.preempted) == made_room and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
+            if seq.seq_id in batch.preempted[:made_room]:
+                break  # (its result from the step in flight is still to be dropped)
             matched = self._match_prefix(seq)
             n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
             if not self._allocate(seq, n, batch.page_copies):
@@ -255,7 +289,10 @@ class Scheduler:
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            if self.by_priority:
+                bisect.insort(self.running, seq, key=self._order)
+            else:
+                self.running.append(seq)
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
         batch.num_tokens = total - budget
@@ -267,7 +304,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching or seq.page_ids or not seq.reads_prefix_cache:
             return False
         size = self.allocator.page_size
-        prefix_hash = None
+        prefix_hash = seq.hash_seed
         for i in range((seq.num_wanted_tokens - 1) // size):
             prefix_hash = page_hash(prefix_hash, seq.token_ids[i * size:(i + 1) * size])
             page = self.allocator.lookup(prefix_hash)
@@ -285,7 +322,7 @@ class Scheduler:
         """Enter the sequence's newly completed pages into the prefix cache."""
         size = self.allocator.page_size  # (every computed token is known here: see `update`)
         for i in range(len(seq.page_hashes), seq.num_computed_tokens // size):
-            prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else None,
+            prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else seq.hash_seed,
                                     seq.token_ids[i * size:(i + 1) * size])
             self.allocator.register(seq.page_ids[i], prefix_hash)
             seq.page_hashes.append(prefix_hash)
@@ -305,19 +342,37 @@ class Scheduler:
         return alloc.grow(seq.page_ids, seq.num_computed_tokens + n)
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
-        """`_allocate`, preempting the newest running sequences as needed."""
+        """`_allocate`, preempting the newest (lowest-priority) running sequences as needed."""
         while not self._allocate(seq, n, batch.page_copies):
-            victim = self.running.pop()
-            self.allocator.release(victim.page_ids)
-            victim.page_hashes, victim.num_computed_tokens, victim.num_pending = [], 0, 0
-            victim.status = SequenceStatus.WAITING
-            victim.num_preemptions += 1
-            self.num_preemptions += 1
-            self.waiting.appendleft(victim)
-            batch.preempted.append(victim.seq_id)
+            victim = self._preempt_last(batch)
             if victim is seq:
                 return False
         return True
+
+    def _make_room(self, batch: ScheduledBatch, budget: int) -> None:
+        """Priority policy: preempt the lowest-priority running sequences while the first waiting one
+        has a higher priority and finds no seat, or too few pages for its next chunk."""
+        if not self.waiting:
+            return
+        seq, alloc = self.waiting[0], self.allocator
+        while self.running and seq.priority < self.running[-1].priority:
+            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            pages = alloc.pages_for(seq.num_computed_tokens + n) - len(seq.page_ids)
+            if len(self.running) < self.config.max_num_seqs and pages <= alloc.num_free:
+                return
+            self._preempt_last(batch)
+
+    def _preempt_last(self, batch: ScheduledBatch) -> Sequence:
+        """Preempt the last running sequence: free its pages, queue it to be recomputed."""
+        victim = self.running.pop()
+        self.allocator.release(victim.page_ids)
+        victim.page_hashes, victim.num_computed_tokens, victim.num_pending = [], 0, 0
+        victim.status = SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._wait(victim, front=True)
+        batch.preempted.append(victim.seq_id)
+        return victim
 
     @staticmethod
     def _row(seq: Sequence, n: int, index: int) -> ScheduledSeq:
@@ -407,7 +462,8 @@ class Scheduler:
                                seed=(seq.seed + k * _FORK_SEED_STRIDE) % 2**64, max_tokens=seq.max_tokens,
                                page_ids=list(seq.page_ids), page_hashes=list(seq.page_hashes),
                                num_computed_tokens=seq.num_computed_tokens, status=seq.status, index=seq.index + k,
-                               num_cached_tokens=seq.num_cached_tokens,
+                               num_cached_tokens=seq.num_cached_tokens, priority=seq.priority, arrival=seq.arrival,
+                               hash_seed=seq.hash_seed,
                                prompt_logprobs=seq.prompt_logprobs)  # the same list: choice 0 fills it
             self.seqs[sibling.seq_id] = sibling
             seq.forks.append(sibling)
@@ -417,7 +473,7 @@ class Scheduler:
             else:  # no room in the batch: wait holding no pages, and prefill on its own later
                 sibling.page_ids, sibling.page_hashes, sibling.num_computed_tokens = [], [], 0
                 sibling.status = SequenceStatus.WAITING
-                self.waiting.appendleft(sibling)
+                self._wait(sibling, front=True)
         seq.pending_forks = 0
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

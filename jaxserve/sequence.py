@@ -50,6 +50,11 @@ class Sequence:
     num_preemptions: int = 0
     text: str = ""  # generated text released so far (stop strings cut, undecided text held back)
     index: int = 0  # which of the request's n choices
+    priority: int = 0  # under priority scheduling, lower first
+    arrival: int = 0  # the request's place in arrival order (its siblings share it)
+    # the prefix cache key of its first page's predecessor: None, or its request's cache_salt hashed
+    # (only requests with the same salt share pages)
+    hash_seed: bytes | None = None
     pending_forks: int = 0  # siblings to fork once all of the prompt but its last token is cached
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
     # per generated token, when params.logprobs is set

@@ -34,6 +34,7 @@ class Server:
         config = Config()
         config.bind = [f"127.0.0.1:{port}"]
         config.graceful_timeout = 1.0
+        self.app = app
         self.url = f"http://127.0.0.1:{port}"
         self._loop = asyncio.new_event_loop()
         self._stop = asyncio.Event()

@@ -361,3 +361,17 @@ def test_vllm_sampling_fields(default_llm):
         SamplingParams(output_kind="delta")
     with pytest.raises(ValueError, match="extra_args"):
         SamplingParams(extra_args=[1])
+
+
+def test_a_failing_step_raises_and_the_next_generate_runs(default_llm, monkeypatch):
+    from jaxserve.engine import StepFailed
+
+    engine = default_llm.engine
+    monkeypatch.setattr(engine.runner, "launch", lambda batch: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(StepFailed, match="injected") as failed:
+        default_llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert isinstance(failed.value.__cause__, RuntimeError)
+    assert not engine.has_unfinished() and engine.stats.kv_pages_used == 0
+    monkeypatch.undo()
+    out = default_llm.generate([{"prompt": "a", "cache_salt": "s"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

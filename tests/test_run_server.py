@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import ssl
@@ -24,7 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("sig,https", [(signal.SIGTERM, False), (signal.SIGINT, True)])
 def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path):
-    """Also: HTTPS with --ssl-keyfile / --ssl-certfile, and the stats line while busy."""
+    """The stream in flight ends with [DONE] (cut by the model's max_new_tokens, or aborted at once:
+    --shutdown-timeout 0, the default), the process exits 0. Also: HTTPS with --ssl-keyfile /
+    --ssl-certfile, and the stats line while busy."""
     port = free_port()
     template = tmp_path / "template.jinja"
     template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] ")
@@ -77,25 +80,25 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
             with pytest.raises(httpx.TransportError):  # TLS or nothing
                 httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
-        started = threading.Event()
+        started, lines = threading.Event(), []
 
         def stream():
-            try:
-                with client.stream("POST", url + "/v1/completions", headers=auth, json={
-                        "prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}) as s:
-                    for _ in s.iter_lines():
-                        started.set()
-            except httpx.HTTPError:
-                pass  # the server went away mid-stream: expected
+            with client.stream("POST", url + "/v1/completions", headers=auth, json={
+                    "prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}) as s:
+                for line in s.iter_lines():
+                    lines.append(line)
+                    started.set()
 
         reader = threading.Thread(target=stream)
         reader.start()
         assert started.wait(30)
-        time.sleep(1.0)  # a few stats lines (every 0.2 s here)
+        time.sleep(0.5)  # a few stats lines (every 0.2 s here)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=60)
         reader.join(30)
         assert proc.returncode == 0, out
+        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("length", "abort")
         assert f"listening on {url}" in out and "jaxserve: stopped" in out
         assert "Avg generation throughput: " in out  # the stats line
     finally:
@@ -219,3 +222,152 @@ def test_vllm_flag_names():
                   ["--tool-call-parser", "xml"], ["--max-request-body-bytes", "0"], ["--chat-template-timeout", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)
+
+
+def _serve(port: int, *flags: str) -> subprocess.Popen:
+    """`python run_server.py` over jaxserve-tiny, once /health says 200."""
+    proc = subprocess.Popen([sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("the server did not become healthy")
+
+
+def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_finishes_every_stream():
+    """One seat, a queue of two: of a burst, two wait and the rest get 503 + Retry-After, and the
+    admitted all complete. Under the priority policy a waiting request of a higher priority (lower
+    value) preempts the running one and finishes first. SIGTERM with --shutdown-timeout: /health and new
+    requests get 503 at once, both streams in flight finish with [DONE], the process exits 0."""
+    port = free_port()
+    proc = _serve(port, "--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
+                  "--max-num-queued-reqs", "2", "--scheduling-policy", "priority", "--shutdown-timeout", "120")
+    url, client = f"http://127.0.0.1:{port}", httpx.Client(timeout=120)
+    done: list[str] = []
+
+    def stream(name: str, started: threading.Event | None = None, **body) -> list[dict]:
+        """A streamed completion's chunks (after [DONE])."""
+        chunks = []
+        with client.stream("POST", url + "/v1/completions", json={
+                "prompt": "x", "stream": True, "ignore_eos": True, **body}) as s:
+            assert s.status_code == 200
+            for line in s.iter_lines():
+                if started is not None:
+                    started.set()
+                if line == "data: [DONE]":
+                    done.append(name)
+                    return chunks
+                if line.startswith("data: "):
+                    chunks.append(json.loads(line[len("data: "):]))
+        raise AssertionError(f"{name}: the stream ended without [DONE]")
+
+    def finish_reason(chunks: list[dict]) -> str:
+        return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]][-1]
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            started = threading.Event()
+            running = pool.submit(stream, "running", started, max_tokens=480)
+            assert started.wait(60)
+            burst = [pool.submit(client.post, url + "/v1/completions", json={"prompt": f"{i}", "max_tokens": 4})
+                     for i in range(5)]
+            answers = [f.result() for f in burst]
+            assert sorted(r.status_code for r in answers) == [200, 200, 503, 503, 503]
+            for r in answers:
+                if r.status_code == 503:
+                    assert r.headers["Retry-After"] == "1" and r.json()["error"]["type"] == "server_overloaded"
+                else:
+                    assert r.json()["usage"]["completion_tokens"] == 4
+            assert finish_reason(running.result()) == "length"
+
+            done.clear()
+            started = threading.Event()
+            low = pool.submit(stream, "priority 5", started, max_tokens=480, priority=5)
+            assert started.wait(60)
+            lowest = pool.submit(stream, "priority 9", max_tokens=4, priority=9)
+            deadline = time.time() + 30
+            while client.get(url + "/load").json()["queued_requests"] < 1 and time.time() < deadline:
+                time.sleep(0.01)
+            high = pool.submit(stream, "priority 1", max_tokens=4, priority=1)
+            for f in (low, lowest, high):
+                assert finish_reason(f.result()) == "length"
+            assert done == ["priority 1", "priority 5", "priority 9"], done
+            assert "jaxserve:num_preemptions_total 1.0" in client.get(url + "/metrics").text
+
+            done.clear()
+            started = threading.Event()
+            streams = [pool.submit(stream, f"drained {i}", started, max_tokens=200) for i in range(2)]
+            assert started.wait(60)
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.time() + 10
+            while client.get(url + "/health").status_code != 503 and time.time() < deadline:
+                time.sleep(0.01)
+            assert client.get(url + "/health").status_code == 503
+            r = client.post(url + "/v1/completions", json={"prompt": "late", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            for f in streams:
+                chunks = f.result()
+                assert finish_reason(chunks) == "length" and sum(len(c["choices"][0]["text"]) > 0 for c in chunks)
+            out, _ = proc.communicate(timeout=60)
+            assert proc.returncode == 0, out
+            assert sorted(done) == ["drained 0", "drained 1"] and "draining" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_short_shutdown_timeout_aborts_the_streams_left():
+    port = free_port()
+    proc = _serve(port, "--max-model-len", "2048", "--max-num-seqs", "1", "--shutdown-timeout", "0.5")
+    url, lines = f"http://127.0.0.1:{port}", [[], []]
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as s:
+            lines[i] += [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+
+    try:
+        readers = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+        for reader in readers:
+            reader.start()
+        while "jaxserve:num_requests_running 1.0" not in httpx.get(url + "/metrics").text:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        for reader, events in zip(readers, lines):
+            reader.join(10)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        assert "aborting the requests still in flight" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_second_signal_exits_at_once():
+    port = free_port()
+    proc = _serve(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        reader = threading.Thread(target=lambda: httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "x", "max_tokens": 500, "ignore_eos": True}), daemon=True)
+        reader.start()
+        while httpx.get(url + "/metrics").text.find("jaxserve:num_requests_running 1.0") < 0:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(url + "/health").status_code != 503:
+            time.sleep(0.01)
+        start = time.time()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 128 + signal.SIGTERM and time.time() - start < 5, out
+        assert "exiting now" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()

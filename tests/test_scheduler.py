@@ -320,3 +320,57 @@ def test_prompt_longer_than_max_model_len_is_refused(tiny_llm):
     assert not tiny_llm.engine.has_unfinished()  # the valid prompt was withdrawn too
     with pytest.raises(ValueError, match="vocabulary"):
         tiny_llm.generate([[1, 2, 100000]])
+
+
+def test_priority_orders_the_queue_and_a_waiting_higher_priority_preempts_the_lowest_running():
+    sched = make_scheduler(max_num_seqs=2, scheduling_policy="priority")
+    for i, priority in enumerate([5, 7]):
+        seq = make_seq(i, 3, max_tokens=20)
+        seq.priority = priority
+        sched.add(seq)
+    run_step(sched)
+    assert [s.seq_id for s in sched.running] == [0, 1]
+    for i, priority in [(2, 9), (3, 6), (4, 1), (5, 6)]:  # ties (3 and 5) by arrival
+        seq = make_seq(i, 3, max_tokens=20)
+        seq.priority = priority
+        sched.add(seq)
+    assert [s.seq_id for s in sched.waiting] == [4, 3, 5, 2]
+    assert (sched.stats().num_queued_requests, sched.stats().num_queued_tokens) == (4, 12)
+    batch = run_step(sched)  # 4 takes the seat of 1 (priority 7, the lowest running); 3 does not preempt 0 (5)
+    assert batch.preempted == [1]
+    assert [s.seq_id for s in sched.running] == [4, 0]
+    assert [s.seq_id for s in sched.waiting] == [3, 5, 1, 2]  # the preempted one in its place, not first
+    assert sched.stats().num_queued_requests == 3  # (1 has run: it is not new)
+
+
+def test_priority_preempts_for_pages_lowest_priority_first():
+    sched = make_scheduler(max_num_seqs=4, num_pages=5, scheduling_policy="priority")  # 4 usable pages of 4
+    for i, priority in enumerate([3, 1]):
+        seq = make_seq(i, 7, max_tokens=20)  # 2 pages each
+        seq.priority = priority
+        sched.add(seq)
+    run_step(sched)
+    assert [s.seq_id for s in sched.running] == [1, 0]  # in priority order
+    urgent = make_seq(2, 7, max_tokens=20)
+    sched.add(urgent)  # priority 0: no pages free, so 0 (priority 3) gives its pages up, not 1
+    batch = run_step(sched)
+    assert batch.preempted == [0] and [s.seq_id for s in sched.running] == [2, 1]
+    late = make_seq(3, 7, max_tokens=20)
+    late.priority = 2
+    sched.add(late)  # not above the lowest running (1): it waits, ahead of the preempted 0 (priority 3)
+    batch = run_step(sched)
+    assert batch.preempted == [] and [s.seq_id for s in sched.waiting] == [3, 0]
+
+
+def test_a_cache_salt_keeps_prefix_pages_apart():
+    import hashlib
+
+    sched = make_scheduler()
+    salts = [None, b"a", b"a", b"b", None]
+    for i, salt in enumerate(salts):
+        seq = make_seq(i, 9, max_tokens=1)  # two full pages of 4
+        seq.hash_seed = salt and hashlib.sha256(salt).digest()
+        sched.add(seq)
+        while sched.has_unfinished():
+            run_step(sched)
+        assert seq.num_cached_tokens == (8 if i in (2, 4) else 0), i

@@ -80,7 +80,7 @@ FLAGS = {
     ('--task',): None,
     ('--runner',): None,
     ('--convert',): None,
-    ('--scheduling-policy',): None,
+    ('--scheduling-policy',): 'fcfs',  # (was None, read as fcfs: the same default)
     ('--logits-processors',): (),
     ('--chat-template',): None,
     ('--chat-template-content-format',): 'auto',
@@ -101,6 +101,9 @@ FLAGS = {
     ('--enable-auto-tool-choice', '--no-enable-auto-tool-choice'): True,
     ('--disable-log-stats',): False,
     ('--log-stats-interval',): 10.0,
+    ('--max-num-queued-reqs',): None,
+    ('--max-num-queued-tokens',): None,
+    ('--shutdown-timeout',): 0.0,
     ('--allowed-origins',): ['*'],
     ('--allowed-methods',): ['*'],
     ('--allowed-headers',): ['*'],

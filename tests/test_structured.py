@@ -276,3 +276,48 @@ def test_a_sandbox_that_cannot_start_is_an_internal_error(monkeypatch):
     monkeypatch.setattr(sys, "executable", "/bin/false")
     with pytest.raises(RuntimeError, match="did not start"):
         grammar_sandbox.GrammarSandbox().check('start: "a"')
+
+
+def _cut_and_whole(client, max_tokens: int, **kw):
+    """A seeded request's tool calls when max_tokens cuts its answer, checked to be the same streamed
+    (put together from the deltas), and the whole answer."""
+    ask = dict(model=MODEL, messages=ASK, temperature=1.0, tools=[WEATHER, TIME], **kw)
+    cut = client.chat.completions.create(max_tokens=max_tokens, **ask).choices[0]
+    streamed, ends = {}, []
+    for chunk in client.chat.completions.create(max_tokens=max_tokens, stream=True, **ask):
+        choice = chunk.choices[0]
+        assert not choice.delta.content  # (the role's chunk carries "")
+        for piece in choice.delta.tool_calls or []:
+            call = streamed.setdefault(piece.index, {"id": piece.id, "name": piece.function.name, "arguments": ""})
+            assert call["id"] and piece.id in (None, call["id"]) and piece.function.name in (None, call["name"])
+            call["arguments"] += piece.function.arguments or ""
+        ends += [choice.finish_reason] if choice.finish_reason else []
+    assert cut.finish_reason == "length" and ends == ["length"] and cut.message.content is None
+    calls = [(c.function.name, c.function.arguments) for c in cut.message.tool_calls or []]
+    assert calls == [(c["name"], c["arguments"]) for c in streamed.values()]
+    return calls, client.chat.completions.create(max_tokens=160, **ask).choices[0]
+
+
+def test_a_required_answer_cut_by_max_tokens_is_the_calls_so_far(client):
+    """tool_choice "required" cut by max_tokens: the whole calls, then the cut one (its name whole)
+    with its arguments so far, a prefix of what they become; streamed the same; no content."""
+    cut, whole = _cut_and_whole(client, 100, seed=6, tool_choice="required")  # (cut in its second call)
+    assert whole.finish_reason == "tool_calls"
+    (first, second), (whole_first, whole_second) = cut, whole.message.tool_calls
+    assert first == (whole_first.function.name, whole_first.function.arguments)
+    assert second[0] == whole_second.function.name and second[1] != whole_second.function.arguments
+    assert whole_second.function.arguments.startswith(second[1])
+    assert _cut_and_whole(client, 3, seed=6, tool_choice="required")[0] == []  # before a name: no call
+
+
+def test_a_named_call_cut_by_max_tokens_is_its_arguments_so_far(client):
+    """A named function cut by max_tokens: its call with the arguments so far; in the legacy shape too."""
+    (call,), whole = _cut_and_whole(client, 12, seed=3,
+                                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert whole.finish_reason == "stop" and call[0] == "get_weather"
+    assert whole.message.tool_calls[0].function.arguments.startswith(call[1]) and len(call[1]) > 2
+    legacy = client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=3, max_tokens=12,
+                                            functions=[WEATHER["function"], TIME["function"]],
+                                            function_call={"name": "get_weather"}).choices[0]
+    assert legacy.finish_reason == "length" and legacy.message.content is None
+    assert (legacy.message.function_call.name, legacy.message.function_call.arguments) == call

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from api.response_models import given
 from api.tool_parsers import PARSERS, ToolCallStreamer, parser_for_template
+from api.tools import ChoiceTools, ToolRequest
 
 WEATHER = {"city": "Paris", "unit": "C"}
 TIME = {"tz": "UTC"}
@@ -69,3 +72,22 @@ def test_parser_is_chosen_from_the_chat_template():
     named = {"default": "{{ messages }}", "tool_use": "[TOOL_CALLS] {{ tools }}"}  # several named templates
     assert parser_for_template(named).name == "mistral"
     assert parser_for_template({"default": "<|python_tag|>{{ x }}"}).name == "llama3_json"
+
+
+def test_a_required_array_cut_anywhere_is_the_calls_so_far():
+    """Each prefix of a "required" answer, as max_tokens may cut it (with the U+FFFD a detokenizer ends
+    a cut character with): the whole calls, then the cut one once its name is whole, with arguments
+    that begin the whole ones (as json.dumps writes them; a number at the end may yet go on)."""
+    text = ('[{"name":"weather","arguments":{"city":"P\\u00e9r\\"is\\/\\ud83d\\ude00","days":3,'
+            '"x":[1.5,true,null,{}]}},{"name":"time","arguments":{"tz":"UTC"}}]')
+    request = ToolRequest([{"type": "function", "function": {"name": n}} for n in ("weather", "time")], "required")
+    whole = ChoiceTools(request, PARSERS["hermes"]()).message(text).tool_calls
+    assert [c.function.arguments for c in whole] == [
+        '{"city": "Pér\\"is/😀", "days": 3, "x": [1.5, true, null, {}]}', '{"tz": "UTC"}']
+    for n in range(len(text)):
+        cut = ChoiceTools(request, PARSERS["hermes"]()).message(text[:n] + "\ufffd", cut=True)
+        calls = given(cut.tool_calls, [])
+        assert cut.content is None and len(calls) == len(re.findall(r'"name":"\w+"', text[:n])), n
+        for call, full in zip(calls, whole, strict=False):
+            assert call.function.name == full.function.name
+            assert full.function.arguments.startswith(call.function.arguments) or text[n - 1].isdigit(), n
