@@ -315,7 +315,7 @@ def test_vllm_routes_ping_load_invocations(served, monkeypatch):
     completions, by the body)."""
     url = served[0].url
     assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
-    assert httpx.get(url + "/load").json() == {"server_load": 0}
+    assert httpx.get(url + "/load").json() == {"server_load": 0, "queued_requests": 0, "queued_tokens": 0}
     generate, resume = served[1].generate, threading.Event()
 
     async def held(*args):  # up to the first text, then nothing until the test has read the load
@@ -329,10 +329,10 @@ def test_vllm_routes_ping_load_invocations(served, monkeypatch):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert httpx.get(url + "/load").json() == {"server_load": 1}
+        assert httpx.get(url + "/load").json()["server_load"] == 1
         resume.set()
         list(lines)
-    assert httpx.get(url + "/load").json() == {"server_load": 0}
+    assert httpx.get(url + "/load").json() == {"server_load": 0, "queued_requests": 0, "queued_tokens": 0}
     chat = post(served, "/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 2
     completion = post(served, "/invocations", {"prompt": "hi", "max_tokens": 2}).json()
