@@ -318,8 +318,8 @@ def test_vllm_routes_ping_load_invocations(served, monkeypatch):
     assert httpx.get(url + "/load").json() == {"server_load": 0, "queued_requests": 0, "queued_tokens": 0}
     generate, resume = served[1].generate, threading.Event()
 
-    async def held(*args):  # up to the first text, then nothing until the test has read the load
-        async for update in generate(*args):
+    async def held(*args, **options):  # up to the first text, then nothing until the test has read the load
+        async for update in generate(*args, **options):
             yield update
             while update.text and not resume.is_set():
                 await asyncio.sleep(0.01)
