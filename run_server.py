@@ -31,7 +31,7 @@ from pathlib import Path
 
 import jax
 
-from api.app import create_app
+from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.metrics import StatsLog
 from api.protocol import Limits
@@ -45,7 +45,7 @@ from jaxserve.config import VLLM_OPTIONS, EngineConfig, add_vllm_arguments, chec
 from jaxserve.engine import build_engine
 from jaxserve.settings import json_strings
 from jaxserve.sharding import initialize_distributed, is_leader
-from jaxserve.tokenizer import CONTENT_FORMATS
+from jaxserve.tokenizer import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
 
 log = logging.getLogger("jaxserve.server")
 ABORT_SECONDS = 5.0  # for aborted requests' last chunks to be sent, once the drain's time is up
@@ -90,6 +90,9 @@ def _add_server_arguments(p) -> None:
     p.add_argument("--allowed-methods", type=json_strings, default=["*"], help='CORS: allowed methods (default: ["*"])')
     p.add_argument("--allowed-headers", type=json_strings, default=["*"], help='CORS: allowed headers (default: ["*"])')
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow the browser's credentials")
+    p.add_argument("--max-request-body-bytes", type=int, default=MAX_REQUEST_BODY_BYTES,
+                   help="the largest request body accepted, in bytes (default: 16 MiB); a larger one is a 413, "
+                        "refused before it is read whole")
     p.add_argument("--max-num-queued-reqs", type=int, default=None,
                    help="the most requests that may wait to start (default: no bound); past it a request gets 503 "
                         "with Retry-After, before any work is done for it")
@@ -118,6 +121,9 @@ def _add_api_arguments(p) -> None:
                         "list of parts), or auto (openai where the template loops over a message's content)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests pass their own chat_template (default: such requests are a 400, as in vLLM)")
+    p.add_argument("--chat-template-timeout", type=float, default=CHAT_TEMPLATE_TIMEOUT_S,
+                   help="seconds the chat template may take to render a request's messages (default: 10); past "
+                        "them the rendering stops and the request is a 400")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="how to read tool calls in the model's output (default: from the chat template)")
     p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=True,
@@ -165,6 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
     if args.log_stats_interval <= 0:
         p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
+    if args.chat_template_timeout <= 0:
+        p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
+    if args.max_request_body_bytes <= 0:
+        p.error(f"--max-request-body-bytes must be > 0, got {args.max_request_body_bytes}")
     for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -308,13 +318,14 @@ def main(argv: list[str] | None = None) -> None:
                     chat_template_content_format=args.chat_template_content_format,
                     model_root=args.model or DEFAULT_MODEL_NAME, tokens_as_ids=args.return_tokens_as_token_ids,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
-                    processor_args=engine.processors.arg_names)
+                    processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout)
     app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
-                     reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs)
+                     reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
+                     max_request_body_bytes=args.max_request_body_bytes)
     freeze_heap()
     async_engine.start()
     try:

@@ -21,7 +21,7 @@ from api.state import APIState
 
 async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool
                  ) -> Response | ChatCompletion | Completion:
-    admit(state, req, request_id, chat)
+    await admit(state, req, request_id, chat)
     if req.stream:
         chunks = ChunkStream(state, req, request_id, chat)
         return Response(chunks.events(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})

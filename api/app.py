@@ -15,9 +15,9 @@ import hmac
 import importlib.metadata
 import logging
 
-from quart import Quart, request
+from quart import Quart, current_app, request
 from quart_schema import Info, QuartSchema
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from api.chat import chat
 from api.completions import completions
@@ -36,21 +36,26 @@ from jaxserve.async_engine import AsyncEngine
 log = logging.getLogger(__name__)
 
 KEYED_PATHS = ("/v1", "/invocations")  # the routes --api-key guards
+MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
 
 
 def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
-               reasoning_parser: str | None = None, docs: bool = True) -> Quart:
+               reasoning_parser: str | None = None, docs: bool = True,
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
     logs each request as it starts. `cors` says which web pages may call the API (any, by default).
     `reasoning_parser` (`api/reasoning.py`) puts a reasoning model's thinking apart from the answer.
     `docs`: serve /openapi.json and its pages (/docs, /redocs, /scalar); off, as vLLM's
-    --disable-fastapi-docs, none of them."""
+    --disable-fastapi-docs, none of them. A request body over `max_request_body_bytes` is a 413: Quart
+    refuses it from its Content-Length before reading any of it, and a chunked one as soon as what has
+    come exceeds the limit (the rest is not kept)."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
+    app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
     paths = {} if docs else dict(openapi_path=None, redoc_ui_path=None, scalar_ui_path=None, swagger_ui_path=None)
     QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")), **paths)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
@@ -64,6 +69,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     app.before_request(_check_key)
     app.before_request(_check_draining)
     app.register_error_handler(APIError, _api_error)
+    app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
     for blueprint in (server_info, completions, chat, responses, tokenize):
@@ -96,6 +102,12 @@ def _error_response(e: APIError):
 
 async def _api_error(e: APIError):
     return _error_response(e)
+
+
+async def _body_too_large(e: RequestEntityTooLarge):
+    limit = current_app.config["MAX_CONTENT_LENGTH"]
+    return _error_response(APIError(f"the request body is larger than this server's limit of {limit} bytes "
+                                    "(--max-request-body-bytes)", status=413))
 
 
 async def _http_error(e: HTTPException):  # unknown route, wrong method, body too large, ...

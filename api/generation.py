@@ -29,10 +29,12 @@ log = logging.getLogger(__name__)
 RETRY_AFTER = "1"  # seconds a client refused for a full queue or a draining server waits before retrying
 
 
-def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> None:
+async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> None:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
-    serve, or a prompt the engine would refuse; 503 where the bounded waiting queue has no room
-    for it (`AsyncEngine.admit`). A chat request's constraint waits for the thinking
+    serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is
+    compiled on the tokenizing thread, not the event loop, before the request reaches the engine);
+    then 503 where the bounded waiting queue has no room for it (`AsyncEngine.admit`: last, so a
+    refused request holds no place in it). A chat request's constraint waits for the thinking
     (--reasoning-parser)."""
     if chat and state.reasoning_parser:
         if req.echo:
@@ -53,6 +55,11 @@ def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) 
         raise APIError(str(e), param=field) from e
     except ValueError as e:
         raise APIError(str(e)) from e
+    if req.params.constraint is not None:
+        try:
+            await state.off_loop(state.engine.check_constraint, req.params.constraint)
+        except ValueError as e:
+            raise APIError(str(e)) from e
     try:
         state.engine.admit([(f"{request_id}-{i}", len(ids)) for i, ids in enumerate(req.prompts)])
     except QueueFull as e:

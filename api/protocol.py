@@ -22,7 +22,8 @@ from api.errors import APIError
 from api.request_models import ChatCompletionRequest, CompletionRequest, length_penalty, validated, whole
 from api.tools import ToolError, ToolRequest, parse_tool_request
 from jaxserve.structured import Constraint
-from jaxserve.tokenizer import Tokenizer, message_text, template_message, template_options_error
+from jaxserve.tokenizer import (CHAT_TEMPLATE_TIMEOUT_S, Tokenizer, message_text, template_message,
+                                template_options_error)
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class Limits:
     response_role: str = "assistant"  # vLLM's --response-role: the role of chat answers
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage ends every stream
     processor_args: frozenset[str] = frozenset()  # the logits processors' argument names (top-level fields too)
+    chat_template_timeout: float = CHAT_TEMPLATE_TIMEOUT_S  # seconds a conversation may take to render
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -498,7 +500,11 @@ def _parse_chat(body: dict, model: str, limits: Limits, tokenizer: Tokenizer) ->
     except ValueError as e:
         raise APIError(str(e), param="messages") from e
     try:
-        text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None, **options)
+        text = tokenizer.apply_chat_template(rendered, tools=tools.tools if tools else None,
+                                             timeout=limits.chat_template_timeout, **options)
+    except TimeoutError as e:  # (the tokenizing thread is free again: the template stopped)
+        raise APIError(f"{e} (the server's --chat-template-timeout)",
+                       param="chat_template" if "chat_template" in options else "messages") from e
     except Exception as e:  # a template's own error (e.g. unsupported role order) is the client's to fix
         raise APIError(f"the chat template could not render these messages: {e}", param="messages") from e
     # (vLLM's default: the template holds the special tokens it wants)

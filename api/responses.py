@@ -307,7 +307,7 @@ async def create_response():
     req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
     builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                               req.params.top_p, logprobs=req.params.logprobs is not None)
-    admit(state, req, builder.state.id, chat=True)
+    await admit(state, req, builder.state.id, chat=True)
     if req.stream:
         return Response(_events_or_failure(state, req, builder), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})

@@ -84,6 +84,8 @@ async def json_body() -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # (Python's parser gives up on deep nesting; a client's error, not ours)
+        raise APIError("the request body's JSON is nested too deeply") from e
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     try:

@@ -33,6 +33,7 @@ from jaxserve.scheduler import SchedulerStats
 from jaxserve.output import SequenceOutput
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.sequence import Sequence, TokenLogprobs
+from jaxserve.structured import Constraint
 from jaxserve.tokenizer import Tokenizer
 from jaxserve.warmup import WarmupCancelled
 
@@ -126,6 +127,11 @@ class AsyncEngine:
         """ValueError now, in the caller's thread, for a request the engine would refuse (see
         `Engine.check_request`, which takes `options`; the prompt as it runs, truncated)."""
         self.engine.check_request(prompt_token_ids, params, **options)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """ValueError now, in the caller's thread, for a constraint that does not compile, or not in
+        time (`OutputProcessor.check_constraint`): it may take a while, so not on an event loop."""
+        self.engine.output.check_constraint(constraint)
 
     @property
     def queued(self) -> tuple[int, int]:

@@ -18,6 +18,7 @@ token that ends a sequence adds no text (unless `include_stop_str_in_output`).
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -62,6 +63,7 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self._grammars: GrammarMatchers | None = None  # built on the first constrained request
+        self._grammars_lock = threading.Lock()  # (the API may check a constraint from its own thread)
         self._states: dict[int, _TextState] = {}
         # sequences whose grammar refused their last token: possible only where allowed_token_ids or
         # bad_words leave none it allows; they end ("abort") without that token's text
@@ -69,15 +71,17 @@ class OutputProcessor:
 
     @property
     def grammars(self) -> GrammarMatchers:
-        if self._grammars is None:
-            self._grammars = GrammarMatchers(self.tokenizer.hf, self.vocab_size)
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarMatchers(self.tokenizer.hf, self.vocab_size)
+            return self._grammars
 
     def check_constraint(self, constraint: Constraint) -> None:
-        """Compile the grammar and the grammar tokenizer now, so a bad one is a ValueError for the
-        request rather than an error inside a step."""
-        constraint.grammar()
-        _ = self.grammars
+        """Compile the grammar (in the grammar sandbox first, `jaxserve/grammar_sandbox.py`) and its
+        first mask now, so a bad or too complex one is a ValueError for the request rather than an
+        error, or a stall, inside a step. Any thread may call it: the API does, off its event loop,
+        before the request reaches the engine, whose sequences then copy the compiled grammar."""
+        self.grammars.compiled(constraint)
 
     def constrain(self, batch: ScheduledBatch) -> None:
         """Fill `batch.token_masks` for the rows that sample this step under a grammar or bad words."""

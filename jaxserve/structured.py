@@ -13,13 +13,17 @@ when no row has one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import logging
 import re
+import threading
 
 import numpy as np
+
+from jaxserve.grammar_sandbox import CompilerCrash, check_grammar
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +39,35 @@ class Constraint:
     thinking: tuple[str, str] | None = None
 
     def grammar(self) -> str:
-        """The llguidance grammar; ValueError naming the problem if it is invalid."""
-        return _compile(self)
+        """The llguidance grammar; ValueError naming the problem if it is invalid, or too complex to
+        compile (`jaxserve/grammar_sandbox.py`)."""
+        try:
+            grammar, error = _compile(self)
+        except TimeoutError as e:  # (not kept: it may compile in time on a less busy machine)
+            raise ValueError(f"the {self.kind.replace('_', ' ')} is too complex: {e}") from e
+        if error:
+            raise ValueError(error)
+        return grammar
 
 
 @functools.lru_cache(maxsize=256)
-def _compile(c: Constraint) -> str:
+def _compile(c: Constraint) -> tuple[str, str]:
+    """(the grammar, "") or ("", why it is invalid), compiled in the grammar sandbox first: a grammar
+    this process could not compile in time, or at all, never reaches llguidance here."""
     import llguidance
 
+    what = f"invalid {c.kind.replace('_', ' ')}"
     try:
         grammar = _grammar_of(c, llguidance)
     except (ValueError, TypeError, RuntimeError) as e:  # bad JSON, or llguidance's own parse errors
-        raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {e}") from e
+        return "", f"{what}: {e}"
     if c.thinking is not None:
         grammar = _after_thinking(grammar, *c.thinking)
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise ValueError(f"invalid {c.kind.replace('_', ' ')}: {error}")
-    return grammar
+    try:
+        error = check_grammar(grammar)
+    except CompilerCrash as e:
+        return "", f"the {c.kind.replace('_', ' ')} is too complex: {e}"
+    return ("", f"{what}: {error}") if error else (grammar, "")
 
 
 @dataclasses.dataclass
@@ -211,7 +226,10 @@ def mask_width(vocab_size: int) -> int:
 
 
 class GrammarMatchers:
-    """llguidance matchers of the constrained sequences, keyed by sequence id."""
+    """llguidance matchers of the constrained sequences, keyed by sequence id, made from compiled
+    grammars kept by constraint."""
+
+    COMPILED = 32  # compiled grammars kept: each sequence's matcher is a copy of one (sharing its lexer)
 
     def __init__(self, hf_tokenizer, vocab_size: int):
         import llguidance.hf
@@ -222,13 +240,36 @@ class GrammarMatchers:
         except Exception as e:  # llguidance refuses some tokenizers (slow ones, vocab mismatches)
             raise ValueError(f"structured output is not available for this tokenizer: {e}") from e
         self._matchers: dict[int, object] = {}
+        self._compiled: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
+        self._lock = threading.Lock()  # (compiled from the API's thread, copied in the engine's)
+
+    def compiled(self, constraint: Constraint):
+        """The constraint's matcher at its start, its first mask computed (which builds its lexer);
+        ValueError for a grammar that does not compile, or cannot give a first mask."""
+        import llguidance
+        import llguidance.numpy
+
+        with self._lock:
+            matcher = self._compiled.get(constraint)
+            if matcher is not None:
+                self._compiled.move_to_end(constraint)
+                return matcher
+        matcher = llguidance.LLMatcher(self.tokenizer, constraint.grammar(),
+                                       limits=llguidance.LLParserLimits(verbose_errors=False))
+        if not matcher.is_error():
+            llguidance.numpy.fill_next_token_bitmask(matcher, np.zeros((1, mask_width(self.vocab_size)), np.int32), 0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {constraint.kind.replace('_', ' ')}: {matcher.get_error()}")
+        with self._lock:
+            self._compiled[constraint] = matcher
+            if len(self._compiled) > self.COMPILED:
+                self._compiled.popitem(last=False)
+        return matcher
 
     def _matcher(self, seq_id: int, constraint: Constraint):
-        import llguidance
-
         matcher = self._matchers.get(seq_id)
         if matcher is None:
-            matcher = self._matchers[seq_id] = llguidance.LLMatcher(self.tokenizer, constraint.grammar())
+            matcher = self._matchers[seq_id] = self.compiled(constraint).deep_copy()
         return matcher
 
     def fill(self, seq_id: int, constraint: Constraint, row: np.ndarray) -> None:

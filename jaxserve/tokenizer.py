@@ -3,13 +3,20 @@
 Generated text is always produced incrementally (`IncrementalDetokenizer`), in
 streaming and non-streaming responses alike, so the two agree by construction:
 the text of a completion is the concatenation of its deltas.
+
+Rendering a chat template is bounded in time (`render_time_limit`): a template is code, and a
+request may bring its own (--trust-request-chat-template).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from checkpoints.byte_level import bytes_to_unicode
@@ -98,6 +105,34 @@ def template_message(message: dict, where: str = "message", content_format: str 
     return out
 
 
+CHAT_TEMPLATE_TIMEOUT_S = 10.0  # how long a conversation may take to render (--chat-template-timeout's default)
+_TEMPLATE_CODE = "<template>"  # the file name of the Python code Jinja compiles a template into
+
+
+@contextlib.contextmanager
+def render_time_limit(seconds: float) -> Iterator[None]:
+    """TimeoutError once `seconds` have passed, raised in the running template's own code: Jinja
+    compiles a template to Python, so a trace function on this thread checks the clock at each of its
+    lines and calls, and the template's loops (or recursive macros) really stop, leaving the thread
+    free (a timeout around the call would leave it busy). A single long operation in C (arithmetic on
+    huge numbers) is not interrupted; the template's next line is."""
+    deadline = time.monotonic() + seconds
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != _TEMPLATE_CODE:
+            return None  # (no line events outside templates, where a raise could leave a library's state half-done)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the chat template took longer than {seconds:g} s to render")
+        return trace
+
+    previous = sys.gettrace()  # (a debugger's or a coverage tool's, put back after)
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 # apply_chat_template's own arguments: not template variables a caller may pass
 TEMPLATE_ARGUMENTS = frozenset({"tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
                                 "messages", "conversation", "conversations"})
@@ -179,19 +214,23 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True, continue_final_message: bool = False,
-                            chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+                            chat_template: str | None = None, template_kwargs: dict | None = None,
+                            timeout: float = CHAT_TEMPLATE_TIMEOUT_S) -> str:
         """The conversation (and the tools offered, if any) as prompt text, ending with the assistant's
         turn opened (`add_generation_prompt`) or with the last message left open for the model to go
         on (`continue_final_message`). `chat_template` replaces the model's for this call;
-        `template_kwargs` are more variables for the template (e.g. `enable_thinking`)."""
+        `template_kwargs` are more variables for the template (e.g. `enable_thinking`). TimeoutError
+        where rendering takes longer than `timeout` seconds (`render_time_limit`)."""
         if not (chat_template or self.hf.chat_template):  # (the model's may be several, chosen by HF: tools or not)
             raise ValueError("this model's tokenizer has no chat template; pass one with --chat-template")
         error = template_options_error(add_generation_prompt, continue_final_message, template_kwargs)
         if error:
             raise ValueError(error[1])
-        return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
-                                           add_generation_prompt=add_generation_prompt,
-                                           continue_final_message=continue_final_message, **(template_kwargs or {}))
+        with render_time_limit(timeout):
+            return self.hf.apply_chat_template(messages, tools=tools, tokenize=False, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message,
+                                               **(template_kwargs or {}))
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's own bytes (a SentencePiece "▁" is a space; byte-fallback and byte-level

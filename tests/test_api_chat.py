@@ -9,7 +9,8 @@ import json
 import re
 import time
 
-from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
+import pytest
+from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 
 from api.app import create_app
 from api.responses import ResponseBuilder
@@ -80,6 +81,31 @@ def test_a_requests_chat_template_only_where_trusted(served):
         assert wrong.status_code == 400 and (await wrong.get_json())["error"]["param"] == "reasoning_effort"
 
     asyncio.run(check())
+
+
+def test_a_template_that_would_run_for_minutes_is_a_400_within_the_bound(served):
+    """--chat-template-timeout: rendering stops at the bound, in the template's own loops (or
+    recursive macros), so the tokenizing thread is free again; the request is a 400 naming the
+    flag, and the next requests are served. The offline path raises TimeoutError."""
+    nested = "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"
+    doubling = "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}"
+    with pytest.raises(TimeoutError):
+        served[1].tokenizer.apply_chat_template(MESSAGES, chat_template=nested, timeout=0.2)
+    server = Server(create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260, trust_request_chat_template=True,
+                                                 chat_template_timeout=1.0)), free_port())
+    try:
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+        for template in (nested, doubling):
+            start = time.monotonic()
+            r = post((server, served[1]), "/v1/chat/completions", {**body, "chat_template": template})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+            assert "--chat-template-timeout" in r.json()["error"]["message"] and time.monotonic() - start < 5
+        assert post((server, served[1]), "/v1/chat/completions", body).status_code == 200
+        plain = post((server, served[1]), "/v1/chat/completions",
+                     {**body, "chat_template": "{{ messages[1]['content'] }}"})
+        assert plain.status_code == 200 and plain.json()["usage"]["prompt_tokens"] == len("Say hello")
+    finally:
+        server.stop()
 
 
 def test_chat_echo_repeats_the_assistant_message_it_continues(client):

@@ -13,9 +13,9 @@ import jax
 import numpy as np
 import openai
 import pytest
-from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
+from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 
-from api.app import create_app
+from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.protocol import Limits
 
@@ -35,6 +35,7 @@ def test_health_and_models(served, client):
 BAD_REQUESTS = [
     ("/v1/completions", "{not json", 400, None),
     ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", 400, None),  # (too deep to parse)
     ("/v1/completions", {"model": "nope", "prompt": "a"}, 404, "model"),
     ("/v1/completions", {"prompt": "a", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "a", "temperature": "hot"}, 400, "temperature"),
@@ -163,6 +164,33 @@ def test_a_request_the_engine_refuses_gets_a_400_before_its_stream(served):
     assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
 
 
+def test_a_body_over_the_limit_is_a_413(served):
+    """--max-request-body-bytes (16 MiB by default): a larger body is a 413 with OpenAI's error body
+    naming the limit, whether it says its length (refused before it is sent) or comes in chunks
+    (refused once the limit is passed); a server with a lower limit serves the bodies under it."""
+    def send(url: str, body: bytes, chunked: bool) -> httpx.Response:
+        content = (body[i:i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if chunked else body
+        return httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"},
+                          timeout=60)
+
+    over = b'{"prompt": "' + b"a" * MAX_REQUEST_BODY_BYTES + b'", "max_tokens": 1}'
+    for chunked in (False, True):
+        r = send(served[0].url, over, chunked)
+        assert r.status_code == 413, r.text
+        error = r.json()["error"]
+        assert f"limit of {MAX_REQUEST_BODY_BYTES} bytes" in error["message"] and "--max-request-body-bytes" in \
+            error["message"] and error["type"] == "invalid_request_error"
+    small = Server(create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), max_request_body_bytes=100), free_port())
+    try:
+        fits = b'{"prompt": "a", "max_tokens": 1}'
+        for chunked in (False, True):
+            assert send(small.url, fits, chunked).status_code == 200
+            r = send(small.url, fits[:-1] + b", " + b" " * 100 + b"}", chunked)
+            assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
+    finally:
+        small.stop()
+
+
 def test_api_key_guards_v1_routes(served):
     app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="s3cret")
 
@@ -287,11 +315,11 @@ def test_vllm_routes_ping_load_invocations(served, monkeypatch):
     completions, by the body)."""
     url = served[0].url
     assert httpx.get(url + "/ping").status_code == 200 and httpx.post(url + "/ping").status_code == 200
-    assert httpx.get(url + "/load").json() == {"server_load": 0}
+    assert httpx.get(url + "/load").json() == {"server_load": 0, "queued_requests": 0, "queued_tokens": 0}
     generate, resume = served[1].generate, threading.Event()
 
-    async def held(*args):  # up to the first text, then nothing until the test has read the load
-        async for update in generate(*args):
+    async def held(*args, **options):  # up to the first text, then nothing until the test has read the load
+        async for update in generate(*args, **options):
             yield update
             while update.text and not resume.is_set():
                 await asyncio.sleep(0.01)
@@ -301,10 +329,10 @@ def test_vllm_routes_ping_load_invocations(served, monkeypatch):
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: ")
-        assert httpx.get(url + "/load").json() == {"server_load": 1}
+        assert httpx.get(url + "/load").json()["server_load"] == 1
         resume.set()
         list(lines)
-    assert httpx.get(url + "/load").json() == {"server_load": 0}
+    assert httpx.get(url + "/load").json() == {"server_load": 0, "queued_requests": 0, "queued_tokens": 0}
     chat = post(served, "/invocations", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] <= 2
     completion = post(served, "/invocations", {"prompt": "hi", "max_tokens": 2}).json()

@@ -213,6 +213,8 @@ def test_vllm_flag_names():
     assert parse_args(["--tokenizer", "/tok"]).tokenizer == "/tok"
     assert parse_args(["--disable-log-stats"]).disable_log_stats and not parse_args([]).disable_log_stats
     assert parse_args(["--trust-request-chat-template"]).trust_request_chat_template
+    args = parse_args(["--max-request-body-bytes", "1024", "--chat-template-timeout", "2.5"])
+    assert (args.max_request_body_bytes, args.chat_template_timeout) == (1024, 2.5)
     assert parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]
     assert parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
     assert parse_args([]).tool_call_parser is None  # (the chat template's family)
@@ -240,7 +242,7 @@ def test_vllm_flag_names():
                   ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"], ["--log-stats-interval", "0"],
                   ["--ssl-cert-reqs", "3"], ["a", "--model", "b"], ["--quantization", "awq"], ["-pp", "2"],
                   ["--enable-lora"], ["--speculative-config", '{"method": "ngram"}'], ["--task", "embed"],
-                  ["--tool-call-parser", "xml"]):
+                  ["--tool-call-parser", "xml"], ["--max-request-body-bytes", "0"], ["--chat-template-timeout", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)
 

@@ -108,6 +108,8 @@ FLAGS = {
     ('--allowed-methods',): ['*'],
     ('--allowed-headers',): ['*'],
     ('--allow-credentials',): False,
+    ('--max-request-body-bytes',): 16 * 1024 * 1024,
+    ('--chat-template-timeout',): 10.0,
     ('--ssl-keyfile',): None,
     ('--ssl-certfile',): None,
     ('--ssl-ca-certs',): None,

@@ -7,12 +7,16 @@ import asyncio
 import functools
 import json
 import re
+import sys
+import time
 
 import jsonschema
 import openai
-from server import MODEL
+import pytest
+from server import MESSAGES, MODEL, post
 
 from checkpoints import resolve_model
+from jaxserve import grammar_sandbox
 from jaxserve.structured import Constraint
 
 SCHEMA = {
@@ -223,6 +227,55 @@ def test_deprecated_functions_get_the_legacy_shape(client):
     calls = [c.choices[0].delta.function_call for c in chunks if c.choices[0].delta.function_call]
     assert calls[0].name == "get_weather"
     assert "".join(c.arguments or "" for c in calls) == choice.message.function_call.arguments
+
+
+def _ref_chain(n: int) -> dict:
+    """A JSON schema of nested arrays, each level a `$ref` to the next definition, n deep."""
+    defs = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}} for i in range(n)}
+    return {"$defs": {**defs, f"d{n}": {"type": "integer"}}, "$ref": "#/$defs/d0"}
+
+
+# Constraints llguidance cannot compile safely in the server's process: a chain of $refs, or of Lark
+# rules, that overflows its stack (a crash, unsandboxed), and a choice among so many strings that it
+# compiles for minutes; each given as (route, field, value).
+PATHOLOGICAL = [
+    ("/v1/chat/completions", "response_format",
+     {"type": "json_schema", "json_schema": {"name": "chain", "schema": _ref_chain(10_000)}}),
+    ("/v1/completions", "guided_grammar",
+     "start: r0\n" + "\n".join(f'r{i}: "x" r{i + 1}' for i in range(5000)) + '\nr5000: "y"'),
+    ("/v1/completions", "guided_choice", [f"option number {i}" for i in range(100_000)]),
+]
+
+
+def test_pathological_grammars_are_quick_400s(served, monkeypatch):
+    """Grammars that would crash the compiler or hold it for minutes are 400s within seconds, found
+    in the grammar sandbox (`jaxserve/grammar_sandbox.py`, here with a 1 s deadline); the engine's
+    own check (the offline LLM's) refuses them too. A regex whose DFA would explode is built lazily
+    by llguidance, and served. The server then serves a normal constrained request."""
+    monkeypatch.setattr(grammar_sandbox, "GRAMMAR_CHECK_TIMEOUT_S", 1.0)
+    for route, field, value in PATHOLOGICAL:
+        start = time.monotonic()
+        r = post(served, route, {"model": MODEL, "messages": MESSAGES, "prompt": "a", "max_tokens": 4, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text[:300])
+        assert "is too complex" in r.json()["error"]["message"]
+        assert time.monotonic() - start < 15, field
+    with pytest.raises(ValueError, match="compiler down"):
+        served[1].check_constraint(Constraint("json_schema", json.dumps(_ref_chain(10_000))))
+    start = time.monotonic()
+    r = post(served, "/v1/completions",
+             {"model": MODEL, "prompt": "a", "max_tokens": 8, "guided_regex": "(a|b)*a(a|b){40}"})
+    assert r.status_code == 200 and re.fullmatch("[ab]*", r.json()["choices"][0]["text"])
+    assert time.monotonic() - start < 15
+    r = post(served, "/v1/completions",
+             {"model": MODEL, "prompt": "a", "max_tokens": 4, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
+
+
+def test_a_sandbox_that_cannot_start_is_an_internal_error(monkeypatch):
+    """A broken installation (the child cannot start) is the server's error, never the grammar's."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    with pytest.raises(RuntimeError, match="did not start"):
+        grammar_sandbox.GrammarSandbox().check('start: "a"')
 
 
 def _cut_and_whole(client, max_tokens: int, **kw):
