@@ -64,7 +64,9 @@ class ChunkStream:
                     end = dict(finish_reason=choices.finish_reason(c), stop_reason=update.stop_reason)
                     yield self.chat_chunk(c, DeltaMessage(), **end) if self.chat else self.completion_chunk(c, **end)
         except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
-            yield sse(APIError(str(e), status=stream_error_status(self.state, e)).body())
+            status = stream_error_status(self.state, e)
+            kind = "invalid_request_error" if status < 500 else "internal_error"
+            yield sse(APIError(str(e), status=status, type=kind).body())
         if req.include_usage:
             chunk = ChatCompletionChunk if self.chat else CompletionChunk
             yield sse(chunk(id=self.request_id, created=self.created, model=req.model, choices=[],

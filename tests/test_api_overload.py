@@ -74,7 +74,8 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(served, cl
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "seed": MARK,
             "stream": True}) as s:
         events = [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]" and "injected step failure" in json.loads(events[-2])["error"]["message"]
+    error = json.loads(events[-2])["error"]
+    assert events[-1] == "[DONE]" and "injected step failure" in error["message"] and error["type"] == "internal_error"
 
     # the other requests, before and after, are served; no page is left behind
     for _ in range(2):
