@@ -76,6 +76,7 @@ def reference(smollm2):
     return [_hf_greedy(model, prompt, NEW_TOKENS) for prompt in prompts]
 
 
+@pytest.mark.slow  # (the quantized test below compares with the same transformers reference by default)
 def test_dequantized_greedy_equals_transformers_gguf_load(smollm2, reference):
     view, _, prompts = smollm2
     llm = LLM(**{**ENGINE, "quantization": "none", "dtype": "float32"})
