@@ -328,6 +328,8 @@ def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_fin
             started = threading.Event()
             streams = [pool.submit(stream, f"drained {i}", started, max_tokens=200) for i in range(2)]
             assert started.wait(60)
+            while client.get(url + "/load").json()["server_load"] < 2:  # (both in the engine)
+                time.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
             deadline = time.time() + 10
             while client.get(url + "/health").status_code != 503 and time.time() < deadline:
@@ -360,7 +362,8 @@ def test_a_short_shutdown_timeout_aborts_the_streams_left():
         readers = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         for reader in readers:
             reader.start()
-        while "jaxserve:num_requests_running 1.0" not in httpx.get(url + "/metrics").text:
+        while not all(f"jaxserve:num_requests_{gauge} 1.0" in httpx.get(url + "/metrics").text
+                      for gauge in ("running", "waiting")):  # (one streams, the other waits for the seat)
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
