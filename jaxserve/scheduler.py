@@ -186,6 +186,8 @@ class Scheduler:
         self.num_prefix_hit_tokens = 0
         self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
         self.by_priority = config.scheduling_policy == "priority"
+        # requests none of whose sequences has run yet (their first sequence waits, never preempted)
+        self.num_queued_requests = self.num_queued_tokens = 0
         self._arrivals = itertools.count()
 
     def new_seq_id(self) -> int:
@@ -199,8 +201,15 @@ class Scheduler:
         seq.pending_forks = seq.params.n - 1
         seq.arrival = next(self._arrivals)
         self.seqs[seq.seq_id] = seq
+        self._count_queued(seq, 1)
         self._wait(seq)
         self._fork_if_ready(seq)
+
+    def _count_queued(self, seq: Sequence, sign: int) -> None:
+        """Count a request's first sequence in or out of the queued figures, where it has never run."""
+        if seq.index == 0 and not seq.num_preemptions:
+            self.num_queued_requests += sign
+            self.num_queued_tokens += sign * seq.num_prompt_tokens
 
     @staticmethod
     def _order(seq: Sequence) -> tuple[int, int, int]:
@@ -224,6 +233,8 @@ class Scheduler:
         """Finish a sequence now (an abort, or a stop string found by the output processor) and free its pages."""
         seq = self.seqs.get(seq_id)
         if seq is not None:
+            if seq.status is SequenceStatus.WAITING:
+                self._count_queued(seq, -1)
             (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
             seq.stop_reason = stop_reason
             self._finish(seq, reason)
@@ -242,14 +253,13 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """The counters and gauges as of now (read by the engine thread; others read its snapshot)."""
         alloc = self.allocator
-        queued = [seq for seq in self.waiting if seq.index == 0 and not seq.num_preemptions]  # (never run)
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_pages_used=alloc.num_usable - alloc.num_free, kv_pages_total=alloc.num_usable,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts),
-            num_queued_requests=len(queued), num_queued_tokens=sum(seq.num_prompt_tokens for seq in queued))
+            num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens)
 
     def schedule(self, token_budget: int | None = None) -> ScheduledBatch:
         """The next step's plan, of at most `token_budget` tokens (default and at most:
@@ -285,6 +295,7 @@ class Scheduler:
                     seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
+            self._count_queued(seq, -1)
             if self.config.enable_prefix_caching and seq.reads_prefix_cache and not seq.num_preemptions:
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens

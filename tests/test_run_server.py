@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -248,20 +249,28 @@ def test_vllm_flag_names():
             parse_args(wrong)
 
 
-def _serve(port: int, *flags: str) -> subprocess.Popen:
-    """`python run_server.py` over jaxserve-tiny, once /health says 200."""
+@contextlib.contextmanager
+def _serving(port: int, *flags: str) -> Iterator[subprocess.Popen]:
+    """`python run_server.py` over jaxserve-tiny, once /health says 200; killed at the end if still running."""
     proc = subprocess.Popen([sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("the server did not become healthy")
+    try:
+        deadline = time.time() + 240
+        while not _healthy(proc, port):
+            assert time.time() < deadline, "the server did not become healthy"
+            time.sleep(0.3)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(proc: subprocess.Popen, port: int) -> bool:
+    assert proc.poll() is None, proc.stdout.read()
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_finishes_every_stream():
@@ -270,31 +279,30 @@ def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_fin
     value) preempts the running one and finishes first. SIGTERM with --shutdown-timeout: /health and new
     requests get 503 at once, both streams in flight finish with [DONE], the process exits 0."""
     port = free_port()
-    proc = _serve(port, "--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
-                  "--max-num-queued-reqs", "2", "--scheduling-policy", "priority", "--shutdown-timeout", "120")
-    url, client = f"http://127.0.0.1:{port}", httpx.Client(timeout=120)
-    done: list[str] = []
+    with _serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
+                  "--max-num-queued-reqs", "2", "--scheduling-policy", "priority", "--shutdown-timeout", "120") as proc:
+        url, client = f"http://127.0.0.1:{port}", httpx.Client(timeout=120)
+        done: list[str] = []
 
-    def stream(name: str, started: threading.Event | None = None, **body) -> list[dict]:
-        """A streamed completion's chunks (after [DONE])."""
-        chunks = []
-        with client.stream("POST", url + "/v1/completions", json={
-                "prompt": "x", "stream": True, "ignore_eos": True, **body}) as s:
-            assert s.status_code == 200
-            for line in s.iter_lines():
-                if started is not None:
-                    started.set()
-                if line == "data: [DONE]":
-                    done.append(name)
-                    return chunks
-                if line.startswith("data: "):
-                    chunks.append(json.loads(line[len("data: "):]))
-        raise AssertionError(f"{name}: the stream ended without [DONE]")
+        def stream(name: str, started: threading.Event | None = None, **body) -> list[dict]:
+            """A streamed completion's chunks (after [DONE])."""
+            chunks = []
+            with client.stream("POST", url + "/v1/completions", json={
+                    "prompt": "x", "stream": True, "ignore_eos": True, **body}) as s:
+                assert s.status_code == 200
+                for line in s.iter_lines():
+                    if started is not None:
+                        started.set()
+                    if line == "data: [DONE]":
+                        done.append(name)
+                        return chunks
+                    if line.startswith("data: "):
+                        chunks.append(json.loads(line[len("data: "):]))
+            raise AssertionError(f"{name}: the stream ended without [DONE]")
 
-    def finish_reason(chunks: list[dict]) -> str:
-        return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]][-1]
+        def finish_reason(chunks: list[dict]) -> str:
+            return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]][-1]
 
-    try:
         with ThreadPoolExecutor(8) as pool:
             started = threading.Event()
             running = pool.submit(stream, "running", started, max_tokens=480)
@@ -343,22 +351,18 @@ def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_fin
             out, _ = proc.communicate(timeout=60)
             assert proc.returncode == 0, out
             assert sorted(done) == ["drained 0", "drained 1"] and "draining" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_short_shutdown_timeout_aborts_the_streams_left():
     port = free_port()
-    proc = _serve(port, "--max-model-len", "2048", "--max-num-seqs", "1", "--shutdown-timeout", "0.5")
-    url, lines = f"http://127.0.0.1:{port}", [[], []]
+    with _serving(port, "--max-model-len", "2048", "--max-num-seqs", "1", "--shutdown-timeout", "0.5") as proc:
+        url, lines = f"http://127.0.0.1:{port}", [[], []]
 
-    def stream(i: int) -> None:
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
-                "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as s:
-            lines[i] += [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
+        def stream(i: int) -> None:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "prompt": "x", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as s:
+                lines[i] += [line[len("data: "):] for line in s.iter_lines() if line.startswith("data: ")]
 
-    try:
         readers = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
         for reader in readers:
             reader.start()
@@ -372,16 +376,12 @@ def test_a_short_shutdown_timeout_aborts_the_streams_left():
             reader.join(10)
             assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
         assert "aborting the requests still in flight" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_a_second_signal_exits_at_once():
     port = free_port()
-    proc = _serve(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300")
-    url = f"http://127.0.0.1:{port}"
-    try:
+    with _serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300") as proc:
+        url = f"http://127.0.0.1:{port}"
         def request():
             with contextlib.suppress(httpx.HTTPError):  # (the server goes away mid-answer)
                 httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 500,
@@ -399,6 +399,3 @@ def test_a_second_signal_exits_at_once():
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM and time.time() - start < 5, out
         assert "exiting now" in out
-    finally:
-        if proc.poll() is None:
-            proc.kill()
