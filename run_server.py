@@ -138,6 +138,8 @@ def _add_api_arguments(p) -> None:
                    help="every stream ends with a usage chunk, asked for or not (vLLM's)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="vLLM's: serve no /openapi.json and no API docs pages (/docs, /redocs, /scalar)")
+    p.add_argument("--disable-playground", "--no-webui", action="store_true",
+                   help="serve no playground page at / (llama.cpp's name: --no-webui)")
 
 
 def _add_multihost_arguments(p) -> None:
@@ -258,7 +260,8 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
     if not args.disable_log_stats:
         tasks.append(asyncio.create_task(log_stats()))
     scheme = "https" if args.ssl_certfile else "http"
-    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1; GET /health "
+    page = "" if args.disable_playground else "; the playground at /"
+    print(f"jaxserve: listening on {scheme}://{args.host}:{args.port} (OpenAI API under /v1{page}; GET /health "
           "answers 200 once the engine is ready)", flush=True)
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)
     for task in tasks:
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
-                     max_request_body_bytes=args.max_request_body_bytes)
+                     max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground)
     freeze_heap()
     async_engine.start()
     try:

@@ -7,6 +7,7 @@ One module per endpoint family, each a Blueprint whose handlers read the app's `
 Every error is OpenAI's body `{"error": {message, type, param, code}}`. The OpenAPI document of
 the routes, generated from their request and response models (`api/request_models.py`,
 `api/response_models.py`), is served at /openapi.json, and read at /docs (also /redocs, /scalar).
+`api/playground.py` serves the browser playground at GET /.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from api.cors import CorsPolicy
 from api.metrics import Metrics
 from api.errors import APIError
 from api.generation import RETRY_AFTER
+from api.playground import playground as playground_pages
 from api.protocol import Limits
 from api.responses import responses
 from api.server_info import server_info
@@ -43,7 +45,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
                reasoning_parser: str | None = None, docs: bool = True,
-               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> Quart:
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True) -> Quart:
     """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
@@ -52,7 +54,8 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     `docs`: serve /openapi.json and its pages (/docs, /redocs, /scalar); off, as vLLM's
     --disable-fastapi-docs, none of them. A request body over `max_request_body_bytes` is a 413: Quart
     refuses it from its Content-Length before reading any of it, and a chunked one as soon as what has
-    come exceeds the limit (the rest is not kept)."""
+    come exceeds the limit (the rest is not kept). `playground`: serve the browser playground at GET /
+    (`api/playground.py`)."""
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
@@ -72,7 +75,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
-    for blueprint in (server_info, completions, chat, responses, tokenize):
+    for blueprint in (server_info, completions, chat, responses, tokenize, *([playground_pages] if playground else [])):
         app.register_blueprint(blueprint)
     return app
 

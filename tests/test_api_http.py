@@ -5,6 +5,7 @@ served model names, and serving without blocking the event loop or compiling."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -205,6 +206,35 @@ def test_api_key_guards_v1_routes(served):
         assert (await test.post("/invocations", json={"prompt": "a"})).status_code == 401
 
     asyncio.run(check())
+
+
+def test_the_playground_page_and_its_files_are_served_unless_turned_off(served):
+    """GET / is the playground (tests/test_playground.py drives it in a browser); its files are the
+    package's own, served as modules; --disable-playground (llama.cpp's --no-webui) turns it all off."""
+    page = httpx.get(served[0].url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert "data-api-key" not in page.text  # (no --api-key here)
+    names = re.findall(r'(?:src|href)="/playground/([^"]+)"', page.text)
+    names += re.findall(r'from "\./([^"]+)"', httpx.get(served[0].url + "/playground/playground.js").text)
+    assert sorted(names) == ["api.js", "playground.css", "playground.js", "tokens.js"]
+    for name in names:
+        r = httpx.get(served[0].url + "/playground/" + name)
+        kind = "text/css" if name.endswith(".css") else "javascript"
+        assert r.status_code == 200 and kind in r.headers["content-type"] and "no-cache" in r.headers["cache-control"]
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), playground=False, api_key="k")
+
+    async def statuses():
+        test = app.test_client()
+        return [(await test.get(path)).status_code for path in ("/", "/playground/playground.js", "/health")]
+
+    assert asyncio.run(statuses()) == [404, 404, 200]
+    keyed = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="k")
+    assert 'data-api-key="required"' in asyncio.run(_text(keyed, "/"))
+
+
+async def _text(app, path: str) -> str:
+    return (await (await app.test_client().get(path)).get_data()).decode()
 
 
 def test_requests_are_logged_when_asked(served, caplog):

@@ -95,6 +95,7 @@ FLAGS = {
     ('--enable-server-load-tracking',): False,
     ('--disable-uvicorn-access-log',): False,
     ('--disable-fastapi-docs',): False,
+    ('--disable-playground', '--no-webui'): False,
     ('--disable-frontend-multiprocessing',): False,
     ('--uvicorn-log-level',): None,
     ('--reasoning-parser',): None,
