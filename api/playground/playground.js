@@ -430,7 +430,8 @@ async function branchFrom(message, index, alt) {
   const forced = {id: alt.id, text: alt.text, prob: alt.prob, alts: source.tokens[index].alts, forced: true, index,
     entropy: source.tokens[index].entropy};
   const choice = newChoice([...kept, forced]);
-  const branch = {choices: [choice], selected: 0, from: {index, text: alt.text}, after: [],
+  // (a grammar would start over at the branch's first new token: branches are not constrained)
+  const branch = {choices: [choice], selected: 0, from: {index, text: alt.text, free: Boolean(message.body.response_format)}, after: [],
     prefix: [...kept, forced].map((tok) => tok.text).join("")};
   const {n, response_format, messages, prompt, ...rest} = message.body;
   const body = {...rest, prompt: [...message.promptIds, ...kept.map((tok) => tok.id), alt.id], logprobs: rest.top_logprobs ?? rest.logprobs};
@@ -472,7 +473,8 @@ function renderMessage(message) {
   const label = document.createElement("span");
   label.dataset.testid = "branch-label";
   label.textContent = `branch ${message.current + 1} of ${message.branches.length}`
-    + (branch.from ? ` · from token ${branch.from.index + 1} “${branch.from.text}”` : "");
+    + (branch.from ? ` · from token ${branch.from.index + 1} “${branch.from.text}”` : "")
+    + (branch.from?.free ? " · without the response format" : "");
   actions.append(label, button("▶", "branch-next", () => switchBranch(message, message.current + 1), message.current === last));
   actions.append(button("Regenerate", "regenerate-button", () => regenerate(message)));
   const choices = document.createElement("div");

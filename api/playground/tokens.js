@@ -141,7 +141,11 @@ export class ChoiceView {
     this.chart.append(this.probLine, this.entropyLine);
     this.footer = document.createElement("p");
     this.footer.className = "choice-footer";
-    this.el.append(this.text, this.chart, this.footer);
+    const legend = document.createElement("p");
+    legend.className = "legend";
+    legend.setAttribute("aria-hidden", "true");
+    legend.innerHTML = '<span class="key prob">probability</span> <span class="key entropy">entropy</span>';
+    this.el.append(this.text, this.chart, legend, this.footer);
     this.drawn = false;
   }
 
