@@ -294,8 +294,15 @@ def test_completion_mode_continues_a_raw_prompt(page, url):
         "prompt": "The capital of France is", "temperature": 0, "max_tokens": 6})
     assert "".join(t["token"] for t in tokens) == r.json()["choices"][0]["text"]
     assert "Paris" in r.json()["choices"][0]["text"]
-    alternatives = page.alternatives(0)  # named by id in the completions form: their text comes from /detokenize
+    alternatives = page.alternatives(1)  # named by id in the completions form: their text comes from /detokenize
     assert all(a["token"] for a in alternatives) and sum(a["prob"] for a in alternatives) <= 1 + 1e-6
+    chosen = next(a for a in alternatives if not a["current"])
+    page.locator("[data-testid=alternatives] [data-testid=alternative]:not([aria-current])").first.click()
+    page.wait_for_function("document.querySelector('[data-testid=branch-label]').textContent.startsWith('branch 2')")
+    page.answered()
+    branch = page.tokens()
+    assert branch[0] == tokens[0] and (branch[1]["id"], branch[1]["token"]) == (chosen["id"], chosen["token"])
+    assert len(branch) == 6  # max_tokens counts the kept and the chosen token
     page.reload()  # the mode and the settings persist
     assert page.id("mode-completion").get_attribute("aria-pressed") == "true"
     assert page.id("setting-max-tokens").input_value() == "6"
