@@ -215,7 +215,7 @@ def test_the_playground_page_and_its_files_are_served_unless_turned_off(served):
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     assert "data-api-key" not in page.text  # (no --api-key here)
-    names = re.findall(r'(?:src|href)="/playground/([^"]+)"', page.text)
+    names = re.findall(r'(?:src|href)="playground/([^"]+)"', page.text)
     names += re.findall(r'from "\./([^"]+)"', httpx.get(served[0].url + "/playground/playground.js").text)
     assert sorted(names) == ["api.js", "playground.css", "playground.js", "tokens.js"]
     for name in names:

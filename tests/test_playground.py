@@ -175,7 +175,7 @@ def test_the_page_asks_for_the_key_keeps_it_for_the_tab_and_loads_without_consol
         p.close()
     page = httpx.get(url + "/")
     assert "default-src 'self'" in page.headers["content-security-policy"]
-    assert all(m.startswith("/playground/") for m in re.findall(r'(?:src|href)="(/[^"]*)"', page.text))
+    assert all(m == "data:," or m.startswith("playground/") for m in re.findall(r'(?:src|href)="([^"]*)"', page.text))
 
 
 def test_a_chat_answer_streams_with_each_tokens_probability_and_its_alternatives(page, url):
@@ -212,6 +212,11 @@ def test_a_chat_answer_streams_with_each_tokens_probability_and_its_alternatives
     assert page.evaluate("document.activeElement.dataset.testid") == "alternative"
     page.keyboard.press("Escape")
     assert page.evaluate("document.activeElement.dataset.index") == "4"
+    assert page.locator("[data-testid=alternatives]").is_hidden()
+    page.keyboard.press("ArrowRight")  # the arrows move along the answer; Tab leaves it
+    assert page.evaluate("document.activeElement.dataset.index") == "5"
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.dataset.testid") != "token"
 
 
 def test_choosing_an_alternative_branches_from_that_token_and_the_branches_are_kept(page, url):
@@ -342,6 +347,19 @@ def test_settings_are_checked_before_sending(page):
     page.send(QUESTION)
     assert "not valid" in page.id("error").text_content()
     assert page.id("message-assistant").count() == 0
+    # a request the server refuses leaves no answer behind, and the message back in the input
+    page.id("setting-response-format").select_option("text")
+    page.settings(temperature=0.5, top_p=1, max_tokens=1000)
+    page.send(QUESTION)
+    page.wait_for_function("document.getElementById('error').textContent.includes('256')")
+    assert page.id("message-assistant").count() == 0 and page.id("message-user").count() == 0
+    assert page.id("prompt-input").input_value() == QUESTION
+    assert [e for e in page.errors if "status of 400" not in e] == []  # (the browser logs the refused request)
+    page.errors.clear()
+    page.settings(max_tokens=4)
+    page.id("send-button").click()
+    page.answered()
+    assert len(page.tokens()) <= 4 and page.id("error").text_content() == ""
 
 
 def test_accessibility_and_the_readme_screenshot(page):

@@ -13,7 +13,7 @@ export function apiKey() {
 }
 
 export function setApiKey(key) {
-  sessionStorage.setItem(KEY, key);
+  sessionStorage.setItem(KEY, key.trim());
 }
 
 function headers() {
@@ -80,23 +80,28 @@ export function knowText(id, text) {
 }
 
 export async function tokenText(id) {
-  if (!texts.has(id)) texts.set(id, postJSON("/detokenize", {tokens: [id]}).then((r) => r.prompt));
+  if (!texts.has(id)) {
+    texts.set(id, postJSON("detokenize", {tokens: [id]}).then((r) => r.prompt, () => {
+      texts.delete(id);  // (asked again next time)
+      return `token_id:${id}`;
+    }));
+  }
   return texts.get(id);
 }
 
 // The OpenAI SDK's own arguments of each endpoint; the others go in extra_body.
 const SDK_ARGUMENTS = {
-  "/v1/chat/completions": ["model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens",
+  "v1/chat/completions": ["model", "messages", "stream", "stream_options", "temperature", "top_p", "max_tokens",
     "seed", "n", "presence_penalty", "frequency_penalty", "stop", "logit_bias", "response_format", "logprobs",
     "top_logprobs"],
-  "/v1/completions": ["model", "prompt", "stream", "stream_options", "temperature", "top_p", "max_tokens", "seed",
+  "v1/completions": ["model", "prompt", "stream", "stream_options", "temperature", "top_p", "max_tokens", "seed",
     "n", "presence_penalty", "frequency_penalty", "stop", "logit_bias", "logprobs", "echo"],
 };
 
 export function curl(path, body) {
   const json = JSON.stringify(body, null, 2).replaceAll("'", "'\\''");
   const key = apiKey() ? ` \\\n  -H "Authorization: Bearer $OPENAI_API_KEY"` : "";
-  return `curl -N ${location.origin}${path} \\\n  -H "Content-Type: application/json"${key} \\\n  -d '${json}'`;
+  return `curl -N ${new URL(path, document.baseURI)} \\\n  -H "Content-Type: application/json"${key} \\\n  -d '${json}'`;
 }
 
 function py(value, indent) {
@@ -115,10 +120,10 @@ export function python(path, body) {
   const args = Object.entries(body).filter(([k]) => own.includes(k)).map(([k, v]) => `    ${k}=${py(v, "    ")},\n`);
   const extra = Object.fromEntries(Object.entries(body).filter(([k]) => !own.includes(k)));
   if (Object.keys(extra).length) args.push(`    extra_body=${py(extra, "    ")},\n`);
-  const method = path === "/v1/chat/completions" ? "chat.completions" : "completions";
-  const piece = path === "/v1/chat/completions" ? "delta.content" : "text";
+  const method = path === "v1/chat/completions" ? "chat.completions" : "completions";
+  const piece = path === "v1/chat/completions" ? "delta.content" : "text";
   const key = apiKey() ? 'os.environ["OPENAI_API_KEY"]' : '"EMPTY"';
-  return `import os\n\nfrom openai import OpenAI\n\nclient = OpenAI(base_url="${location.origin}/v1", api_key=${key})\n`
+  return `import os\n\nfrom openai import OpenAI\n\nclient = OpenAI(base_url="${new URL("v1", document.baseURI)}", api_key=${key})\n`
     + `stream = client.${method}.create(\n${args.join("")})\n`
     + `for chunk in stream:\n    if chunk.choices:\n        print(chunk.choices[0].${piece} or "", end="", flush=True)\n`;
 }

@@ -164,6 +164,8 @@ function checkSettings() {
           message = `needs ${e.message}`;
         }
       }
+    } else if (input.validity.badInput) {
+      message = "a number";
     } else if (raw) {
       const value = Number(raw);
       if (!Number.isFinite(value) || (field.int && !Number.isInteger(value))) message = field.int ? "a whole number" : "a number";
@@ -231,7 +233,7 @@ function chatMessages(turns) {
   const messages = system ? [{role: "system", content: system}] : [];
   for (const turn of turns) {
     if (turn.role === "user") messages.push({role: "user", content: turn.content});
-    if (turn.role === "assistant") messages.push({role: "assistant", content: selectedChoice(turn.message).content});
+    if (turn.role === "assistant") messages.push({role: "assistant", content: selectedChoice(turn.message)?.content ?? ""});
   }
   return messages;
 }
@@ -241,10 +243,10 @@ function nextRequest() {
   const settings = checkSettings();
   if (!settings) return fail("Some settings are not valid: see the sampling panel.");
   const text = $("prompt-input").value;
-  if (state.mode === "completion") return ["/v1/completions", requestBody(settings, {prompt: text})];
+  if (state.mode === "completion") return ["v1/completions", requestBody(settings, {prompt: text})];
   const turns = text ? [...state.turns.chat, {role: "user", content: text}] : state.turns.chat;
   if (turns.at(-1)?.role !== "user") return fail("Write a message first.");
-  return ["/v1/chat/completions", requestBody(settings, {messages: chatMessages(turns)})];
+  return ["v1/chat/completions", requestBody(settings, {messages: chatMessages(turns)})];
 }
 
 function fail(message) {
@@ -268,7 +270,7 @@ function copy(format) {
 // ---- answers --------------------------------------------------------------------------------------
 
 function newChoice(tokens = [], content = "") {
-  return {tokens, content, finish: null, decoder: new TextDecoder(), chars: [], view: null};
+  return {tokens, content, finish: null, decoder: new TextDecoder(), chars: [], open: null, view: null};
 }
 
 function selectedChoice(message) {
@@ -316,20 +318,32 @@ function chatTokens(choice, part) {
   });
 }
 
+// A token's text runs from its offset to the next token's. The server may hold back text that could
+// begin a stop string, so the last token of a chunk stays open until more text or the next token comes.
 function completionTokens(choice, part) {
   choice.content += part.text ?? "";
   choice.chars.push(...Array.from(part.text ?? ""));
   const lp = part.logprobs;
+  const close = (tok, end) => {
+    tok.text = choice.chars.slice(tok.offset, end).join("");
+    tok.alts = tok.alts.map((alt) => (alt.id === tok.id ? {...alt, text: tok.text} : alt));
+  };
+  if (choice.open) {
+    close(choice.open, lp?.text_offset[0] ?? choice.chars.length);
+    choice.view?.retext(choice.open);
+    if (lp) choice.open = null;
+  }
   if (!lp) return [];
-  return lp.tokens.map((name, i) => {
+  const added = lp.tokens.map((name, i) => {
     const id = api.tokenId(name);
-    const end = i + 1 < lp.tokens.length ? lp.text_offset[i + 1] : choice.chars.length;
-    const text = choice.chars.slice(lp.text_offset[i], end).join("");
     const prob = Math.exp(lp.token_logprobs[i]);
     const top = Object.entries(lp.top_logprobs[i] ?? {}).map(([alt, logprob]) => ({id: api.tokenId(alt), prob: Math.exp(logprob), text: null}));
-    api.knowText(id, text);
-    return {id, text, prob, alts: alternatives(id, prob, top).map((alt) => (alt.id === id ? {...alt, text} : alt))};
+    const tok = {id, prob, offset: lp.text_offset[i], alts: alternatives(id, prob, top)};
+    close(tok, i + 1 < lp.tokens.length ? lp.text_offset[i + 1] : choice.chars.length);
+    return tok;
   });
+  choice.open = added.at(-1) ?? null;
+  return added;
 }
 
 function describe(choice, usage) {
@@ -338,41 +352,55 @@ function describe(choice, usage) {
     + (usage ? ` · prompt ${usage.prompt_tokens} tokens` : "");
 }
 
-// Streams a request into `branch` of `message`: tokens appear as they come; Stop aborts it.
-async function generate(message, branch, path, body) {
-  const controller = new AbortController();
-  state.running = controller;
+// One generation at a time: Send, Regenerate and the alternatives do nothing while one runs.
+function begin() {
+  if (state.running) return null;
+  state.running = new AbortController();
   busy(true);
   $("error").textContent = "";
+  return state.running;
+}
+
+function end() {
+  state.running = null;
+  busy(false);
+  render();
+}
+
+// Streams a request into `branch` of `message`: tokens appear as they come; Stop aborts it. A request
+// that fails before its first chunk leaves no branch behind.
+async function generate(message, branch, path, body, controller) {
   message.streaming = true;
   message.view?.el.setAttribute("data-streaming", "true");
-  const started = performance.now();
+  const box = $("messages");
+  let started = null;
   let count = 0;
+  let answered = false;
   try {
     for await (const chunk of api.stream(path, body, controller.signal)) {
+      answered = true;
+      const pinned = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
       if (record(branch, chunk)) render();
+      if (pinned) box.scrollTop = box.scrollHeight;
       if (chunk.usage) branch.usage = chunk.usage;
       count += (chunk.choices ?? []).reduce((sum, c) => sum + (c.logprobs?.content?.length ?? c.logprobs?.tokens?.length ?? 0), 0);
-      const seconds = (performance.now() - started) / 1000;
-      $("tokens-per-second").textContent = `${(count / seconds).toFixed(1)} tokens/s`;
+      started ??= count ? performance.now() : null;
+      const seconds = started === null ? 0 : (performance.now() - started) / 1000;
+      if (seconds > 0) $("tokens-per-second").textContent = `${((count - 1) / seconds).toFixed(1)} tokens/s`;
     }
   } catch (e) {
-    if (e.name === "AbortError") {
-      for (const choice of branch.choices) choice.finish ??= "stopped";
-    } else {
-      report(e);
-      for (const choice of branch.choices) choice.finish ??= "error";
-    }
+    if (e.name !== "AbortError") report(e);
+    for (const choice of branch.choices.filter(Boolean)) choice.finish ??= e.name === "AbortError" ? "stopped" : "error";
   } finally {
-    for (const choice of branch.choices) {
+    controller.abort();  // (a stream left early is closed, so the server frees its pages)
+    for (const choice of branch.choices.filter(Boolean)) {
       if (branch.prefix !== undefined) choice.content = branch.prefix + choice.content;
       choice.view?.finish(describe(choice, branch.usage));
     }
+    branch.choices = branch.choices.filter(Boolean);
     delete branch.prefix;
     message.streaming = false;
-    state.running = null;
-    busy(false);
-    render();
+    if (!answered) drop(message, branch);
   }
 }
 
@@ -384,66 +412,113 @@ function report(e) {
 function busy(on) {
   $("send-button").disabled = on;
   $("stop-button").disabled = !on;
-  for (const el of document.querySelectorAll(".message-actions button")) el.disabled = on;
+  for (const el of document.querySelectorAll(".message-actions button, .choice > button")) el.disabled = on;
 }
 
 async function send() {
   const request = nextRequest();
   if (!request) return;
+  const controller = begin();
+  if (!controller) return;
   const [path, body] = request;
   const turns = state.turns[state.mode];
   const text = $("prompt-input").value;
-  if (state.mode === "completion") turns.push({role: "prompt", content: text});
-  else if (text) turns.push({role: "user", content: text});
+  const asked = state.mode === "completion" || text ? {role: state.mode === "chat" ? "user" : "prompt", content: text} : null;
+  if (asked) turns.push(asked);
   $("prompt-input").value = "";
-  const message = {path, body, branches: [], current: 0, promptIds: null, view: null};
+  const head = body.messages ? {messages: body.messages} : {prompt: body.prompt};
+  const message = {path, head, asked, branches: [], current: 0, promptIds: null, view: null};
   turns.push({role: "assistant", message});
-  await run(message, {choices: [], selected: 0, from: null, after: []}, path, body);
+  await run(message, newBranch(), path, body, controller);
+}
+
+function newBranch(from = null, choices = []) {
+  return {choices, selected: 0, from, after: [], previous: 0};
 }
 
 // Adds `branch` to `message` (the turns after the message stay with the branch they followed) and runs it.
-async function run(message, branch, path, body) {
+async function run(message, branch, path, body, controller) {
   const turns = state.turns[state.mode];
   const at = turns.findIndex((t) => t.message === message);
   if (message.branches.length) message.branches[message.current].after = turns.splice(at + 1);
+  branch.previous = message.current;
   message.branches.push(branch);
   message.current = message.branches.length - 1;
   render();
-  if (path) await generate(message, branch, path, body);
-}
-
-function regenerate(message) {
-  run(message, {choices: [], selected: 0, from: null, after: []}, message.path, message.body);
-}
-
-// The answer again from token `index` of the shown choice, with `alt` there instead.
-async function branchFrom(message, index, alt) {
-  const source = selectedChoice(message);
   try {
-    message.promptIds ??= (await api.postJSON("/tokenize", message.body.messages
-      ? {model: state.model, messages: message.body.messages, add_generation_prompt: true}
-      : {model: state.model, prompt: message.body.prompt})).tokens;
-  } catch (e) {
-    return report(e);
+    if (path) await generate(message, branch, path, body, controller);
+  } finally {
+    end();
   }
-  const kept = source.tokens.slice(0, index).map((tok) => ({...tok}));
+}
+
+// A branch that never got an answer is taken back, and the one shown before it comes back with its
+// turns; a first answer is taken back with the message or prompt it answered, put back in the input.
+function drop(message, branch) {
+  const turns = state.turns[state.mode];
+  message.branches.splice(message.branches.indexOf(branch), 1);
+  if (!message.branches.length) {
+    turns.splice(turns.findIndex((t) => t.message === message), 1);
+    if (message.asked && turns.at(-1) === message.asked) {
+      turns.pop();
+      $("prompt-input").value ||= message.asked.content;
+    }
+    return;
+  }
+  message.current = Math.min(branch.previous, message.branches.length - 1);
+  turns.push(...message.branches[message.current].after);
+}
+
+// The same prompt again, with the settings as they are now.
+function regenerate(message) {
+  const settings = checkSettings();
+  if (!settings) return fail("Some settings are not valid: see the sampling panel.");
+  const controller = begin();
+  if (controller) run(message, newBranch(), message.path, requestBody(settings, message.head), controller);
+}
+
+// The answer again from token `index` of choice `c`, with `alt` there instead, under the settings as they
+// are now (as a completions request from the prompt's token ids).
+async function branchFrom(message, c, index, alt) {
+  const settings = checkSettings();
+  if (!settings) return fail("Some settings are not valid: see the sampling panel.");
+  const controller = begin();
+  if (!controller) return;
+  const source = message.branches[message.current].choices[c];
+  const kept = source.tokens.slice(0, index).map((tok) => ({...tok, forced: false}));
+  const ids = [...kept.map((tok) => tok.id), alt.id];
+  let prefix;
+  try {
+    if (!message.promptIds) {
+      const tokenized = await api.postJSON("tokenize", message.head.messages
+        ? {model: state.model, messages: message.head.messages, add_generation_prompt: true}
+        : {model: state.model, prompt: message.head.prompt});
+      message.promptIds = tokenized.tokens;
+      message.maxModelLen = tokenized.max_model_len;
+    }
+    prefix = (await api.postJSON("detokenize", {model: state.model, tokens: ids})).prompt;  // (decoded together)
+  } catch (e) {
+    report(e);
+    return end();
+  }
   const forced = {id: alt.id, text: alt.text, prob: alt.prob, alts: source.tokens[index].alts, forced: true, index,
     entropy: source.tokens[index].entropy};
-  const choice = newChoice([...kept, forced]);
   // (a grammar would start over at the branch's first new token: branches are not constrained)
-  const branch = {choices: [choice], selected: 0, from: {index, text: alt.text, free: Boolean(message.body.response_format)}, after: [],
-    prefix: [...kept, forced].map((tok) => tok.text).join("")};
-  const {n, response_format, messages, prompt, ...rest} = message.body;
-  const body = {...rest, prompt: [...message.promptIds, ...kept.map((tok) => tok.id), alt.id], logprobs: rest.top_logprobs ?? rest.logprobs};
-  delete body.top_logprobs;
-  if (body.max_tokens !== undefined) body.max_tokens -= index + 1;
+  const branch = newBranch({index, text: alt.text, free: "response_format" in settings}, [newChoice([...kept, forced])]);
+  branch.prefix = prefix;
+  const {n, response_format, ...sampling} = settings;
+  const body = requestBody(sampling, {prompt: [...message.promptIds, ...ids]});
+  // max_tokens counts the tokens kept and the chosen one; unset, the original's default
+  // (chat: the rest of the context; completions: 16)
+  const budget = sampling.max_tokens ?? (message.head.messages ? message.maxModelLen - message.promptIds.length : 16);
+  body.max_tokens = budget - index - 1;
   if (body.min_tokens !== undefined) body.min_tokens = Math.max(0, body.min_tokens - index - 1);
-  if (body.max_tokens !== undefined && body.max_tokens < 1) {  // (the forced token was the last one allowed)
-    Object.assign(choice, {finish: "length", content: branch.prefix});
+  if (body.max_tokens < 1) {  // (the forced token was the last one allowed)
+    Object.assign(branch.choices[0], {finish: "length", content: branch.prefix});
     delete branch.prefix;
-    return run(message, branch, null, null);
+    return run(message, branch, null, null, controller);
   }
-  await run(message, branch, "/v1/completions", body);
+  await run(message, branch, "v1/completions", body, controller);
 }
 
 // ---- rendering ------------------------------------------------------------------------------------
@@ -480,10 +555,7 @@ function renderMessage(message) {
   const choices = document.createElement("div");
   choices.className = "choices";
   branch.choices.forEach((choice, c) => {
-    const view = new ChoiceView((index, alt) => {
-      branch.selected = c;
-      branchFrom(message, index, alt);
-    });
+    const view = new ChoiceView((index, alt) => branchFrom(message, c, index, alt));
     choice.view = view;
     view.add(choice.tokens);
     if (branch.choices.length > 1 && state.mode === "chat") {
@@ -509,9 +581,26 @@ function switchBranch(message, k) {
   render();
 }
 
+// Where the focus is among the answers, to put it back on the same control once they are drawn again.
+function focused() {
+  const el = document.activeElement;
+  const article = el?.closest?.("#messages article");
+  if (!article || !el.dataset.testid) return null;
+  const same = (root) => [...root.querySelectorAll(`[data-testid="${el.dataset.testid}"]`)];
+  return {at: [...$("messages").querySelectorAll("article")].indexOf(article), testid: el.dataset.testid,
+    nth: same(article).indexOf(el), same};
+}
+
+function refocus(where) {
+  const article = where && $("messages").querySelectorAll("article")[where.at];
+  const target = article && where.same(article)[where.nth];
+  if (target && !target.disabled) target.focus();
+}
+
 function render() {
   const box = $("messages");
   const scrolled = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  const where = focused();
   box.replaceChildren();
   for (const turn of state.turns[state.mode]) {
     if (turn.role === "assistant") {
@@ -525,6 +614,7 @@ function render() {
     box.append(el);
   }
   if (scrolled) box.scrollTop = box.scrollHeight;
+  refocus(where);
 }
 
 function setMode(mode) {
@@ -543,7 +633,7 @@ function setMode(mode) {
 
 async function connect() {
   try {
-    const card = (await api.getJSON("/v1/models")).data[0];
+    const card = (await api.getJSON("v1/models")).data[0];
     state.model = card.id;
     $("model-name").textContent = card.id;
     $("context-length").textContent = card.max_model_len ? `context ${card.max_model_len} tokens` : "";
@@ -588,6 +678,8 @@ function start() {
     api.setApiKey($("api-key-input").value);
     connect();
   });
+  $("key-button").addEventListener("click", askKey);
+  $("key-button").hidden = document.body.dataset.apiKey !== "required";
   if (document.body.dataset.apiKey === "required" && !api.apiKey()) askKey();
   else connect();
 }

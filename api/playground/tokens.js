@@ -37,6 +37,7 @@ class Alternatives {
 
   async show(tokenEl, tok, view) {
     clearTimeout(this.hideTimer);
+    if (this.dismissed === tokenEl) return;  // (Escape hid it: the focus coming back does not reopen it)
     if (this.token === tokenEl && !this.el.hidden) return;
     this.token = tokenEl;
     const alts = await Promise.all(tok.alts.map(async (alt) => ({...alt, text: alt.text ?? await tokenText(alt.id)})));
@@ -52,6 +53,7 @@ class Alternatives {
     for (const alt of alts) {
       const button = document.createElement("button");
       button.type = "button";
+      button.tabIndex = -1;  // (reached with the arrow keys from the token)
       button.className = "alternative";
       button.dataset.testid = "alternative";
       button.dataset.prob = String(alt.prob);
@@ -98,6 +100,13 @@ class Alternatives {
     this.token = null;
   }
 
+  dismiss(tokenEl) {
+    this.hide();
+    this.dismissed = tokenEl;
+    tokenEl.focus();
+    this.dismissed = null;
+  }
+
   leaving(e) {
     if (!this.el.contains(e.relatedTarget) && e.relatedTarget !== this.token) this.hide();
   }
@@ -105,10 +114,8 @@ class Alternatives {
   key(e) {
     const buttons = [...this.el.querySelectorAll("button")];
     const at = buttons.indexOf(document.activeElement);
-    if (e.key === "Escape") {
-      const token = this.token;
-      this.hide();
-      token?.focus();
+    if (e.key === "Escape" && this.token) {
+      this.dismiss(this.token);
     } else if (e.key === "ArrowDown" || e.key === "ArrowUp") {
       e.preventDefault();
       buttons[(at + (e.key === "ArrowDown" ? 1 : buttons.length - 1)) % buttons.length]?.focus();
@@ -156,27 +163,48 @@ export class ChoiceView {
       span.dataset.testid = "token";
       span.dataset.index = String(tok.index);
       span.dataset.prob = String(tok.prob);
-      span.dataset.token = tok.text;
       span.dataset.tokenId = String(tok.id);
-      span.tabIndex = 0;
+      // One token of the answer is a Tab stop; the arrow keys move along the answer (a roving tabindex).
+      span.tabIndex = this.tokens.length ? -1 : 0;
       span.setAttribute("role", "button");
-      span.setAttribute("aria-label", `${visible(tok.text)}, ${percent(tok.prob)}`);
+      span.setAttribute("aria-description", `probability ${percent(tok.prob)}`);
       span.style.backgroundColor = probColour(tok.prob);
-      span.textContent = tok.text.replaceAll("\n", "↵\n");
+      this.retext(tok, span);
       span.addEventListener("mouseenter", () => alternatives.show(span, tok, this));
       span.addEventListener("mouseleave", () => alternatives.hideSoon());
-      span.addEventListener("focus", () => alternatives.show(span, tok, this));
-      span.addEventListener("blur", (e) => { if (!alternatives.el.contains(e.relatedTarget)) alternatives.hide(); });
-      span.addEventListener("keydown", (e) => {
-        if (e.key === "Enter" || e.key === " " || e.key === "ArrowDown") {
-          e.preventDefault();
-          alternatives.el.querySelector("button")?.focus();
-        }
+      span.addEventListener("focus", () => {
+        for (const other of this.text.querySelectorAll(".token[tabindex='0']")) other.tabIndex = -1;
+        span.tabIndex = 0;
+        alternatives.show(span, tok, this);
       });
+      span.addEventListener("blur", (e) => { if (!alternatives.el.contains(e.relatedTarget)) alternatives.hide(); });
+      span.addEventListener("keydown", (e) => this.key(e, span));
       this.text.append(span);
       this.tokens.push(tok);
     }
     this.redraw();
+  }
+
+  // A token's text, set again where it was completed later (text the server held back).
+  retext(tok, span = this.text.querySelector(`.token[data-index="${tok.index}"]`)) {
+    if (!span) return;
+    span.dataset.token = tok.text;
+    span.textContent = tok.text.replaceAll("\n", "↵\n");
+  }
+
+  key(e, span) {
+    const spans = [...this.text.querySelectorAll(".token")];
+    const at = spans.indexOf(span);
+    const to = {ArrowRight: at + 1, ArrowLeft: at - 1, Home: 0, End: spans.length - 1}[e.key];
+    if (to !== undefined) {
+      e.preventDefault();
+      spans[Math.max(0, Math.min(to, spans.length - 1))].focus();
+    } else if (e.key === "Enter" || e.key === " " || e.key === "ArrowDown") {
+      e.preventDefault();
+      alternatives.el.querySelector("button")?.focus();
+    } else if (e.key === "Escape") {
+      alternatives.dismiss(span);
+    }
   }
 
   redraw() {
