@@ -25,8 +25,7 @@ async def page():
     html = (STATIC / "index.html").read_text()
     if api_state().api_key:
         html = html.replace("<body>", '<body data-api-key="required">', 1)
-    return html, 200, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache",
-                       "Content-Security-Policy": CONTENT_SECURITY_POLICY}
+    return html, 200, {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": CONTENT_SECURITY_POLICY}
 
 
 @playground.after_request

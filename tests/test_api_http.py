@@ -214,6 +214,7 @@ def test_the_playground_page_and_its_files_are_served_unless_turned_off(served):
     page = httpx.get(served[0].url + "/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
+    assert "no-cache" in page.headers["cache-control"]
     assert "data-api-key" not in page.text  # (no --api-key here)
     names = re.findall(r'(?:src|href)="playground/([^"]+)"', page.text)
     names += re.findall(r'from "\./([^"]+)"', httpx.get(served[0].url + "/playground/playground.js").text)

@@ -269,8 +269,8 @@ function copy(format) {
 
 // ---- answers --------------------------------------------------------------------------------------
 
-function newChoice(tokens = [], content = "") {
-  return {tokens, content, finish: null, decoder: new TextDecoder(), chars: [], open: null, view: null};
+function newChoice(tokens = []) {
+  return {tokens, content: "", finish: null, decoder: new TextDecoder(), chars: [], open: null, view: null};
 }
 
 function selectedChoice(message) {
@@ -370,8 +370,6 @@ function end() {
 // Streams a request into `branch` of `message`: tokens appear as they come; Stop aborts it. A request
 // that fails before its first chunk leaves no branch behind.
 async function generate(message, branch, path, body, controller) {
-  message.streaming = true;
-  message.view?.el.setAttribute("data-streaming", "true");
   const box = $("messages");
   let started = null;
   let count = 0;
@@ -444,6 +442,7 @@ async function run(message, branch, path, body, controller) {
   branch.previous = message.current;
   message.branches.push(branch);
   message.current = message.branches.length - 1;
+  message.streaming = Boolean(path);
   render();
   try {
     if (path) await generate(message, branch, path, body, controller);
