@@ -21,6 +21,7 @@ from jaxserve import settings
 from jaxserve.models import MODEL_REGISTRY, ModelOptions, invariant
 from jaxserve.models.rope import RopeConfig
 from jaxserve.settings import json_object, json_or_text, optional_text, setting
+from jaxserve.speculative import SpeculativeConfig
 
 log = logging.getLogger("jaxserve.config")
 
@@ -301,6 +302,12 @@ class EngineConfig:
         "fcfs", "the order waiting requests are served in: fcfs (first come, first served) or priority (by each "
         "request's priority, lower first, ties by arrival; a waiting request preempts the lowest-priority running "
         "one when seats or pages run out)", choices=SCHEDULING_POLICIES)
+    speculative_config: dict | None = setting(
+        None, 'JSON: speculative decoding (vLLM\'s), e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 5, "prompt_lookup_min": 2}\': prompt lookup drafts k tokens from the sequence\'s own '
+        'earlier tokens, and each step checks them all at once, exactly (outputs are distributed as without it); '
+        'disable_by_batch_size (default 8): no drafts while more sequences run (docs/speculative.md)',
+        type=json_object)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -338,6 +345,19 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        if self.speculative is not None and self.batch_invariant:
+            raise ValueError("speculative decoding with batch_invariant is not supported: drop one of them")
+
+    @functools.cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (ValueError for one jaxserve cannot run)."""
+        return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def max_num_samples(self) -> int:
+        """The most tokens a step samples: one per sequence, and one more per draft token."""
+        spec = self.speculative
+        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
@@ -427,14 +447,17 @@ class EngineConfig:
         return tuple(out) + (self.max_pages_per_seq,)
 
     def seqs_buckets(self, token_bucket: int) -> tuple[int, ...]:
-        """Padded numbers of sequences for a step of `token_bucket` tokens T: min(T, max_num_seqs)
+        """Padded numbers of rows for a step of `token_bucket` tokens T: min(T, max_num_seqs)
         (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
         step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
         rows instead of max_num_seqs, and a tiled attention (kernels/paged_attention/tiles.py) cuts
         its chunks into tiles of 16 rows instead of T / max_num_seqs. Smaller steps cost too little
-        to pay for more compilations."""
+        to pay for more compilations. With speculative decoding, also min(T, max_num_samples): each
+        draft token is sampled after, in a row of the sampler of its own (`Runner.prepare`)."""
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
-        return (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
+        out = (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
+        drafts = min(token_bucket, self.max_num_samples)  # (speculation: a row per sample, drafts' included)
+        return out + (drafts,) if drafts > full else out
 
     @functools.cached_property
     def step_buckets(self) -> tuple[tuple[int, int, int], ...]:
@@ -513,7 +536,6 @@ VLLM_OPTIONS = {
     "enable_lora": VllmOption(_NO_LORA, (False,), _SWITCH),
     "cpu_offload_gb": VllmOption("weights are not offloaded to host memory", (0,), _FLOAT),
     "kv_cache_memory_bytes": VllmOption("size the KV cache with num_pages or gpu_memory_utilization", (None,), _INT),
-    "speculative_config": VllmOption("speculative decoding is not supported", (None,), _JSON),
     "kv_transfer_config": VllmOption("KV cache transfer is not supported", (None,), _JSON),
     "task": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),
     "runner": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),

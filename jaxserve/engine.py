@@ -36,7 +36,8 @@ from jaxserve.sampling import MAX_SUPPRESSED, needs_distribution
 from jaxserve.sampling_params import RequestSampling, SamplingParams
 from jaxserve.scheduler import ScheduledBatch, Scheduler, SchedulerStats
 from jaxserve.sharding import is_leader, kv_sharding, make_mesh, replicated
-from jaxserve.sequence import Sequence
+from jaxserve.sequence import Sequence, SequenceStatus
+from jaxserve.speculative import NgramProposer
 from jaxserve.tokenizer import Tokenizer, check_tokenizer_files
 from jaxserve.warmup import BucketCompiler
 from jaxserve.weights import load_weights, weight_formats
@@ -94,6 +95,7 @@ class Engine:
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache, self.processors)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
+        self.proposer = NgramProposer(config.speculative) if config.speculative else None
         self._seeds = np.random.default_rng(config.seed)
         self._in_flight: InFlight | None = None
         self.compiler = BucketCompiler(self.runner, config.warmup_order)
@@ -252,9 +254,11 @@ class Engine:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
         released, batch = [], None
         try:
-            if self._in_flight is not None and not self.scheduler.can_schedule_ahead(self._in_flight.batch):
+            speculate = self.proposer is not None and self._speculates()
+            if self._in_flight is not None and (speculate or not self.scheduler.can_schedule_ahead(
+                    self._in_flight.batch)):  # (drafts follow the last token: it must be known)
                 released = self._finish_in_flight(on_release)
-            batch = self.scheduler.schedule(self.runner.token_budget())
+            batch = self.scheduler.schedule(self.runner.token_budget(), self._drafts() if speculate else None)
             in_flight = None
             if batch.rows:
                 self.output.constrain(batch)
@@ -267,6 +271,30 @@ class Engine:
         except Exception as e:
             raise StepFailed(self._fail(batch), e) from e
         return released
+
+    def _speculates(self) -> bool:
+        """Whether this step drafts: while few enough sequences run that checking drafts costs less
+        than it saves (`SpeculativeConfig.disable_by_batch_size`)."""
+        running = len(self.scheduler.running)
+        return 0 < running <= self.config.speculative.disable_by_batch_size
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """Draft tokens for the running sequences whose next step computes just their last token:
+        up to num_speculative_tokens, no more than their max_tokens and max_model_len leave room
+        for. None for a sequence whose sampling needs its last token on the host (a grammar, or a
+        logits processor that carries state from token to token)."""
+        k = self.config.speculative.num_speculative_tokens
+        drafts = {}
+        for seq in self.scheduler.running:
+            if (seq.status is not SequenceStatus.RUNNING or seq.num_pending
+                    or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.constraint is not None
+                    or seq.sampling.carries):
+                continue
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1, self.config.max_model_len - seq.num_tokens - 1)
+            proposal = self.proposer.propose(seq.token_ids, room)
+            if proposal:
+                drafts[seq.seq_id] = proposal
+        return drafts
 
     def _fail(self, batch: ScheduledBatch | None) -> list[str]:
         """After a step raised: end (finish reason "error") the requests of the step being planned and

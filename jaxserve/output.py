@@ -84,8 +84,10 @@ class OutputProcessor:
         self.grammars.compiled(constraint)
 
     def constrain(self, batch: ScheduledBatch) -> None:
-        """Fill `batch.token_masks` for the rows that sample this step under a grammar or bad words."""
-        for b, row in enumerate(batch.rows):
+        """Fill `batch.token_masks` for the samples of this step under a grammar or bad words (a row
+        under a grammar has no drafts; bad words count a sample's drafts before it)."""
+        for slot, b, drafted in batch.samples():
+            row = batch.rows[b]
             p = row.params
             if not row.sample or (p.constraint is None and not row.sampling.bad_words_token_ids):
                 continue
@@ -95,10 +97,11 @@ class OutputProcessor:
             else:
                 mask = np.full(mask_width(self.vocab_size), -1, np.int32)
             bits = mask.view(np.uint32)
-            for token in row.sampling.banned_tokens(row.all_token_ids, row.num_prompt_tokens):
+            history = row.all_token_ids + row.draft_token_ids[:drafted] if drafted else row.all_token_ids
+            for token in row.sampling.banned_tokens(history, row.num_prompt_tokens):
                 if token < self.vocab_size:
                     bits[token // 32] &= np.uint32(~(1 << token % 32) & 0xFFFF_FFFF)
-            batch.token_masks[b] = mask
+            batch.token_masks[slot] = mask
 
     def advance_grammars(self, seqs: list[Sequence]) -> None:
         """Feed each constrained sequence's new token to its grammar: a complete grammar finishes it
@@ -123,24 +126,29 @@ class OutputProcessor:
                                                      seq.params.skip_special_tokens,
                                                      seq.params.spaces_between_special_tokens)
             state = self._states[seq.seq_id] = _TextState(detokenizer)
-        new_tokens = seq.output_token_ids[state.num_tokens:]
-        new_logprobs, new_entropies = seq.logprobs[state.num_tokens:], seq.entropies[state.num_tokens:]
-        state.num_tokens += len(new_tokens)
+        first = state.num_tokens
         released = len(seq.text)
-        text_tokens = new_tokens
-        if new_tokens and (seq.seq_id in self._refused or
-                           self._ended_by_token(seq) and not seq.params.include_stop_str_in_output):
-            text_tokens = new_tokens[:-1]  # the EOS or stop token that ended it (even with special tokens kept)
-        if state.detokenizer is not None:
-            state.text += state.detokenizer.push(text_tokens)
-            if seq.is_finished:
-                state.text += state.detokenizer.flush()
         stops = seq.params.stop
-        if state.num_tokens <= seq.params.min_tokens:
-            state.exempt = len(state.text)
-            hit = None
-        else:
-            hit = find_stop(state.text, stops, max(released, state.exempt)) if stops else None
+        hit = None
+        # token by token (a step that kept drafts gives several): a stop string ends the sequence at
+        # the token whose text completes it, as it would without speculation
+        for i, token in enumerate(seq.output_token_ids[first:]):
+            state.num_tokens += 1
+            last = first + i + 1 == seq.num_output_tokens
+            text_tokens = [token]
+            if last and (seq.seq_id in self._refused or
+                         self._ended_by_token(seq) and not seq.params.include_stop_str_in_output):
+                text_tokens = []  # the EOS or stop token that ended it (even with special tokens kept)
+            if state.detokenizer is not None:
+                state.text += state.detokenizer.push(text_tokens)
+                if last and seq.is_finished:
+                    state.text += state.detokenizer.flush()
+            if state.num_tokens <= seq.params.min_tokens:
+                state.exempt = len(state.text)
+            elif stops:
+                hit = find_stop(state.text, stops, max(released, state.exempt))
+                if hit is not None:
+                    break
         if hit is not None:
             index, stop = hit
             state.text = state.text[:index + len(stop) if seq.params.include_stop_str_in_output else index]
@@ -148,15 +156,17 @@ class OutputProcessor:
                 self.scheduler.restate_finish(seq, "stop", stop)
             else:
                 self.scheduler.finish(seq.seq_id, "stop", stop_reason=stop)
+            self.scheduler.drop_tokens_after(seq, state.num_tokens)
             end = len(state.text)
         else:
             end = len(state.text) - (0 if seq.is_finished else undecided_tail(state.text, stops))
         seq.text = state.text[:end]
         if seq.is_finished:
             self.forget(seq.seq_id)
-        return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=new_tokens, logprobs=new_logprobs,
-                              entropies=new_entropies, num_output_tokens=state.num_tokens,
-                              finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        return SequenceOutput(seq=seq, text=seq.text[released:], token_ids=seq.output_token_ids[first:],
+                              logprobs=seq.logprobs[first:], entropies=seq.entropies[first:],
+                              num_output_tokens=state.num_tokens, finish_reason=seq.finish_reason,
+                              stop_reason=seq.stop_reason)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         """Whether the sequence's last token finished it: an EOS, or one of its stop_token_ids."""

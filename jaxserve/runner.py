@@ -202,7 +202,7 @@ class Runner:
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
         self._paddings: dict[Padding, jax.Array] = {}  # device copies of the inputs no row uses
         self._layouts: dict[tuple[int, int, int], tuple] = {}  # step bucket -> its PackedPlan layout
-        self._previous = place(np.zeros(config.max_num_seqs, np.int32), replicated)  # the last step's tokens
+        self._previous = place(np.zeros(config.max_num_samples, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
 
@@ -251,7 +251,7 @@ class Runner:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
         description = repr((model, compiled_fields(self.config), self._processors_fingerprint,
-                            self.config.returns_distributions, shape))
+                            self.config.returns_distributions, self.config.max_num_samples, shape))
         return self.executable_cache.compile(self.step_fn, args, description,
                                              list(self.kv_sharding.mesh.devices.flat))
 
@@ -310,7 +310,7 @@ class Runner:
                                                          launched.distributions if whole else None))
         out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
                                     len(self.processors.carried))
-        rows = len(batch.rows)
+        rows = batch.num_samples
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
                           top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows],
                           entropies=out.entropies[:rows], prompt=prompt, carried=out.carried[:rows],
@@ -321,7 +321,7 @@ class Runner:
         some are still compiling, the smallest compiled one that fits (there is one for a batch
         within `token_budget`)."""
         cfg = self.config
-        need = (max(batch.num_tokens, 1), max(len(batch.rows), 1),
+        need = (max(batch.num_tokens, 1), max(batch.num_samples, 1),
                 max((len(r.page_ids) for r in batch.rows), default=1))
         tokens = _bucket(need[0], cfg.token_buckets)
         best = (tokens, _bucket(need[1], cfg.seqs_buckets(tokens)), _bucket(need[2], cfg.page_buckets))
@@ -368,16 +368,21 @@ class Runner:
             start += n
             pending[start - 1] = row.pending_row
             query_start[b + 1] = start
-            logits_indices[b] = start - 1
         query_start[len(batch.rows) + 1:] = start
+        # each sample reads the logits after its token: a row's last known one, then each draft
+        samples = batch.samples()
+        for slot, b, j in samples:
+            logits_indices[slot] = query_start[b + 1] - 1 - len(batch.rows[b].draft_token_ids) + j
         model = ModelInputs(token_ids=token_ids, positions=positions, rope=rope_table(self.model_config, positions),
                              kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
-        rows = [SamplingRow(params=r.params, seed=r.seed, position=r.start_position + len(r.token_ids),
-                            token_ids=r.all_token_ids, num_prompt_tokens=r.num_prompt_tokens,
-                            allowed_mask=r.sampling.allowed_mask, processor_args=r.sampling.processor_args,
-                            carried=r.carried) for r in batch.rows]
+        rows = [SamplingRow(params=r.params, seed=r.seed,
+                            position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
+                            token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,
+                            num_prompt_tokens=r.num_prompt_tokens, allowed_mask=r.sampling.allowed_mask,
+                            processor_args=r.sampling.processor_args, carried=r.carried)
+                for r, j in ((batch.rows[b], j) for _, b, j in samples)]
         sampling = SamplingTensors.from_rows(rows, num_rows, self.model_config.vocab_size, cfg.max_model_len,
                                              self.model_config.eos_token_ids, batch.token_masks, keep_padding=True,
                                              processors=self.processors)

@@ -38,6 +38,13 @@ also puts a pending token into the penalties' history. Sequences whose next
 step needs their last token on the host (a grammar's mask) are not planned
 ahead (`can_schedule_ahead`).
 
+Speculative decoding (`jaxserve/speculative.py`): `schedule` takes draft tokens
+for decode rows; such a row computes its last token and the drafts, and samples
+after each (`ScheduledSeq.draft_slot`). `update` keeps the samples up to the
+first that differs from its draft, and rolls the rest back: fewer tokens
+computed, the pages past them freed. A step with drafts is never planned ahead
+of (its rows' lengths are known only once it is done).
+
 The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never
 touches device arrays. It knows nothing about the model, tokenizers or HTTP.
 """
@@ -85,6 +92,15 @@ class ScheduledSeq:
     num_prompt_tokens: int
     prompt_logprobs: bool = False  # the logprob of each prompt token after token_ids' is asked for
     carried: np.ndarray | None = None  # `Sequence.carried`
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)  # the last len() of token_ids
+    # the sampler's row of the sample after its first draft (those after the others follow); the
+    # sample after its last known token is in its own row, as for every row
+    draft_slot: int = -1
+
+    def sample_slots(self, b: int) -> list[int]:
+        """The sampler's rows of its samples (this is row b): after its last known token, then after
+        each draft."""
+        return [b, *range(self.draft_slot, self.draft_slot + len(self.draft_token_ids))]
 
 
 @dataclasses.dataclass
@@ -95,7 +111,15 @@ class ScheduledBatch:
     num_tokens: int  # sum of len(row.token_ids)
     preempted: list[int]  # seq ids preempted while planning this step
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
-    token_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # row -> packed allowed tokens
+    token_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # sample -> packed allowed tokens
+    num_samples: int = 0  # rows of the sampler: one per row, one more per draft token
+
+    def samples(self) -> list[tuple[int, int, int]]:
+        """(the sampler's row, the step's row, how many of that row's drafts come before it), in the
+        sampler's order: a sample per row, then those after drafts."""
+        out = [(b, b, 0) for b in range(len(self.rows))]
+        return out + [(row.draft_slot + j, b, j + 1) for b, row in enumerate(self.rows)
+                      for j in range(len(row.draft_token_ids))]
 
 
 @dataclasses.dataclass
@@ -163,6 +187,10 @@ class SchedulerStats:
     finish_counts: dict[str, int]  # finish reason -> sequences
     num_queued_requests: int = 0  # requests none of whose sequences has started yet
     num_queued_tokens: int = 0  # their prompt tokens
+    num_drafts: int = 0  # rows that checked draft tokens (speculative decoding)
+    num_draft_tokens: int = 0  # draft tokens checked
+    num_accepted_tokens: int = 0  # ... and kept
+    accepted_per_position: tuple[int, ...] = ()  # drafts kept, by their place in the row's drafts
 
     @property
     def kv_cache_usage(self) -> float:
@@ -189,6 +217,9 @@ class Scheduler:
         # requests none of whose sequences has run yet (their first sequence waits, never preempted)
         self.num_queued_requests = self.num_queued_tokens = 0
         self._arrivals = itertools.count()
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        spec = config.speculative
+        self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -259,11 +290,17 @@ class Scheduler:
             num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts),
-            num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens)
+            num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens,
+            num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens, accepted_per_position=tuple(self.accepted_per_position))
 
-    def schedule(self, token_budget: int | None = None) -> ScheduledBatch:
+    def schedule(self, token_budget: int | None = None, drafts: dict[int, list[int]] | None = None
+                 ) -> ScheduledBatch:
         """The next step's plan, of at most `token_budget` tokens (default and at most:
-        max_num_batched_tokens; less while the larger step buckets are still compiling)."""
+        max_num_batched_tokens; less while the larger step buckets are still compiling). `drafts`:
+        seq id -> draft tokens to check after its last token, for running sequences with no pending
+        token that compute only that token (as many as the budget allows, none where pages would
+        run short)."""
         total = budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             total = budget = min(total, token_budget)
@@ -278,10 +315,13 @@ class Scheduler:
             n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
             if n <= 0:  # its pending token is its last: nothing more to compute
                 continue
-            if not self._reserve(seq, n, batch):
+            draft = (drafts or {}).get(seq.seq_id, [])[:budget - 1] if n == 1 else []
+            if draft and not self._allocate(seq, 1 + len(draft), batch.page_copies):
+                draft = []  # (drafts never preempt anyone)
+            if not draft and not self._reserve(seq, n, batch):
                 break  # seq itself was preempted: it was the newest
-            batch.rows.append(self._row(seq, n, len(batch.rows)))
-            budget -= n
+            batch.rows.append(self._row(seq, n, len(batch.rows), draft))
+            budget -= n + len(draft)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -307,6 +347,10 @@ class Scheduler:
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
         batch.num_tokens = total - budget
+        batch.num_samples = len(batch.rows)
+        for row in batch.rows:
+            if row.draft_token_ids:
+                row.draft_slot, batch.num_samples = batch.num_samples, batch.num_samples + len(row.draft_token_ids)
         return batch
 
     def _match_prefix(self, seq: Sequence) -> bool:
@@ -386,10 +430,10 @@ class Scheduler:
         return victim
 
     @staticmethod
-    def _row(seq: Sequence, n: int, index: int) -> ScheduledSeq:
-        """Row `index` of the step: seq's next n tokens, counted as computed from now on. The last may
-        be the pending token of the step before (only ever one: a row that samples covers all known
-        tokens)."""
+    def _row(seq: Sequence, n: int, index: int, drafts: list[int] = ()) -> ScheduledSeq:
+        """Row `index` of the step: seq's next n tokens, then `drafts`, counted as computed from now
+        on. The last of the n may be the pending token of the step before (only ever one: a row that
+        samples covers all known tokens)."""
         start = seq.num_computed_tokens
         token_ids = seq.token_ids[start:start + n]
         pending_row = -1
@@ -401,7 +445,9 @@ class Scheduler:
         if sample:
             seq.num_pending += 1
             seq.pending_row = index
-        return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids, start_position=start, pending_row=pending_row,
+        seq.num_computed_tokens += len(drafts)  # (`update` takes back the rejected ones)
+        return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids + list(drafts), start_position=start,
+                            pending_row=pending_row, draft_token_ids=list(drafts),
                             page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
                             seed=seq.seed,
                             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
@@ -413,8 +459,9 @@ class Scheduler:
         its sampled tokens feeds the host side of the next step (a grammar's mask, bad words of
         several tokens, what a logits processor carries). The penalties' history gets a pending token
         on the device (`runner.make_step_fn`)."""
-        return not any(row.sample and (row.params.constraint is not None or row.sampling.needs_last_tokens
-                                       or row.sampling.carries) for row in batch.rows)
+        return not any(row.draft_token_ids or row.sample and (
+            row.params.constraint is not None or row.sampling.needs_last_tokens or row.sampling.carries)
+            for row in batch.rows)
 
     def update(self, batch: ScheduledBatch, out: StepOutput) -> list[Sequence]:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
@@ -430,26 +477,61 @@ class Scheduler:
                 self._record_prompt_logprobs(seq, row, out.prompt, first_entry[b])
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
+            slots = row.sample_slots(b)[:self._accept(seq, row, out.token_ids[row.sample_slots(b)]) + 1]
             if row.sample:  # first: a step in flight may already have computed this token's K/V
                 seq.num_pending -= 1
-                seq.token_ids.append(int(out.token_ids[b]))
+                seq.token_ids.extend(int(out.token_ids[slot]) for slot in slots)
             if self.config.enable_prefix_caching:
                 self._register_full_pages(seq)
             self._fork_if_ready(seq)
             if not row.sample:
                 continue
-            token = seq.token_ids[-1]
-            seq.cumulative_logprob += float(out.logprobs[b])
-            if row.sampling.carries:
-                seq.carried = out.carried[b].copy()
-            if seq.params.logprobs is not None:
-                seq.logprobs.append(_entry(out, b, seq.params.logprobs))
-            if seq.params.return_entropy:
-                seq.entropies.append(float(out.entropies[b]))
-            self.num_generated_tokens += 1
-            self._check_stop(seq, token)
+            seq.new_logprobs = [float(out.logprobs[slot]) for slot in slots]
+            for i, slot in enumerate(slots):
+                seq.cumulative_logprob += seq.new_logprobs[i]
+                if row.sampling.carries:
+                    seq.carried = out.carried[slot].copy()
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(_entry(out, slot, seq.params.logprobs))
+                if seq.params.return_entropy:
+                    seq.entropies.append(float(out.entropies[slot]))
+                self.num_generated_tokens += 1
+                if self._check_stop(seq, len(slots) - 1 - i):
+                    break
             changed.append(seq)
         return changed
+
+    def _accept(self, seq: Sequence, row: ScheduledSeq, samples: np.ndarray) -> int:
+        """How many of the row's drafts are kept: those equal to the sample before them, up to the
+        first that is not (`samples`: after its last known token, then after each draft). The
+        others' K/V is rolled back: the sequence's computed tokens end at its kept tokens, and the
+        pages past them are freed."""
+        drafts = row.draft_token_ids
+        if not drafts:
+            return 0
+        accepted = 0
+        while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
+            self.accepted_per_position[accepted] += 1
+            accepted += 1
+        self.num_drafts += 1
+        self.num_draft_tokens += len(drafts)
+        self.num_accepted_tokens += accepted
+        seq.num_computed_tokens -= len(drafts) - accepted
+        keep = self.allocator.pages_for(seq.num_computed_tokens)
+        self.allocator.release(seq.page_ids[keep:])
+        del seq.page_ids[keep:]
+        return accepted
+
+    def drop_tokens_after(self, seq: Sequence, num_output_tokens: int) -> None:
+        """A finished sequence's text ended (a stop string) at its output token `num_output_tokens`,
+        before the last ones its last step gave it: it ends there."""
+        dropped = seq.num_output_tokens - num_output_tokens
+        if dropped <= 0:
+            return
+        del seq.token_ids[seq.num_tokens - dropped:]
+        del seq.logprobs[num_output_tokens:], seq.entropies[num_output_tokens:]
+        seq.cumulative_logprob -= sum(seq.new_logprobs[-dropped:])
+        self.num_generated_tokens -= dropped
 
     @staticmethod
     def _record_prompt_logprobs(seq: Sequence, row: ScheduledSeq, prompt: PromptLogprobs, first: int) -> None:
@@ -487,18 +569,25 @@ class Scheduler:
                 self._wait(sibling, front=True)
         seq.pending_forks = 0
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        min_reached = seq.num_output_tokens >= seq.params.min_tokens
+    def _check_stop(self, seq: Sequence, later: int = 0) -> bool:
+        """Whether the token `later` tokens before seq's last one ends it: then it is finished and the
+        tokens after it dropped (a step that kept drafts gives a sequence several tokens)."""
+        num_output = seq.num_output_tokens - later
+        token = seq.token_ids[seq.num_tokens - 1 - later]
+        min_reached = num_output >= seq.params.min_tokens
         if token in seq.params.stop_token_ids and min_reached:
             seq.stop_reason = token
             self._finish(seq, "stop")
         elif token in self.eos_token_ids and not seq.params.ignore_eos and min_reached:
             self._finish(seq, "stop")
-        elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        elif num_output >= seq.max_tokens or seq.num_tokens - later >= self.config.max_model_len:
             self._finish(seq, "length")
         else:
-            return
+            return False
         self.running.remove(seq)
+        if later:
+            del seq.token_ids[seq.num_tokens - later:]
+        return True
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

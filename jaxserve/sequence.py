@@ -46,6 +46,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | None = None  # the stop token id that ended it, if any
     cumulative_logprob: float = 0.0
+    new_logprobs: list[float] = dataclasses.field(default_factory=list)  # of the tokens its last step gave it
     carried: np.ndarray | None = None  # i32[C] what its logits processors carry to its next token (None: none yet)
     num_preemptions: int = 0
     text: str = ""  # generated text released so far (stop strings cut, undecided text held back)

@@ -1,0 +1,117 @@
+"""Speculative decoding: what proposes draft tokens (`--speculative-config`, vLLM's).
+
+A decode row with drafts d1..dk computes [x, d1, ..., dk] in one step (x: its last token) and
+samples after each of them, every sample exactly as it would be sampled without speculation: the
+same processed distribution (penalties, bias, min_tokens, masks over the tokens before it, drafts
+included) and the same random key, a function of (seed, position). The sample after x is the next
+token; the sample after d_j counts only while d1..d_j all equal the samples before them. So the
+tokens kept are the samples up to the first one that differs from its draft, which is the first
+rejection of rejection sampling against a draft that puts all its mass on one token (vLLM's rule
+for drafts without probabilities: accept d with probability p(d), else draw from p without d). The
+outputs are distributed exactly as without speculation, and a seeded request draws the same tokens
+with it as without. The scheduler then rolls the rejected drafts' KV entries back
+(`Scheduler.update`).
+
+`NgramProposer` drafts from the sequence's own tokens (prompt lookup): the tokens that followed the
+latest earlier occurrence of its longest suffix of `prompt_lookup_min` to `prompt_lookup_max`
+tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+# speculation runs in a step only while at most this many sequences run (unless the configuration
+# says otherwise): past it the verification costs more than it saves (bench/RESULTS.md, speculative)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+METHODS = ("ngram",)
+_FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+           "model")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's speculative_config, as far as jaxserve runs it."""
+
+    method: str
+    num_speculative_tokens: int  # k: drafts per row and step
+    prompt_lookup_max: int  # the longest suffix looked up (ngram)
+    prompt_lookup_min: int  # the shortest
+    disable_by_batch_size: int  # no drafts in a step while more sequences than this run
+
+    @classmethod
+    def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
+        """From the JSON object (or its text) of `--speculative-config`; None for none. ValueError for
+        what jaxserve does not run, naming the field."""
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = sorted(set(value) - set(_FIELDS))
+        if unknown:
+            raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not supported (supported: "
+                             f"{', '.join(_FIELDS)})")
+        if value.get("model") is not None:
+            raise ValueError("speculative_config: a draft model is not supported yet; use "
+                             '{"method": "ngram", "num_speculative_tokens": k}')
+        method = value.get("method") or "ngram"
+        if method in ("[ngram]",):
+            method = "ngram"
+        if method not in METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported (supported: "
+                             f"{', '.join(METHODS)})")
+        k = value.get("num_speculative_tokens")
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        if lo is None and hi is None:  # (vLLM's defaults)
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {n!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) > prompt_lookup_max ({hi})")
+        limit = value.get("disable_by_batch_size")
+        if limit is None:
+            limit = DEFAULT_DISABLE_BY_BATCH_SIZE
+        if not _is_int(limit) or limit < 1:
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {limit!r}")
+        return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
+                   disable_by_batch_size=limit)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class NgramProposer:
+    """Prompt lookup: drafts are what followed the latest earlier occurrence of the sequence's
+    longest matching suffix (prompt and output alike), found on the host."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.min_n, self.max_n = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k tokens to follow `token_ids`; none where no suffix of min_n tokens or more occurred before."""
+        tokens = np.asarray(token_ids, np.int64)
+        size = tokens.size
+        if k < 1 or size <= self.min_n:
+            return []
+        # (starts of earlier occurrences of the last token, then narrowed as the suffix grows)
+        starts = np.flatnonzero(tokens[:-1] == tokens[-1])
+        best = None
+        for n in range(1, min(self.max_n, size - 1) + 1):
+            if n > 1:
+                starts = starts[starts >= n - 1]
+                starts = starts[tokens[starts - (n - 1)] == tokens[size - n]]
+            if starts.size == 0:
+                break
+            if n >= self.min_n:
+                best = starts[-1] + 1  # (the latest occurrence of the longest suffix found so far)
+        return [] if best is None else tokens[best:best + k].tolist()
