@@ -62,12 +62,28 @@ class _EngineCollector:
              "the background while serving).", compiled),
             (ours, GaugeMetricFamily, "step_buckets", "Step shapes in all.", buckets),
         ]
+        if stats.accepted_per_position:  # (speculative decoding is on)
+            figures += [
+                (both, CounterMetricFamily, "spec_decode_num_drafts", "Rows that checked draft tokens.",
+                 stats.num_drafts),
+                (both, CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens checked.",
+                 stats.num_draft_tokens),
+                (both, CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                 stats.num_accepted_tokens),
+            ]
         labels = {PREFIXES[0]: {}, PREFIXES[1]: {"model_name": self.model_name}}
         for prefixes, family, name, doc, value in figures:
             for prefix in prefixes:
                 metric = family(prefix + name, doc, labels=list(labels[prefix]))
                 metric.add_metric(list(labels[prefix].values()), value)
                 yield metric
+        for prefix in PREFIXES if stats.accepted_per_position else ():
+            metric = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by their place among a row's drafts (0: the "
+                                         "first).", labels=[*labels[prefix], "position"])
+            for position, accepted in enumerate(stats.accepted_per_position):
+                metric.add_metric([*labels[prefix].values(), str(position)], accepted)
+            yield metric
 
 
 class _Twins:
@@ -191,8 +207,15 @@ class StatsLog:
         queried = s1.num_prefix_queried_tokens - s0.num_prefix_queried_tokens
         hits = s1.num_prefix_hit_tokens - s0.num_prefix_hit_tokens
         hit_rate = f"{100 * hits / queried:.1f}%" if queried else "-"
-        return (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, "
+        line = (f"Avg prompt throughput: {prompt / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {generated / dt:.1f} tokens/s, "
                 f"Running: {s1.num_running} seqs, Waiting: {s1.num_waiting} seqs, "
                 f"KV cache usage: {100 * s1.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate}")
+        if s1.accepted_per_position:  # (vLLM's figures of speculative decoding)
+            drafts, drafted = s1.num_drafts - s0.num_drafts, s1.num_draft_tokens - s0.num_draft_tokens
+            accepted = s1.num_accepted_tokens - s0.num_accepted_tokens
+            rate = f"{100 * accepted / drafted:.1f}%" if drafted else "-"
+            length = f"{1 + accepted / drafts:.2f}" if drafts else "-"
+            line += f", Draft acceptance rate: {rate}, Mean acceptance length: {length}"
+        return line

@@ -51,8 +51,9 @@ def prompts(count: int, offset: int = 0) -> list[list[int]]:
             for i in range(count)]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]) -> Trace:
-    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True,
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+              new_tokens: int = NEW_TOKENS) -> Trace:
+    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     trace = Trace(sent=time.perf_counter(), chunks=[], completion_tokens=0)
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
@@ -66,8 +67,8 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
                 trace.chunks.append(time.perf_counter())
             if event.get("usage"):
                 trace.completion_tokens = event["usage"]["completion_tokens"]
-    if trace.completion_tokens != NEW_TOKENS:
-        raise RuntimeError(f"{url}: usage says {trace.completion_tokens} completion tokens, asked {NEW_TOKENS}")
+    if trace.completion_tokens != new_tokens:
+        raise RuntimeError(f"{url}: usage says {trace.completion_tokens} completion tokens, asked {new_tokens}")
     return trace
 
 

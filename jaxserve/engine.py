@@ -26,6 +26,7 @@ from flax import nnx
 from checkpoints import resolve_model
 from checkpoints.default_model import cache_root
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig, RequestError, resolve_dtype, sampling_defaults
+from jaxserve.draft import DraftModel
 from jaxserve.executables import ExecutableCache
 from jaxserve.models import abstract_model
 from jaxserve.llamacpp_samplers import BUILTIN_SAMPLERS
@@ -92,10 +93,17 @@ class Engine:
         self.processors = Processors([*BUILTIN_SAMPLERS, *config.logits_processors], model_config.vocab_size)
         self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
+        spec = config.speculative
+        draft = None
+        if spec is not None and spec.model is not None:
+            draft_dir = resolve_model(spec.model)
+            draft = DraftModel(draft_dir, ModelConfig.from_hf(draft_dir), config, model_config, self.mesh,
+                               executable_cache)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh), executable_cache, self.processors)
+                             replicated(self.mesh), executable_cache, self.processors, draft)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
-        self.proposer = NgramProposer(config.speculative) if config.speculative else None
+        # what drafts tokens for speculative decoding: prompt lookup (a draft model is the runner's)
+        self.proposer = NgramProposer(spec) if spec is not None and draft is None else None
         self._seeds = np.random.default_rng(config.seed)
         self._in_flight: InFlight | None = None
         self.compiler = BucketCompiler(self.runner, config.warmup_order)
@@ -113,6 +121,8 @@ class Engine:
         `config.warmup` "all" or "minimal" decides over `background`. Process 0 of several runs every
         bucket now, so that the others compile theirs as they follow (they do nothing here)."""
         start = time.monotonic()
+        if self.runner.draft is not None:
+            self.runner.draft.compile_proposals()
         if jax.process_count() > 1:
             background = False
             if is_leader():
@@ -254,7 +264,7 @@ class Engine:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
         released, batch = [], None
         try:
-            speculate = self.proposer is not None and self._speculates()
+            speculate = self.config.speculative is not None and self._speculates()
             if self._in_flight is not None and (speculate or not self.scheduler.can_schedule_ahead(
                     self._in_flight.batch)):  # (drafts follow the last token: it must be known)
                 released = self._finish_in_flight(on_release)
@@ -283,18 +293,25 @@ class Engine:
         up to num_speculative_tokens, no more than their max_tokens and max_model_len leave room
         for. None for a sequence whose sampling needs its last token on the host (a grammar, or a
         logits processor that carries state from token to token)."""
-        k = self.config.speculative.num_speculative_tokens
-        drafts = {}
+        k, max_len = self.config.speculative.num_speculative_tokens, self.config.max_model_len
+        wanted = []  # (sequence, how many drafts it has room for)
         for seq in self.scheduler.running:
             if (seq.status is not SequenceStatus.RUNNING or seq.num_pending
                     or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.constraint is not None
                     or seq.sampling.carries):
                 continue
-            room = min(k, seq.max_tokens - seq.num_output_tokens - 1, self.config.max_model_len - seq.num_tokens - 1)
-            proposal = self.proposer.propose(seq.token_ids, room)
-            if proposal:
-                drafts[seq.seq_id] = proposal
-        return drafts
+            room = min(k, seq.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
+            if room > 0:
+                wanted.append((seq, room))
+        if self.runner.draft is None:
+            proposals = [self.proposer.propose(seq.token_ids, room) for seq, room in wanted]
+        else:  # (its pages first: the draft model writes its last token's and its drafts' K/V)
+            alloc = self.scheduler.allocator
+            wanted = [(seq, room) for seq, room in wanted
+                      if alloc.grow(seq.page_ids, min(seq.num_tokens + k - 1, max_len))]
+            proposals = self.runner.draft.propose([(seq.token_ids[-1], seq.num_tokens - 1, seq.page_ids)
+                                                   for seq, _ in wanted]) if wanted else []
+        return {seq.seq_id: proposal[:room] for (seq, room), proposal in zip(wanted, proposals) if proposal}
 
     def _fail(self, batch: ScheduledBatch | None) -> list[str]:
         """After a step raised: end (finish reason "error") the requests of the step being planned and

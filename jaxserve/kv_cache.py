@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import math
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import Sharding
 
@@ -28,6 +29,18 @@ def allocate_kv_cache(model: ModelConfig, engine: EngineConfig, sharding: Shardi
     dtype = cache_dtype(engine.kv_dtype)
     return KVCache(k=[jnp.zeros(shape, dtype, device=sharding) for _ in range(model.num_layers)],
                    v=[jnp.zeros(shape, dtype, device=sharding) for _ in range(model.num_layers)])
+
+
+def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
+    """page_copies i32[C, 2]: (src, dst) rows, the real copies first, then padding rows (the null
+    page onto itself). Only the real ones are copied, one page at a time in place: copies are rare,
+    and a gather-scatter of all C rows costs every step (figures: bench/RESULTS.md)."""
+    def copy(i, kv):
+        src, dst = page_copies[i, 0], page_copies[i, 1]
+        return jax.tree.map(lambda pages: jax.lax.dynamic_update_slice_in_dim(
+            pages, jax.lax.dynamic_slice_in_dim(pages, src, 1), dst, axis=0), kv)
+
+    return jax.lax.fori_loop(0, jnp.sum(page_copies[:, 0] != page_copies[:, 1]), copy, kv)
 
 
 class PageAllocator:

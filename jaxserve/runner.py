@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from jaxserve.config import MAX_LOGPROBS, EngineConfig, ModelConfig
+from jaxserve.draft import DraftModel
 from jaxserve.executables import ExecutableCache
-from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache
+from jaxserve.kv_cache import NULL_PAGE, allocate_kv_cache, copy_pages
 from jaxserve.logits_processors import Processors, fingerprint
 from jaxserve.models import KVCache, ModelInputs, forward, head_logits, rope_table
 from jaxserve.models.invariant import ROWS, by_rows
@@ -112,18 +113,6 @@ class PackedPlan:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def copy_pages(kv: KVCache, page_copies: jax.Array) -> KVCache:
-    """page_copies i32[C, 2]: (src, dst) rows, the real copies first, then padding rows (the null
-    page onto itself). Only the real ones are copied, one page at a time in place: copies are rare,
-    and a gather-scatter of all C rows costs every step (figures: bench/RESULTS.md)."""
-    def copy(i, kv):
-        src, dst = page_copies[i, 0], page_copies[i, 1]
-        return jax.tree.map(lambda pages: jax.lax.dynamic_update_slice_in_dim(
-            pages, jax.lax.dynamic_slice_in_dim(pages, src, 1), dst, axis=0), kv)
-
-    return jax.lax.fori_loop(0, jnp.sum(page_copies[:, 0] != page_copies[:, 1]), copy, kv)
-
-
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
                  logprobs_mode: str, processors: Processors, distributions: bool = False,
                  batch_invariant: bool = False):
@@ -184,7 +173,7 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
                  kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache,
-                 processors: Processors):
+                 processors: Processors, draft: DraftModel | None = None):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -193,6 +182,7 @@ class Runner:
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
         self.processors = processors  # the engine's logits processors, traced into the step
+        self.draft = draft  # speculative decoding's draft model: each step's tokens go through it too
         # (read once: inspect's source lookup is not safe on the threads that compile)
         self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
@@ -217,6 +207,8 @@ class Runner:
             broadcast_plan(jax.tree.map(np.asarray, inputs))  # (paddings as arrays)
         args = self._args(inputs, shape)
         self.kv, launched, self._previous = self._executable(shape, args)(*args)
+        if self.draft is not None:
+            self.draft.mirror(shape, *args[2:])
         return launched
 
     def _args(self, inputs: StepInputs, shape: tuple[int, int, int]) -> tuple:
@@ -263,6 +255,8 @@ class Runner:
             return
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
         args = jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))  # (placed: not compiled)
+        if self.draft is not None:
+            self.draft.compile_mirror(shape, args)
         self.executables[shape] = self._compile(shape, args)
 
     def _command(self, command: int, shape: tuple[int, int, int] = (0, 0, 0)) -> None:

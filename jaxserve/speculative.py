@@ -27,7 +27,7 @@ import numpy as np
 # speculation runs in a step only while at most this many sequences run (unless the configuration
 # says otherwise): past it the verification costs more than it saves (bench/RESULTS.md, speculative)
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
            "model")
 
@@ -41,6 +41,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int  # the longest suffix looked up (ngram)
     prompt_lookup_min: int  # the shortest
     disable_by_batch_size: int  # no drafts in a step while more sequences than this run
+    model: str | None = None  # the draft model (draft_model): as --model takes it
 
     @classmethod
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
@@ -56,15 +57,22 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not supported (supported: "
                              f"{', '.join(_FIELDS)})")
-        if value.get("model") is not None:
-            raise ValueError("speculative_config: a draft model is not supported yet; use "
-                             '{"method": "ngram", "num_speculative_tokens": k}')
-        method = value.get("method") or "ngram"
+        model = value.get("model")
+        method = value.get("method") or ("ngram" if model is None else "draft_model")
         if method in ("[ngram]",):
             method = "ngram"
         if method not in METHODS:
             raise ValueError(f"speculative_config: method {method!r} is not supported (supported: "
                              f"{', '.join(METHODS)})")
+        if (method == "draft_model") != (model is not None):
+            raise ValueError("speculative_config: a draft model (method draft_model) needs \"model\", and only it"
+                             if model is None or method == "draft_model" else
+                             f"speculative_config: \"model\" is for the draft_model method, not {method}")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"speculative_config: model must be a model name or path, got {model!r}")
+        lookup = [name for name in ("prompt_lookup_max", "prompt_lookup_min") if value.get(name) is not None]
+        if model is not None and lookup:
+            raise ValueError(f"speculative_config: {lookup[0]} is for the ngram method (a draft model drafts itself)")
         k = value.get("num_speculative_tokens")
         if not _is_int(k) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
@@ -83,7 +91,7 @@ class SpeculativeConfig:
         if not _is_int(limit) or limit < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1, got {limit!r}")
         return cls(method=method, num_speculative_tokens=k, prompt_lookup_max=hi, prompt_lookup_min=lo,
-                   disable_by_batch_size=limit)
+                   disable_by_batch_size=limit, model=model)
 
 
 def _is_int(value) -> bool:

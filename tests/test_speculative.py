@@ -1,0 +1,215 @@
+"""Speculative decoding (`jaxserve/speculative.py`): outputs exactly as without it, whatever is
+drafted, mixed with everything else a batch does; pages all returned; the configuration's checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from conftest import CROWDED_ENGINE
+from scipy.stats import chi2_contingency
+from test_compile import CompileCounter
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.speculative import NgramProposer, SpeculativeConfig
+from jaxserve.structured import Constraint
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+         "disable_by_batch_size": 16}
+
+
+class Oracle:
+    """Drafts what the engine without speculation generated after the sequence's prompt (the
+    `references`), with one token changed at random half the time, or random tokens once the
+    sequence has left its reference: drafts that are accepted, in part, and rejected."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0):
+        self.references = references
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        for prompt, reference in self.references.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                out = token_ids[len(prompt):]
+                drafts = reference[len(out):len(out) + k] if reference[:len(out)] == out else []
+                break
+        else:
+            drafts = []
+        drafts = drafts + self.rng.integers(0, 256, size=k - len(drafts)).tolist()
+        if self.rng.random() < 0.5:
+            drafts[int(self.rng.integers(k))] = int(self.rng.integers(0, 256))
+        return drafts
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(without speculation, with n-gram speculation): jaxserve-tiny, with preemption routine."""
+    return LLM("jaxserve-tiny", **CROWDED_ENGINE), LLM("jaxserve-tiny", **CROWDED_ENGINE, speculative_config=NGRAM)
+
+
+def _mixed(rng: np.random.Generator, texts: list[str] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
+    """50 requests: prompts that repeat themselves (so that n-gram lookup finds drafts), long ones
+    prefilled in chunks, greedy and seeded sampling with penalties, n > 1, stop ids, min_tokens,
+    logprobs, grammars; with `texts` (each request's output without stop strings) also stop strings
+    cut from them."""
+    prompts, params = [], []
+    for i in range(50):
+        part = rng.integers(0, 256, size=int(rng.integers(2, 12))).tolist()
+        prompts.append((part * int(rng.integers(1, 9)))[:int(rng.integers(3, 100))])
+        sampled = i % 4 == 3
+        stop = []
+        if texts is not None and i % 5 == 0 and len(texts[i]) > 6:
+            stop = [texts[i][len(texts[i]) // 2:len(texts[i]) // 2 + 2]]
+        params.append(SamplingParams(
+            max_tokens=int(rng.integers(1, 28)), temperature=0.8 if sampled else 0.0, top_k=8 if sampled else -1,
+            top_p=0.9 if sampled else 1.0, seed=i if sampled else None, n=2 if i % 9 == 0 else 1,
+            repetition_penalty=1.2 if i % 6 == 0 else 1.0, presence_penalty=0.4 if i % 7 == 0 else 0.0,
+            ignore_eos=bool(i % 2), stop_token_ids=[prompts[-1][-1]] if i % 8 == 0 else [],
+            min_tokens=3 if i % 8 == 0 else 0, logprobs=2 if i % 3 == 0 else None, stop=stop,
+            logit_bias={7: 2.0} if i % 11 == 0 else {}, bad_words=["ab"] if i % 13 == 0 else [],
+            constraint=Constraint("regex", "[a-z]{2,6}") if i % 10 == 4 else None))
+    return prompts, params
+
+
+def _outputs(results) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [{t: round(p.logprob, 3) for t, p in lp.items()} for lp in c.logprobs])
+             for c in r.outputs] for r in results]
+
+
+def test_fifty_mixed_requests_come_out_as_without_speculation(engines):
+    """Greedy and seeded requests give the same tokens, text, finish and logprobs with n-gram drafts
+    and with drafts that are mostly right (each partly rejected half the time), in batches with
+    chunked prefill, preemption, n > 1, stop strings and ids, penalties and grammars; after
+    warm-up nothing compiles."""
+    base, spec = engines
+    rng = np.random.default_rng(0)
+    prompts, unstopped = _mixed(rng)
+    first = base.generate(prompts, unstopped, use_tqdm=False)
+    prompts, params = _mixed(np.random.default_rng(0), [r.outputs[0].text for r in first])
+    assert sum(bool(p.stop) for p in params) >= 5
+    expected = _outputs(base.generate(prompts, params, use_tqdm=False))
+    engine = spec.engine
+    ngram = engine.proposer
+    with CompileCounter() as counter:
+        assert _outputs(spec.generate(prompts, params, use_tqdm=False)) == expected
+        stats = engine.scheduler.stats()
+        assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens > 0
+        engine.proposer = Oracle({tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, first)})
+        try:
+            assert _outputs(spec.generate(prompts, params, use_tqdm=False)) == expected
+        finally:
+            engine.proposer = ngram
+    assert counter.count == 0
+    oracle = engine.scheduler.stats()
+    accepted = oracle.num_accepted_tokens - stats.num_accepted_tokens
+    assert accepted > (oracle.num_draft_tokens - stats.num_draft_tokens) / 4
+    assert engine.scheduler.num_preemptions > 0 and sum(oracle.accepted_per_position) == oracle.num_accepted_tokens
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_sampled_tokens_follow_the_distribution_without_speculation(engines):
+    """The first three tokens of 600 draws with top-k, top-p and penalties, and other seeds with
+    speculation (drafts: the likeliest continuation): a chi-square test of the two samples' joint
+    distributions."""
+    base, spec = engines
+    prompt = [5, 9, 5, 9, 5, 9, 14, 3]
+    settings = dict(max_tokens=3, top_k=4, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.3, ignore_eos=True)
+    greedy = base.generate([prompt], SamplingParams(temperature=0.0, **settings), use_tqdm=False)[0]
+    likeliest = greedy.outputs[0].token_ids
+
+    class Likeliest:
+        def propose(self, token_ids, k):
+            return likeliest[len(token_ids) - len(prompt):][:k]
+
+    draws = 600
+    without = base.generate([prompt] * draws, [SamplingParams(temperature=0.9, seed=s, **settings)
+                                               for s in range(draws)], use_tqdm=False)
+    engine, ngram = spec.engine, spec.engine.proposer
+    engine.proposer = Likeliest()
+    before = engine.scheduler.stats()
+    try:
+        with_ = spec.generate([prompt] * draws, [SamplingParams(temperature=0.9, seed=10**6 + s, **settings)
+                                                 for s in range(draws)], use_tqdm=False)
+    finally:
+        engine.proposer = ngram
+    after = engine.scheduler.stats()
+    assert after.num_accepted_tokens - before.num_accepted_tokens > draws / 10  # (drafts were kept, and rejected)
+    assert after.num_accepted_tokens - before.num_accepted_tokens < after.num_draft_tokens - before.num_draft_tokens
+    samples = [[tuple(r.outputs[0].token_ids) for r in runs] for runs in (without, with_)]
+    cells = sorted(set(samples[0]) | set(samples[1]))
+    table = np.array([[s.count(c) for c in cells] for s in samples])
+    table = table[:, table.sum(0) >= 5]  # (the chi-square approximation wants no rare cells)
+    assert table.shape[1] >= 3
+    assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_pages_are_all_returned_after_300_random_speculative_requests_with_cancellations(engines):
+    """Random lengths, settings and drafts; a tenth of the requests cancelled midway."""
+    _, spec = engines
+    engine = spec.engine
+    rng = np.random.default_rng(1)
+    ngram, oracle = engine.proposer, Oracle({}, seed=2)  # (random drafts, and n-gram ones every other step)
+    try:
+        started = steps = 0
+        while started < 300 or engine.has_unfinished():
+            while started < 300 and len(engine.scheduler.seqs) < 24:
+                part = rng.integers(0, 256, size=int(rng.integers(1, 6))).tolist()
+                prompt = (part * 20)[:int(rng.integers(1, 90))]
+                engine.add_request(f"r{started}", prompt, SamplingParams(
+                    max_tokens=int(rng.integers(1, 30)), temperature=float(rng.choice([0.0, 1.0])),
+                    n=int(rng.choice([1, 1, 2])), ignore_eos=bool(rng.integers(2)),
+                    stop_token_ids=[part[0]] if rng.random() < 0.2 else []))
+                started += 1
+            steps += 1
+            engine.proposer = ngram if steps % 2 else oracle
+            engine.step()
+            if engine.scheduler.running and rng.random() < 0.1:
+                engine.abort(engine.scheduler.running[int(rng.integers(len(engine.scheduler.running)))].request_id)
+    finally:
+        engine.proposer = ngram
+    alloc = engine.scheduler.allocator
+    assert not engine.scheduler.seqs and alloc.num_free == alloc.num_usable
+    assert engine.scheduler.stats().num_drafts > 0
+
+
+def test_ngram_proposer_drafts_what_followed_the_latest_longest_match():
+    """Against a direct search on random token sequences over small vocabularies."""
+    rng = np.random.default_rng(0)
+    for lo, hi in ((1, 1), (1, 4), (2, 3), (3, 5)):
+        proposer = NgramProposer(SpeculativeConfig.parse({"num_speculative_tokens": 3, "prompt_lookup_min": lo,
+                                                           "prompt_lookup_max": hi}))
+        for _ in range(200):
+            tokens = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(1, 40))).tolist()
+            expected = []
+            for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+                ends = [i for i in range(n - 1, len(tokens) - 1) if tokens[i - n + 1:i + 1] == tokens[-n:]]
+                if ends:
+                    expected = tokens[ends[-1] + 1:ends[-1] + 4]
+                    break
+            assert proposer.propose(tokens, 3) == expected, (tokens, lo, hi)
+    assert proposer.propose([1, 2, 3, 1, 2, 3], 0) == []
+
+
+def test_speculative_config_is_checked_as_vllm_does():
+    parsed = SpeculativeConfig.parse(json.dumps({"method": "ngram", "num_speculative_tokens": 4}))
+    assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
+    assert SpeculativeConfig.parse(None) is None
+    for wrong, words in (({"method": "ngram"}, "num_speculative_tokens"),
+                         ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
+                         ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "> prompt"),
+                         ({"num_speculative_tokens": 2, "bogus": 1}, "'bogus'"),
+                         ({"num_speculative_tokens": True}, "num_speculative_tokens"),
+                         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+                         ({"model": "draft", "num_speculative_tokens": 2}, "draft model")):
+        with pytest.raises(ValueError, match=words):
+            SpeculativeConfig.parse(wrong)
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(speculative_config=NGRAM, batch_invariant=True)
+    config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, speculative_config=NGRAM)
+    assert config.max_num_samples == 16 and config.seqs_buckets(64) == (4, 16) and config.seqs_buckets(4) == (4,)
+    assert dataclasses.replace(config, speculative_config=None).seqs_buckets(64) == (4,)
