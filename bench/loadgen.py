@@ -51,19 +51,22 @@ def prompts(count: int, offset: int = 0) -> list[list[int]]:
             for i in range(count)]
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str | list[dict],
               new_tokens: int = NEW_TOKENS) -> Trace:
-    body = {"model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed request: a completion, or with a list of messages as the prompt a chat completion."""
+    chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+    body = {"model": model, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, ("messages" if chat else "prompt"): prompt}
     trace = Trace(sent=time.perf_counter(), chunks=[], completion_tokens=0)
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    async with client.stream("POST", url + path, json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if any(c.get("text") for c in event.get("choices") or []):
+            if any(c.get("text") or (c.get("delta") or {}).get("content") for c in event.get("choices") or []):
                 trace.chunks.append(time.perf_counter())
             if event.get("usage"):
                 trace.completion_tokens = event["usage"]["completion_tokens"]

@@ -9,8 +9,8 @@ at every concurrency; and with the same but the default cut-off, to see what a s
 does. Each is sent (greedy, `ignore_eos`, streamed; the tokens are the same with speculation as
 without):
 - W1: bench/loadgen.py's one stream (a 128-token prompt of random tokens, 128 new tokens);
-- W1-edit: one stream per code snippet, the answer repeating the snippet with a small change (the
-  prompt asks for it and starts the answer), 128 new tokens each: an editing workload;
+- W1-edit: one stream per code snippet, a chat asking for the snippet back with a name changed (the
+  answer mostly repeats it), 128 new tokens each: an editing workload;
 - W2: bench/loadgen.py's 32 concurrent streams;
 - concurrency sweeps: c = 2, 4, 8, 16 streams at once of loadgen's prompts and of the edit prompts,
   64 new tokens each (where speculation stops paying: the default cut-off).
@@ -82,13 +82,11 @@ SNIPPETS = [
 ]
 
 
-def edit_prompt(snippet: str) -> str:
-    """The snippet, a request to repeat it with its first name changed, and the answer's first line."""
-    first = snippet.splitlines()[0]
-    name = re.search(r"(?:def|class) (\w+)", first).group(1)
-    renamed = first.replace(name, name + "_v2")
-    return (f"Here is some Python code:\n\n{snippet}\nHere is the same code, unchanged except that {name} is "
-            f"renamed to {name}_v2:\n\n{renamed}\n")
+def edit_prompt(snippet: str) -> list[dict]:
+    """A chat asking for the snippet back with its first name changed (the answer mostly repeats it)."""
+    name = re.search(r"(?:def|class) (\w+)", snippet).group(1)
+    return [{"role": "user", "content": f"Rename {name} to {name}_v2 in this code and give the whole code back:"
+                                        f"\n\n```python\n{snippet}```"}]
 
 
 def spec_cmd(k: int, cutoff: int | None) -> list[str]:

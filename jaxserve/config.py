@@ -426,12 +426,16 @@ class EngineConfig:
     @functools.cached_property  # (read twice a step)
     def token_buckets(self) -> tuple[int, ...]:
         """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
-        4, then powers of two from 16. Below 16 tokens a step costs about the same whatever its size
+        4, then powers of two from 16; with speculative decoding also (1 + k) times powers of two, up
+        to `disable_by_batch_size` drafting rows. Below 16 tokens a step costs about the same whatever its size
         (reading the weights dominates). In the batch-invariant mode none is under a tile's rows: a
         smaller step computes a whole tile anyway (`models/invariant.py`)."""
         top = self.max_num_batched_tokens
         small = min(max(self.min_token_bucket, invariant.ROWS if self.batch_invariant else 1), top)
-        return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top)) if small < b < top)}))
+        spec = self.speculative  # (r drafting rows of 1 + k tokens each fill a step exactly)
+        row = 1 + (spec.num_speculative_tokens if spec else 0)
+        drafting = _powers_of_two(row, row * spec.disable_by_batch_size) if spec else ()
+        return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top), *drafting) if small < b < top)}))
 
     @functools.cached_property  # (read twice a step)
     def page_buckets(self) -> tuple[int, ...]:

@@ -96,6 +96,8 @@ class Engine:
         spec = config.speculative
         draft = None
         if spec is not None and spec.model is not None:
+            if jax.process_count() > 1:
+                raise ValueError("speculative_config: a draft model runs on one host only")
             draft_dir = resolve_model(spec.model)
             draft = DraftModel(draft_dir, ModelConfig.from_hf(draft_dir), config, model_config, self.mesh,
                                executable_cache)

@@ -322,6 +322,8 @@ class Scheduler:
                 break  # seq itself was preempted: it was the newest
             batch.rows.append(self._row(seq, n, len(batch.rows), draft))
             budget -= n + len(draft)
+            if not draft:
+                self._trim(seq)  # (pages a draft model grew for drafts it does not check)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -388,7 +390,7 @@ class Scheduler:
         alloc = self.allocator
         first = seq.num_computed_tokens // alloc.page_size  # the page the first new token goes into
         copy = first < len(seq.page_ids) and alloc.is_shared(seq.page_ids[first])
-        if alloc.num_free < alloc.pages_for(seq.num_computed_tokens + n) - len(seq.page_ids) + copy:
+        if alloc.num_free < max(0, alloc.pages_for(seq.num_computed_tokens + n) - len(seq.page_ids)) + copy:
             return False
         if copy:
             shared, seq.page_ids[first] = seq.page_ids[first], alloc.take()
@@ -477,7 +479,8 @@ class Scheduler:
                 self._record_prompt_logprobs(seq, row, out.prompt, first_entry[b])
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
-            slots = row.sample_slots(b)[:self._accept(seq, row, out.token_ids[row.sample_slots(b)]) + 1]
+            slots = row.sample_slots(b)
+            slots = slots[:self._accept(seq, row, out.token_ids[slots]) + 1]
             if row.sample:  # first: a step in flight may already have computed this token's K/V
                 seq.num_pending -= 1
                 seq.token_ids.extend(int(out.token_ids[slot]) for slot in slots)
@@ -517,10 +520,15 @@ class Scheduler:
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
         seq.num_computed_tokens -= len(drafts) - accepted
-        keep = self.allocator.pages_for(seq.num_computed_tokens)
-        self.allocator.release(seq.page_ids[keep:])
-        del seq.page_ids[keep:]
+        self._trim(seq)
         return accepted
+
+    def _trim(self, seq: Sequence) -> None:
+        """Free the pages past the sequence's computed tokens."""
+        keep = self.allocator.pages_for(seq.num_computed_tokens)
+        if len(seq.page_ids) > keep:
+            self.allocator.release(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
 
     def drop_tokens_after(self, seq: Sequence, num_output_tokens: int) -> None:
         """A finished sequence's text ended (a stop string) at its output token `num_output_tokens`,

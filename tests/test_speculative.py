@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import time
 
+import httpx
 import numpy as np
+import openai
 import pytest
 from conftest import CROWDED_ENGINE
 from scipy.stats import chi2_contingency
+from server import free_port
 from test_compile import CompileCounter
+from test_run_server import _serving
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
@@ -19,6 +25,8 @@ from jaxserve.structured import Constraint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "disable_by_batch_size": 16}
+# jaxserve-tiny drafting for itself: greedy drafts the target agrees with, sampled rows' rejected
+DRAFT = {"model": "jaxserve-tiny", "num_speculative_tokens": 3, "disable_by_batch_size": 16}
 
 
 class Oracle:
@@ -48,6 +56,24 @@ class Oracle:
 def engines():
     """(without speculation, with n-gram speculation): jaxserve-tiny, with preemption routine."""
     return LLM("jaxserve-tiny", **CROWDED_ENGINE), LLM("jaxserve-tiny", **CROWDED_ENGINE, speculative_config=NGRAM)
+
+
+@pytest.fixture(scope="module")
+def drafted():
+    """jaxserve-tiny with itself as its draft model, as `engines`."""
+    return LLM("jaxserve-tiny", **CROWDED_ENGINE, speculative_config=DRAFT)
+
+
+@pytest.fixture(scope="module")
+def mixed(engines):
+    """`_mixed`'s 50 requests (with stop strings) -> (prompts, params, their outputs without
+    speculation, each request's first output without stop strings)."""
+    base = engines[0]
+    prompts, unstopped = _mixed(np.random.default_rng(0))
+    first = base.generate(prompts, unstopped, use_tqdm=False)
+    prompts, params = _mixed(np.random.default_rng(0), [r.outputs[0].text for r in first])
+    assert sum(bool(p.stop) for p in params) >= 5
+    return prompts, params, _outputs(base.generate(prompts, params, use_tqdm=False)), first
 
 
 def _mixed(rng: np.random.Generator, texts: list[str] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -80,19 +106,14 @@ def _outputs(results) -> list:
              for c in r.outputs] for r in results]
 
 
-def test_fifty_mixed_requests_come_out_as_without_speculation(engines):
+def test_fifty_mixed_requests_come_out_as_without_speculation(engines, mixed):
     """Greedy and seeded requests give the same tokens, text, finish and logprobs with n-gram drafts
     and with drafts that are mostly right (each partly rejected half the time), in batches with
     chunked prefill, preemption, n > 1, stop strings and ids, penalties and grammars; after
     warm-up nothing compiles."""
-    base, spec = engines
-    rng = np.random.default_rng(0)
-    prompts, unstopped = _mixed(rng)
-    first = base.generate(prompts, unstopped, use_tqdm=False)
-    prompts, params = _mixed(np.random.default_rng(0), [r.outputs[0].text for r in first])
-    assert sum(bool(p.stop) for p in params) >= 5
-    expected = _outputs(base.generate(prompts, params, use_tqdm=False))
-    engine = spec.engine
+    prompts, params, expected, first = mixed
+    engine = engines[1].engine
+    spec = engines[1]
     ngram = engine.proposer
     with CompileCounter() as counter:
         assert _outputs(spec.generate(prompts, params, use_tqdm=False)) == expected
@@ -109,6 +130,25 @@ def test_fifty_mixed_requests_come_out_as_without_speculation(engines):
     assert accepted > (oracle.num_draft_tokens - stats.num_draft_tokens) / 4
     assert engine.scheduler.num_preemptions > 0 and sum(oracle.accepted_per_position) == oracle.num_accepted_tokens
     assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_usable
+
+
+def test_a_draft_model_gives_the_same_outputs(drafted, mixed):
+    """The same 50 requests with jaxserve-tiny drafting for itself: the same outputs, nothing
+    compiled; its greedy drafts all accepted (its cache holds what the target's does, rolled-back
+    drafts and preemptions included), sampled rows' drafts not all."""
+    prompts, params, expected, _ = mixed
+    scheduler = drafted.engine.scheduler
+    with CompileCounter() as counter:
+        assert _outputs(drafted.generate(prompts, params, use_tqdm=False)) == expected
+        stats = scheduler.stats()
+        greedy = drafted.generate(prompts[:16], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                                  use_tqdm=False)
+    assert counter.count == 0 and scheduler.num_preemptions > 0
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    after = scheduler.stats()
+    assert after.num_accepted_tokens - stats.num_accepted_tokens == after.num_draft_tokens - stats.num_draft_tokens > 0
+    assert all(len(r.outputs[0].token_ids) == 24 for r in greedy)
+    assert scheduler.allocator.num_free == scheduler.allocator.num_usable
 
 
 def test_sampled_tokens_follow_the_distribution_without_speculation(engines):
@@ -147,12 +187,13 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(engines):
     assert chi2_contingency(table).pvalue > 1e-3
 
 
-def test_pages_are_all_returned_after_300_random_speculative_requests_with_cancellations(engines):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_pages_are_all_returned_after_300_random_speculative_requests_with_cancellations(engines, drafted, method):
     """Random lengths, settings and drafts; a tenth of the requests cancelled midway."""
-    _, spec = engines
-    engine = spec.engine
+    engine = (engines[1] if method == "ngram" else drafted).engine
     rng = np.random.default_rng(1)
-    ngram, oracle = engine.proposer, Oracle({}, seed=2)  # (random drafts, and n-gram ones every other step)
+    # (n-gram: random drafts, and n-gram ones every other step; a draft model: its own)
+    ngram, oracle = engine.proposer, Oracle({}, seed=2) if method == "ngram" else None
     try:
         started = steps = 0
         while started < 300 or engine.has_unfinished():
@@ -165,7 +206,7 @@ def test_pages_are_all_returned_after_300_random_speculative_requests_with_cance
                     stop_token_ids=[part[0]] if rng.random() < 0.2 else []))
                 started += 1
             steps += 1
-            engine.proposer = ngram if steps % 2 else oracle
+            engine.proposer = ngram if steps % 2 or oracle is None else oracle
             engine.step()
             if engine.scheduler.running and rng.random() < 0.1:
                 engine.abort(engine.scheduler.running[int(rng.integers(len(engine.scheduler.running)))].request_id)
@@ -199,17 +240,46 @@ def test_speculative_config_is_checked_as_vllm_does():
     assert (parsed.prompt_lookup_min, parsed.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     assert SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 3}).prompt_lookup_min == 3
     assert SpeculativeConfig.parse(None) is None
+    assert SpeculativeConfig.parse({"model": "m", "num_speculative_tokens": 2}).method == "draft_model"
     for wrong, words in (({"method": "ngram"}, "num_speculative_tokens"),
                          ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle'"),
                          ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "> prompt"),
                          ({"num_speculative_tokens": 2, "bogus": 1}, "'bogus'"),
                          ({"num_speculative_tokens": True}, "num_speculative_tokens"),
                          ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
-                         ({"model": "draft", "num_speculative_tokens": 2}, "draft model")):
+                         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+                         ({"method": "ngram", "model": "m", "num_speculative_tokens": 2}, "not ngram"),
+                         ({"model": "m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "ngram method")):
         with pytest.raises(ValueError, match=words):
             SpeculativeConfig.parse(wrong)
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig(speculative_config=NGRAM, batch_invariant=True)
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, speculative_config=NGRAM)
     assert config.max_num_samples == 16 and config.seqs_buckets(64) == (4, 16) and config.seqs_buckets(4) == (4,)
+    assert config.token_buckets == (1, 4, 8, 16, 32, 64)  # (8: two drafting rows of 1 + 3 tokens)
     assert dataclasses.replace(config, speculative_config=None).seqs_buckets(64) == (4,)
+
+
+def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
+    """`run_server.py --speculative-config` with a draft model: answers as without it; /metrics
+    counts drafts under vLLM's names and jaxserve's; the stats line gives the acceptance rate."""
+    port = free_port()
+    config = json.dumps({"model": "jaxserve-tiny", "num_speculative_tokens": 2})
+    with _serving(port, "--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                  "--speculative-config", config, "--log-stats-interval", "0.5", "--warmup", "all") as proc:
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="jaxserve-tiny", prompt="a b c", max_tokens=12, temperature=0.0,
+                                           extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 12
+        metrics = httpx.get(url + "/metrics").text
+        for prefix in ("jaxserve:", "vllm:"):
+            drafted = re.search(rf"^{prefix}spec_decode_num_draft_tokens_total(?:{{[^}}]*}})? (\S+)$", metrics, re.M)
+            accepted = re.search(rf"^{prefix}spec_decode_num_accepted_tokens_total(?:{{[^}}]*}})? (\S+)$", metrics,
+                                 re.M)
+            assert float(drafted.group(1)) >= float(accepted.group(1)) > 0
+        assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="jaxserve-tiny",position="1"}' in metrics
+        time.sleep(1.5)  # (a stats line)
+        proc.terminate()
+        log = proc.communicate(timeout=60)[0]
+    assert re.search(r"Draft acceptance rate: [\d.]+%, Mean acceptance length: [\d.]+", log), log[-2000:]
