@@ -15,7 +15,7 @@ import pytest
 from conftest import CROWDED_ENGINE
 from scipy.stats import chi2_contingency
 from server import free_port
-from test_compile import CompileCounter
+from test_compile import LLAMACPP, CompileCounter
 from test_run_server import _serving
 
 from jaxserve import LLM, SamplingParams
@@ -79,7 +79,7 @@ def mixed(engines):
 def _mixed(rng: np.random.Generator, texts: list[str] | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
     """50 requests: prompts that repeat themselves (so that n-gram lookup finds drafts), long ones
     prefilled in chunks, greedy and seeded sampling with penalties, n > 1, stop ids, min_tokens,
-    logprobs, grammars; with `texts` (each request's output without stop strings) also stop strings
+    logprobs, logit bias, bad words, allowed tokens, grammars, llama.cpp's samplers; with `texts` (each request's output without stop strings) also stop strings
     cut from them."""
     prompts, params = [], []
     for i in range(50):
@@ -96,7 +96,8 @@ def _mixed(rng: np.random.Generator, texts: list[str] | None = None) -> tuple[li
             ignore_eos=bool(i % 2), stop_token_ids=[prompts[-1][-1]] if i % 8 == 0 else [],
             min_tokens=3 if i % 8 == 0 else 0, logprobs=2 if i % 3 == 0 else None, stop=stop,
             logit_bias={7: 2.0} if i % 11 == 0 else {}, bad_words=["ab"] if i % 13 == 0 else [],
-            constraint=Constraint("regex", "[a-z]{2,6}") if i % 10 == 4 else None))
+            allowed_token_ids=list(range(0, 256, 2)) if i % 17 == 0 else None,
+            constraint=Constraint("regex", "[a-z]{2,6}") if i % 10 == 4 else None, **LLAMACPP[i % len(LLAMACPP)]))
     return prompts, params
 
 
@@ -151,11 +152,12 @@ def test_a_draft_model_gives_the_same_outputs(drafted, mixed):
     assert scheduler.allocator.num_free == scheduler.allocator.num_usable
 
 
-def test_sampled_tokens_follow_the_distribution_without_speculation(engines):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_distribution_without_speculation(engines, drafted, method):
     """The first three tokens of 600 draws with top-k, top-p and penalties, and other seeds with
-    speculation (drafts: the likeliest continuation): a chi-square test of the two samples' joint
-    distributions."""
-    base, spec = engines
+    speculation (drafts: the likeliest continuation, or the draft model's): a chi-square test of the
+    two samples' joint distributions."""
+    base, spec = engines[0], engines[1] if method == "ngram" else drafted
     prompt = [5, 9, 5, 9, 5, 9, 14, 3]
     settings = dict(max_tokens=3, top_k=4, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.3, ignore_eos=True)
     greedy = base.generate([prompt], SamplingParams(temperature=0.0, **settings), use_tqdm=False)[0]
@@ -169,7 +171,7 @@ def test_sampled_tokens_follow_the_distribution_without_speculation(engines):
     without = base.generate([prompt] * draws, [SamplingParams(temperature=0.9, seed=s, **settings)
                                                for s in range(draws)], use_tqdm=False)
     engine, ngram = spec.engine, spec.engine.proposer
-    engine.proposer = Likeliest()
+    engine.proposer = Likeliest() if method == "ngram" else None
     before = engine.scheduler.stats()
     try:
         with_ = spec.generate([prompt] * draws, [SamplingParams(temperature=0.9, seed=10**6 + s, **settings)
@@ -283,3 +285,22 @@ def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
         proc.terminate()
         log = proc.communicate(timeout=60)[0]
     assert re.search(r"Draft acceptance rate: [\d.]+%, Mean acceptance length: [\d.]+", log), log[-2000:]
+
+
+@pytest.mark.slow
+def test_a_gguf_file_drafts_for_the_default_model():
+    """The draft model as a GGUF file (the default model's own, drafting for it): greedy chat answers
+    as without speculation, its drafts all kept."""
+    from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
+
+    settings = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32)
+    base = LLM(**settings)
+    spec = LLM(**settings, speculative_config={"model": str(view_file(resolve_model(DEFAULT_MODEL_NAME))),
+                                               "num_speculative_tokens": 3})
+    chats = [[{"role": "user", "content": text}] for text in ("What is the capital of France?",
+                                                               "Write a haiku about the sea.")]
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    assert ([o.outputs[0].token_ids for o in spec.chat(chats, greedy, use_tqdm=False)]
+            == [o.outputs[0].token_ids for o in base.chat(chats, greedy, use_tqdm=False)])
+    stats = spec.engine.scheduler.stats()
+    assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
