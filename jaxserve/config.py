@@ -355,9 +355,11 @@ class EngineConfig:
 
     @property
     def max_num_samples(self) -> int:
-        """The most tokens a step samples: one per sequence, and one more per draft token."""
+        """The most tokens a step samples: one per sequence, and one more per draft token (of at most
+        `disable_by_batch_size` drafting sequences)."""
         spec = self.speculative
-        return self.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+        drafting = min(self.max_num_seqs, spec.disable_by_batch_size) * spec.num_speculative_tokens if spec else 0
+        return self.max_num_seqs + drafting
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

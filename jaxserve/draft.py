@@ -5,9 +5,9 @@ pages (the same ids, its own layers and heads), so the target's page tables, cop
 serve it unchanged. Two jitted functions:
 - `mirror`: after every target step, the same step's tokens through the draft model (same packed
   plan, same page copies), so its cache holds every token the target's does;
-- `propose`: for the decoding rows, k greedy steps from each row's last token (its K/V written at
-  its position, as are the first k - 1 drafts': the sequence's pages are grown first) -> the drafts,
-  which the target then checks as any drafts (`jaxserve/speculative.py`). A step that checks them
+- `propose`: for the rows of a planned step that have drafts to check, k greedy steps from each
+  row's last token (its K/V written at its position, as are the drafts': the plan holds pages for
+  them) -> the drafts, which the target then checks as any drafts (`jaxserve/speculative.py`). A step that checks them
   runs them through `mirror` again, with the target's tokens.
 Greedy drafts put all their mass on one token, so the target's check is exact
 (`jaxserve/speculative.py`).
@@ -103,7 +103,7 @@ class DraftModel:
         """(rows, page-table width) of every compiled `propose`: as many rows as may draft, in the
         token buckets' steps."""
         cap = min(self.config.max_num_seqs, self.config.speculative.disable_by_batch_size)
-        rows = sorted({min(b, cap) for b in self.config.token_buckets})
+        rows = sorted({cap, *(b for b in self.config.token_buckets if b < cap)})
         return tuple((b, p) for b in rows for p in self.config.page_buckets)
 
     def _description(self, what: str, shape: tuple) -> str:
@@ -138,8 +138,9 @@ class DraftModel:
         self.kv = self.executables["mirror", shape](self.weights, self.kv, plan, previous)
 
     def propose(self, rows: list[tuple[int, int, list[int]]]) -> list[list[int]]:
-        """rows: (last token, its position, the sequence's page table, grown to hold the first k - 1
-        drafts too) -> k greedy drafts for each."""
+        """rows: (last token, its position, the sequence's page table, which holds the drafts'
+        positions as far as they are checked: K/V past it goes to the null page) -> k greedy drafts
+        for each."""
         count, width = len(rows), max(len(pages) for _, _, pages in rows)
         shape = next(s for s in self.propose_shapes if s[0] >= count and s[1] >= width)
         tokens, positions = np.zeros(shape[0], np.int32), np.zeros(shape[0], np.int32)

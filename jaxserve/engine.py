@@ -271,6 +271,8 @@ class Engine:
                     self._in_flight.batch)):  # (drafts follow the last token: it must be known)
                 released = self._finish_in_flight(on_release)
             batch = self.scheduler.schedule(self.runner.token_budget(), self._drafts() if speculate else None)
+            if self.runner.draft is not None and batch.num_samples > len(batch.rows):
+                self._propose(batch)
             in_flight = None
             if batch.rows:
                 self.output.constrain(batch)
@@ -286,34 +288,43 @@ class Engine:
 
     def _speculates(self) -> bool:
         """Whether this step drafts: while few enough sequences run that checking drafts costs less
-        than it saves (`SpeculativeConfig.disable_by_batch_size`)."""
-        running = len(self.scheduler.running)
-        return 0 < running <= self.config.speculative.disable_by_batch_size
+        than it saves (`SpeculativeConfig.disable_by_batch_size`), and one of them decodes and may
+        draft (`_drafts`)."""
+        running = self.scheduler.running
+        return 0 < len(running) <= self.config.speculative.disable_by_batch_size and any(
+            self._may_draft(seq) and seq.num_computed_tokens >= seq.num_tokens - 1 for seq in running)
+
+    @staticmethod
+    def _may_draft(seq: Sequence) -> bool:
+        """Not under a grammar or a logits processor that carries state from token to token: the
+        next token's mask or state needs the token before it on the host."""
+        return seq.params.constraint is None and not seq.sampling.carries
 
     def _drafts(self) -> dict[int, list[int]]:
-        """Draft tokens for the running sequences whose next step computes just their last token:
-        up to num_speculative_tokens, no more than their max_tokens and max_model_len leave room
-        for. None for a sequence whose sampling needs its last token on the host (a grammar, or a
-        logits processor that carries state from token to token)."""
+        """Draft tokens for the running sequences whose next step computes just their last token
+        (`_may_draft`): up to num_speculative_tokens, no more than their max_tokens and
+        max_model_len leave room for. A draft model's are placeholders here, made once the step is
+        planned (`_propose`: its rows' pages are then there for their K/V)."""
         k, max_len = self.config.speculative.num_speculative_tokens, self.config.max_model_len
-        wanted = []  # (sequence, how many drafts it has room for)
+        drafts = {}
         for seq in self.scheduler.running:
             if (seq.status is not SequenceStatus.RUNNING or seq.num_pending
-                    or seq.num_computed_tokens != seq.num_tokens - 1 or seq.params.constraint is not None
-                    or seq.sampling.carries):
+                    or seq.num_computed_tokens != seq.num_tokens - 1 or not self._may_draft(seq)):
                 continue
             room = min(k, seq.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
-            if room > 0:
-                wanted.append((seq, room))
-        if self.runner.draft is None:
-            proposals = [self.proposer.propose(seq.token_ids, room) for seq, room in wanted]
-        else:  # (its pages first: the draft model writes its last token's and its drafts' K/V)
-            alloc = self.scheduler.allocator
-            wanted = [(seq, room) for seq, room in wanted
-                      if alloc.grow(seq.page_ids, min(seq.num_tokens + k - 1, max_len))]
-            proposals = self.runner.draft.propose([(seq.token_ids[-1], seq.num_tokens - 1, seq.page_ids)
-                                                   for seq, _ in wanted]) if wanted else []
-        return {seq.seq_id: proposal[:room] for (seq, room), proposal in zip(wanted, proposals) if proposal}
+            if room < 1:
+                continue
+            proposal = [0] * room if self.runner.draft is not None else self.proposer.propose(seq.token_ids, room)
+            if proposal:
+                drafts[seq.seq_id] = proposal[:room]
+        return drafts
+
+    def _propose(self, batch: ScheduledBatch) -> None:
+        """The draft model's drafts for the step's rows that have room for some."""
+        rows = [row for row in batch.rows if row.draft_token_ids]
+        proposals = self.runner.draft.propose([(row.token_ids[0], row.start_position, row.page_ids) for row in rows])
+        for row, proposal in zip(rows, proposals):
+            row.set_drafts(proposal)
 
     def _fail(self, batch: ScheduledBatch | None) -> list[str]:
         """After a step raised: end (finish reason "error") the requests of the step being planned and

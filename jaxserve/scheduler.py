@@ -39,9 +39,10 @@ step needs their last token on the host (a grammar's mask) are not planned
 ahead (`can_schedule_ahead`).
 
 Speculative decoding (`jaxserve/speculative.py`): `schedule` takes draft tokens
-for decode rows; such a row computes its last token and the drafts, and samples
-after each (`ScheduledSeq.draft_slot`). `update` keeps the samples up to the
-first that differs from its draft, and rolls the rest back: fewer tokens
+for decode rows; once every running sequence has its row, such a row also
+computes the drafts its budget and the free pages allow (drafts never preempt),
+and samples after each (`ScheduledSeq.draft_slot`). `update` keeps the samples up
+to the first that differs from its draft, and rolls the rest back: fewer tokens
 computed, the pages past them freed. A step with drafts is never planned ahead
 of (its rows' lengths are known only once it is done).
 
@@ -97,6 +98,12 @@ class ScheduledSeq:
     # sample after its last known token is in its own row, as for every row
     draft_slot: int = -1
 
+    def set_drafts(self, drafts: list[int]) -> None:
+        """Replace its drafts' tokens (placeholders the scheduler planned for a draft model's)."""
+        drafts = list(drafts[:len(self.draft_token_ids)])
+        self.token_ids[len(self.token_ids) - len(drafts):] = drafts
+        self.draft_token_ids = drafts
+
     def sample_slots(self, b: int) -> list[int]:
         """The sampler's rows of its samples (this is row b): after its last known token, then after
         each draft."""
@@ -112,7 +119,11 @@ class ScheduledBatch:
     preempted: list[int]  # seq ids preempted while planning this step
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
     token_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # sample -> packed allowed tokens
-    num_samples: int = 0  # rows of the sampler: one per row, one more per draft token
+
+    @property
+    def num_samples(self) -> int:
+        """Rows of the sampler: one per row, one more per draft token."""
+        return len(self.rows) + sum(len(row.draft_token_ids) for row in self.rows)
 
     def samples(self) -> list[tuple[int, int, int]]:
         """(the sampler's row, the step's row, how many of that row's drafts come before it), in the
@@ -299,8 +310,8 @@ class Scheduler:
         """The next step's plan, of at most `token_budget` tokens (default and at most:
         max_num_batched_tokens; less while the larger step buckets are still compiling). `drafts`:
         seq id -> draft tokens to check after its last token, for running sequences with no pending
-        token that compute only that token (as many as the budget allows, none where pages would
-        run short)."""
+        token that compute only that token: as many as the budget left once every running sequence
+        has its row allows, none where they would need pages that are not free."""
         total = budget = self.config.max_num_batched_tokens
         if token_budget is not None:
             total = budget = min(total, token_budget)
@@ -315,15 +326,17 @@ class Scheduler:
             n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
             if n <= 0:  # its pending token is its last: nothing more to compute
                 continue
-            draft = (drafts or {}).get(seq.seq_id, [])[:budget - 1] if n == 1 else []
-            if draft and not self._allocate(seq, 1 + len(draft), batch.page_copies):
-                draft = []  # (drafts never preempt anyone)
-            if not draft and not self._reserve(seq, n, batch):
+            if not self._reserve(seq, n, batch):
                 break  # seq itself was preempted: it was the newest
-            batch.rows.append(self._row(seq, n, len(batch.rows), draft))
-            budget -= n + len(draft)
-            if not draft:
-                self._trim(seq)  # (pages a draft model grew for drafts it does not check)
+            batch.rows.append(self._row(seq, n, len(batch.rows)))
+            budget -= n
+        for row in batch.rows if drafts else ():
+            seq = self.seqs[row.seq_id]
+            draft = drafts.get(seq.seq_id, [])[:budget] if len(row.token_ids) == 1 and row.sample else []
+            if draft and self._allocate(seq, len(draft), batch.page_copies):
+                seq.num_computed_tokens += len(draft)  # (`update` takes back the rejected ones)
+                row.token_ids, row.draft_token_ids, row.page_ids = row.token_ids + draft, list(draft), list(seq.page_ids)
+                budget -= len(draft)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -349,10 +362,10 @@ class Scheduler:
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
         batch.num_tokens = total - budget
-        batch.num_samples = len(batch.rows)
+        slot = len(batch.rows)
         for row in batch.rows:
             if row.draft_token_ids:
-                row.draft_slot, batch.num_samples = batch.num_samples, batch.num_samples + len(row.draft_token_ids)
+                row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
         return batch
 
     def _match_prefix(self, seq: Sequence) -> bool:
@@ -432,10 +445,10 @@ class Scheduler:
         return victim
 
     @staticmethod
-    def _row(seq: Sequence, n: int, index: int, drafts: list[int] = ()) -> ScheduledSeq:
-        """Row `index` of the step: seq's next n tokens, then `drafts`, counted as computed from now
-        on. The last of the n may be the pending token of the step before (only ever one: a row that
-        samples covers all known tokens)."""
+    def _row(seq: Sequence, n: int, index: int) -> ScheduledSeq:
+        """Row `index` of the step: seq's next n tokens, counted as computed from now on. The last may
+        be the pending token of the step before (only ever one: a row that samples covers all known
+        tokens)."""
         start = seq.num_computed_tokens
         token_ids = seq.token_ids[start:start + n]
         pending_row = -1
@@ -447,9 +460,7 @@ class Scheduler:
         if sample:
             seq.num_pending += 1
             seq.pending_row = index
-        seq.num_computed_tokens += len(drafts)  # (`update` takes back the rejected ones)
-        return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids + list(drafts), start_position=start,
-                            pending_row=pending_row, draft_token_ids=list(drafts),
+        return ScheduledSeq(seq_id=seq.seq_id, token_ids=token_ids, start_position=start, pending_row=pending_row,
                             page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
                             seed=seq.seed,
                             all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
@@ -500,6 +511,7 @@ class Scheduler:
                     seq.entropies.append(float(out.entropies[slot]))
                 self.num_generated_tokens += 1
                 if self._check_stop(seq, len(slots) - 1 - i):
+                    del seq.new_logprobs[i + 1:]  # (those of the tokens it dropped)
                     break
             changed.append(seq)
         return changed
@@ -520,15 +532,10 @@ class Scheduler:
         self.num_draft_tokens += len(drafts)
         self.num_accepted_tokens += accepted
         seq.num_computed_tokens -= len(drafts) - accepted
-        self._trim(seq)
-        return accepted
-
-    def _trim(self, seq: Sequence) -> None:
-        """Free the pages past the sequence's computed tokens."""
         keep = self.allocator.pages_for(seq.num_computed_tokens)
-        if len(seq.page_ids) > keep:
-            self.allocator.release(seq.page_ids[keep:])
-            del seq.page_ids[keep:]
+        self.allocator.release(seq.page_ids[keep:])
+        del seq.page_ids[keep:]
+        return accepted
 
     def drop_tokens_after(self, seq: Sequence, num_output_tokens: int) -> None:
         """A finished sequence's text ended (a stop string) at its output token `num_output_tokens`,

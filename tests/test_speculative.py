@@ -91,7 +91,7 @@ def _mixed(rng: np.random.Generator, texts: list[str] | None = None) -> tuple[li
             stop = [texts[i][len(texts[i]) // 2:len(texts[i]) // 2 + 2]]
         params.append(SamplingParams(
             max_tokens=int(rng.integers(1, 28)), temperature=0.8 if sampled else 0.0, top_k=8 if sampled else -1,
-            top_p=0.9 if sampled else 1.0, seed=i if sampled else None, n=2 if i % 9 == 0 else 1,
+            top_p=0.9 if sampled else 1.0, seed=i, n=2 if i % 9 == 0 else 1,
             repetition_penalty=1.2 if i % 6 == 0 else 1.0, presence_penalty=0.4 if i % 7 == 0 else 0.0,
             ignore_eos=bool(i % 2), stop_token_ids=[prompts[-1][-1]] if i % 8 == 0 else [],
             min_tokens=3 if i % 8 == 0 else 0, logprobs=2 if i % 3 == 0 else None, stop=stop,
@@ -290,10 +290,13 @@ def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
 @pytest.mark.slow
 def test_a_gguf_file_drafts_for_the_default_model():
     """The draft model as a GGUF file (the default model's own, drafting for it): greedy chat answers
-    as without speculation, its drafts all kept."""
+    as without speculation, its drafts all kept. In float32 (dequantized): in bfloat16 a token
+    computed in a row of 4 can round apart from the same token computed alone, and a near tie then
+    goes the other way (docs/speculative.md)."""
     from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
 
-    settings = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32)
+    settings = dict(max_model_len=256, max_num_seqs=2, max_num_batched_tokens=32, dtype="float32",
+                    quantization="none")
     base = LLM(**settings)
     spec = LLM(**settings, speculative_config={"model": str(view_file(resolve_model(DEFAULT_MODEL_NAME))),
                                                "num_speculative_tokens": 3})
