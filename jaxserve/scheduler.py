@@ -330,13 +330,7 @@ class Scheduler:
                 break  # seq itself was preempted: it was the newest
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
-        for row in batch.rows if drafts else ():
-            seq = self.seqs[row.seq_id]
-            draft = drafts.get(seq.seq_id, [])[:budget] if len(row.token_ids) == 1 and row.sample else []
-            if draft and self._allocate(seq, len(draft), batch.page_copies):
-                seq.num_computed_tokens += len(draft)  # (`update` takes back the rejected ones)
-                row.token_ids, row.draft_token_ids, row.page_ids = row.token_ids + draft, list(draft), list(seq.page_ids)
-                budget -= len(draft)
+        budget -= self._add_drafts(batch, drafts or {}, budget)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
@@ -362,11 +356,24 @@ class Scheduler:
             batch.rows.append(self._row(seq, n, len(batch.rows)))
             budget -= n
         batch.num_tokens = total - budget
-        slot = len(batch.rows)
+        slot = len(batch.rows)  # (the samples after drafts follow every row's own)
         for row in batch.rows:
-            if row.draft_token_ids:
-                row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
+            row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
         return batch
+
+    def _add_drafts(self, batch: ScheduledBatch, drafts: dict[int, list[int]], budget: int) -> int:
+        """Give the rows that compute one token and sample their drafts (`schedule`), within `budget`
+        tokens and the free pages. -> the tokens added."""
+        added = 0
+        for row in batch.rows:
+            seq = self.seqs[row.seq_id]
+            draft = drafts.get(seq.seq_id, [])[:budget - added] if len(row.token_ids) == 1 and row.sample else []
+            if draft and self._allocate(seq, len(draft), batch.page_copies):
+                seq.num_computed_tokens += len(draft)  # (`update` takes back the rejected ones)
+                row.token_ids, row.draft_token_ids = row.token_ids + draft, list(draft)
+                row.page_ids = list(seq.page_ids)
+                added += len(draft)
+        return added
 
     def _match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence that holds no pages on the cached pages of its longest known prefix
