@@ -121,10 +121,18 @@ def test_fifty_mixed_requests_come_out_as_without_speculation(engines, mixed):
         stats = engine.scheduler.stats()
         assert stats.num_draft_tokens > 20 and stats.num_accepted_tokens > 0
         engine.proposer = Oracle({tuple(p): r.outputs[0].token_ids for p, r in zip(prompts, first)})
+        dropped, drop = [], engine.scheduler.drop_tokens_after
+
+        def counted(seq, num_output_tokens):  # (kept tokens past a stop string)
+            dropped.append(seq.num_output_tokens - num_output_tokens)
+            drop(seq, num_output_tokens)
+
+        engine.scheduler.drop_tokens_after = counted
         try:
             assert _outputs(spec.generate(prompts, params, use_tqdm=False)) == expected
         finally:
-            engine.proposer = ngram
+            engine.proposer, engine.scheduler.drop_tokens_after = ngram, drop
+    assert max(dropped) > 0
     assert counter.count == 0
     oracle = engine.scheduler.stats()
     accepted = oracle.num_accepted_tokens - stats.num_accepted_tokens
