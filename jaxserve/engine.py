@@ -351,16 +351,20 @@ class Engine:
 
 
 def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int,
-                    formats: dict[str, str] | None = None) -> int:
+                    formats: dict[str, str] | None = None,
+                    draft: tuple[ModelConfig, dict[str, str]] | None = None) -> int:
     """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights
-    (matrices kept quantized as `formats` says, see `weights.weight_formats`).
+    (matrices kept quantized as `formats` says, see `weights.weight_formats`). With a `draft` model
+    (its config and formats: speculative decoding), next to its weights too, and sharing the bytes
+    with its cache, which has as many pages (`jaxserve/draft.py`): the target's part.
 
     On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
     weights; the cache is split over them, or copied to each when its KV heads do not divide.
     On CPU the (virtual) devices share one pool of host RAM."""
     tp = tensor_parallel_size
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
-        nnx.state(abstract_model(model_config, jnp.dtype(dtype), formats))))
+    models = [(model_config, formats), *([draft] if draft is not None else [])]
+    weights = sum(x.size * x.dtype.itemsize for cfg, fmts in models for x in jax.tree.leaves(
+        nnx.state(abstract_model(cfg, jnp.dtype(dtype), fmts))))
     copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
     stats = jax.devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
@@ -371,7 +375,8 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
     if budget <= 0:
         raise ValueError(f"kv_cache_memory_fraction={fraction} leaves no memory for the KV cache next to "
                          f"{weights} bytes of weights")
-    return int(budget)
+    token_bytes = [cfg.num_layers * cfg.num_kv_heads * cfg.head_dim for cfg, _ in models]  # (of a cached token)
+    return int(budget * token_bytes[0] / sum(token_bytes))
 
 
 def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
@@ -404,8 +409,13 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
         given["page_table_widths"] = "widest" if wide else "4x"
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
         formats = weight_formats(model_dir, model_config, config.quantization)
+        spec, draft = config.speculative, None
+        if spec is not None and spec.model is not None:
+            draft_dir = resolve_model(spec.model)
+            draft_config = ModelConfig.from_hf(draft_dir)
+            draft = draft_config, weight_formats(draft_dir, draft_config, None)
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
-                                                  config.tensor_parallel_size, formats)
+                                                  config.tensor_parallel_size, formats, draft)
     config = config.resolve(model_config, **given)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
         tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)

@@ -315,3 +315,22 @@ def test_a_gguf_file_drafts_for_the_default_model():
             == [o.outputs[0].token_ids for o in base.chat(chats, greedy, use_tqdm=False)])
     stats = spec.engine.scheduler.stats()
     assert stats.num_accepted_tokens > 0.9 * stats.num_draft_tokens > 0
+
+
+def test_the_memory_fraction_holds_the_draft_models_weights_and_cache_too():
+    """`kv_cache_memory_fraction` sizes the target's cache next to both models' weights, and gives
+    the draft model's cache (as many pages) its share of what is left."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from checkpoints import resolve_model
+    from jaxserve.config import ModelConfig
+    from jaxserve.engine import kv_cache_budget
+    from jaxserve.models import abstract_model
+
+    target = ModelConfig.from_hf(resolve_model("jaxserve-tiny"))
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        nnx.state(abstract_model(target, jnp.dtype("float32")))))
+    alone = kv_cache_budget(target, "float32", 0.5, 1)
+    assert abs(kv_cache_budget(target, "float32", 0.5, 1, None, (target, {})) - (alone - weights) / 2) <= 1
