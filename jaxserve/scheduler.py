@@ -497,8 +497,10 @@ class Scheduler:
                 self._record_prompt_logprobs(seq, row, out.prompt, first_entry[b])
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
-            slots = row.sample_slots(b)
-            slots = slots[:self._accept(seq, row, out.token_ids[slots]) + 1]
+            slots = [b]
+            if row.draft_token_ids:  # (the step loop's common case has none)
+                slots = row.sample_slots(b)
+                slots = slots[:self._accept(seq, row, out.token_ids[slots]) + 1]
             if row.sample:  # first: a step in flight may already have computed this token's K/V
                 seq.num_pending -= 1
                 seq.token_ids.extend(int(out.token_ids[slot]) for slot in slots)
@@ -529,8 +531,6 @@ class Scheduler:
         others' K/V is rolled back: the sequence's computed tokens end at its kept tokens, and the
         pages past them are freed."""
         drafts = row.draft_token_ids
-        if not drafts:
-            return 0
         accepted = 0
         while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
             self.accepted_per_position[accepted] += 1
