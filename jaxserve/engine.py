@@ -92,7 +92,9 @@ class Engine:
         # llama.cpp's samplers, then the registered processors
         self.processors = Processors([*BUILTIN_SAMPLERS, *config.logits_processors], model_config.vocab_size)
         self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
+        started = time.monotonic()
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
+        log.info("loaded the weights in %.1f s", time.monotonic() - started)
         spec = config.speculative
         draft = None
         if spec is not None and spec.model is not None:
@@ -131,6 +133,8 @@ class Engine:
                 self.runner.warmup_followers(progress)
         else:
             background = {"auto": background, "minimal": True, "all": False}[self.config.warmup]
+            log.info("compiling %s (a restart loads them from the executable cache)",
+                     "the first step bucket" if background else f"{len(self.compiler.shapes)} step buckets")
             bar = progress and not background
             self.compiler.start(log_progress=not bar)
             self.compiler.wait(1 if background else len(self.compiler.shapes), progress=bar)

@@ -79,6 +79,7 @@ def _library(source: Path) -> ctypes.CDLL | None:
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".tmp{os.getpid()}")
+        log.info("building the CPU kernel %s (once: kept in %s)", name, path.parent)
         command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{COMMON.parent}", str(source), "-o",
                    str(partial)]
         try:
