@@ -150,7 +150,7 @@ def _stop(body: dict) -> list[str]:
 
 def _token_ids(body: dict, name: str) -> list[int]:
     """A list of integers (in the vocabulary: the engine's check)."""
-    value = _ids(body.get(name) or [])
+    value = _ids([] if body.get(name) is None else body[name])
     if value is None:
         raise APIError(f"'{name}' must be a list of token ids", param=name)
     return value
@@ -161,7 +161,7 @@ def _allowed_token_ids(body: dict) -> list[int] | None:
 
 
 def _bad_words(body: dict) -> list[str]:
-    words = body.get("bad_words") or []
+    words = [] if body.get("bad_words") is None else body["bad_words"]
     if not isinstance(words, list) or not all(isinstance(w, str) for w in words):  # (SamplingParams: its bounds)
         raise APIError("'bad_words' must be a list of strings", param="bad_words")
     return words

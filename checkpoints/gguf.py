@@ -21,13 +21,18 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import re
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import quant_shape_to_byte_shape
 
 from checkpoints.default_model import cache_root
 from checkpoints.target import ParamTarget, param_paths
@@ -120,6 +125,77 @@ def _reader(path: Path):
     return GGUFReader(path)
 
 
+class Tensor(NamedTuple):
+    """A tensor of a GGUF file, its data a view of the file's memory map."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray  # F32 and F16: the values in their logical shape; other types: their bytes, by row
+    n_bytes: int
+
+
+# GGUF's metadata value types of a fixed size (by type id): what `tensors` steps over
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY, _ALIGNMENT = 8, 9, 32
+
+
+@functools.cache
+def tensors(path: Path) -> tuple[Tensor, ...]:
+    """The file's tensors, from its header read here (GGUF v2 and v3, little-endian): gguf's reader
+    also decodes every metadata value, a vocabulary's 100 k strings among them (seconds), which
+    loading the weights does not need."""
+    data = np.memmap(path, mode="r")
+    view = memoryview(data)
+    magic, version, count, kv_count = struct.unpack_from("<4sIQQ", view, 0)
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
+    offset, alignment = 24, _ALIGNMENT
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", view, at)
+        return bytes(view[at + 8:at + 8 + length]).decode(), at + 8 + length
+
+    def skip(kind: int, at: int) -> int:
+        if kind == _STRING:
+            return at + 8 + struct.unpack_from("<Q", view, at)[0]
+        if kind != _ARRAY:
+            return at + _VALUE_SIZES[kind]
+        item, items = struct.unpack_from("<IQ", view, at)
+        at += 12
+        if item != _STRING and item != _ARRAY:
+            return at + items * _VALUE_SIZES[item]
+        for _ in range(items):
+            at = skip(item, at)
+        return at
+
+    for _ in range(kv_count):
+        key, offset = string(offset)
+        (kind,) = struct.unpack_from("<I", view, offset)
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", view, offset + 4)
+        offset = skip(kind, offset + 4)
+    infos = []
+    for _ in range(count):
+        name, offset = string(offset)
+        (dims,) = struct.unpack_from("<I", view, offset)
+        shape = struct.unpack_from(f"<{dims}Q", view, offset + 4)
+        kind, start = struct.unpack_from("<IQ", view, offset + 4 + 8 * dims)
+        infos.append((name, GGMLQuantizationType(kind), tuple(reversed(shape)), start))
+        offset += 4 + 8 * dims + 12
+    base = -(-offset // alignment) * alignment
+    out = []
+    for name, kind, shape, start in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        n_bytes = math.prod(shape) * size // block
+        raw = data[base + start:base + start + n_bytes]
+        if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            value = raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16).reshape(shape)
+        else:
+            value = raw.reshape(quant_shape_to_byte_shape(shape, kind))
+        out.append(Tensor(name, kind, value, n_bytes))
+    return tuple(out)
+
+
 def metadata(path: Path) -> dict:
     """The file's key-value metadata (arrays of tokens and merges included)."""
     return {key: field.contents() for key, field in _reader(path).fields.items()}
@@ -137,7 +213,7 @@ def hf_config(path: Path) -> dict:
         return meta.get(f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
-    names = {t.name for t in _reader(path).tensors}
+    names = {t.name for t in tensors(path)}
     experts = get("expert_count", 0)
     config = {
         "architectures": [WITH_EXPERTS.get(arch, ARCHITECTURES[arch]) if experts else ARCHITECTURES[arch]],
@@ -210,7 +286,7 @@ def _phi3_config(path: Path, get, config: dict) -> dict:
     none, and LongRoPE's factors as tensors beside its original context and attention factor."""
     out = {"partial_rotary_factor": get("rope.dimension_count", config["head_dim"]) / config["head_dim"],
            "sliding_window": get("attention.sliding_window") or None}
-    factors = {t.name: np.asarray(t.data, np.float32).tolist() for t in _reader(path).tensors
+    factors = {t.name: np.asarray(t.data, np.float32).tolist() for t in tensors(path)
                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     if factors:
         out["rope_scaling"] = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
@@ -223,7 +299,7 @@ def _phi3_config(path: Path, get, config: dict) -> dict:
 def _llama3_rope(path: Path, config: dict) -> dict:
     """Llama 3.1's rope scaling, which llama.cpp keeps as a tensor of frequency factors: recognised
     by recomputing them from Llama 3's published parameters (any other factors are an error)."""
-    freqs = next(t for t in _reader(path).tensors if t.name == "rope_freqs.weight")
+    freqs = next(t for t in tensors(path) if t.name == "rope_freqs.weight")
     factors = np.asarray(freqs.data, np.float32)
     dim, theta = config["head_dim"], config["rope_theta"]
     wavelen = 2 * np.pi * theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
@@ -264,6 +340,7 @@ def model_view(path: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    _reader.cache_clear()  # (its memory map and every metadata value: the view holds what serving needs)
     log.info("read %s's config and tokenizer in %.1f s", path.name, time.monotonic() - started)
     return view
 
@@ -313,12 +390,18 @@ def view_file(model_dir: str | Path) -> Path | None:
     return Path(json.loads(marker.read_text())["file"]) if marker.is_file() else None
 
 
-def tensor_formats(path: Path, name_map) -> dict[str, str]:
-    """Parameter path -> the format its tensor is kept in when the file decides (KEPT_AS); float
-    tensors are left out. `name_map`: HF name pattern -> parameter path (the family's)."""
+def _viewed(model_dir: str | Path) -> tuple[Path, dict]:
+    """(the GGUF file of a model view, the view's config.json: its model_type is the GGUF architecture)."""
+    return view_file(model_dir), json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def tensor_formats(model_dir: str | Path, name_map) -> dict[str, str]:
+    """Parameter path -> the format its tensor is kept in when the view's file decides (KEPT_AS);
+    float tensors are left out. `name_map`: HF name pattern -> parameter path (the family's)."""
     out = {}
-    arch = metadata(path).get("general.architecture")
-    for tensor in _reader(path).tensors:
+    path, config = _viewed(model_dir)
+    arch = config["model_type"]
+    for tensor in tensors(path):
         param = _param_path(tensor.name, name_map, arch)
         if param is None and _is_experts(tensor.name):
             param = _param_path(tensor.name, name_map, arch, expert=0)
@@ -347,13 +430,11 @@ def _param_path(name: str, name_map, arch: str, expert: int | None = None) -> st
 def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict:
     """Every tensor of the view's GGUF file, by parameter path, in the format `target` keeps it in
     (quantized parts under their own paths, see `ParamTarget.put`)."""
-    path = view_file(model_dir)
-    reader = _reader(path)
-    arch = metadata(path)["general.architecture"]
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    path, config = _viewed(model_dir)
+    arch = config["model_type"]
     loaded: dict = {}
     requantized: dict[str, set] = {}
-    for tensor in reader.tensors:
+    for tensor in tensors(path):
         kind = tensor.tensor_type.name
         if IGNORED.fullmatch(tensor.name):
             continue
@@ -391,7 +472,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
         log.info("GGUF %s: %d tensors dequantized and quantized again (%s)", change, len(names),
                  ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else ""))
     target.check_complete(loaded, path)
-    _reader.cache_clear()  # (its memory map: what the weights need was copied out)
+    tensors.cache_clear()  # (its memory map: what the weights need was copied out)
     return loaded
 
 
@@ -408,7 +489,6 @@ def _index(value, i: int):
 
 def _dequantized(tensor) -> np.ndarray:
     """A tensor as float32 in its logical shape ([out, in] for a matrix)."""
-    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     kind = tensor.tensor_type

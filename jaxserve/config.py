@@ -279,7 +279,8 @@ class EngineConfig:
         f"more also returns its rows' whole distributions (prompt logprobs stay at most {MAX_LOGPROBS})")
     warmup: str = setting(
         "auto", "step buckets compiled before the engine serves: all, or minimal: the one that runs any step "
-        "(one token, the widest page table); the others then compile in the background, and each step runs the "
+        "(one token, the widest page table; with speculative decoding, one drafting row) and those a restart "
+        "loads from the executable cache; the others then compile in the background, and each step runs the "
         "best one compiled so far. auto: minimal for run_server.py, all for the offline LLM (whose steps then "
         "never depend on how far compilation got)", choices=WARMUP_MODES)
     page_table_widths: str = setting(
@@ -482,8 +483,14 @@ class EngineConfig:
     def warmup_order(self) -> tuple[tuple[int, int, int], ...]:
         """`step_buckets` in the order they are compiled: the spanning ones first, fewest tokens first
         (the first alone runs any step, each next one lets steps take more tokens), then the others
-        (narrower tables, fewer sequences), fewest tokens first."""
-        return self.spanning_buckets + tuple(b for b in self.step_buckets if b not in self.spanning_buckets)
+        (narrower tables, fewer sequences), fewest tokens first. With speculative decoding the first is
+        the smallest that fits a drafting row (1 + k tokens), so that drafts are checked from the first
+        step the server serves."""
+        spanning = self.spanning_buckets
+        if self.speculative is not None:
+            first = next(b for b in spanning if b[0] >= min(1 + self.speculative.num_speculative_tokens, spanning[-1][0]))
+            spanning = (first, *(b for b in spanning if b != first))
+        return spanning + tuple(b for b in self.step_buckets if b not in spanning)
 
 
 @dataclasses.dataclass(frozen=True)

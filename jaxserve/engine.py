@@ -133,11 +133,14 @@ class Engine:
                 self.runner.warmup_followers(progress)
         else:
             background = {"auto": background, "minimal": True, "all": False}[self.config.warmup]
+            shapes = self.compiler.shapes
+            # (a restart loads the buckets it compiled before in moments: all of those first)
+            first = max(1, self.runner.cached_prefix(shapes)) if background else len(shapes)
             log.info("compiling %s (a restart loads them from the executable cache)",
-                     "the first step bucket" if background else f"{len(self.compiler.shapes)} step buckets")
+                     f"{first} step bucket{'s' * (first > 1)}" if first < len(shapes) else "every step bucket")
             bar = progress and not background
-            self.compiler.start(log_progress=not bar)
-            self.compiler.wait(1 if background else len(self.compiler.shapes), progress=bar)
+            self.compiler.start(log_progress=not bar, background=background)
+            self.compiler.wait(first, progress=bar)
         self.is_ready = True
         if background:
             log.info("ready to serve: %d of %d step buckets compiled in %.1f s; the others compile in the background",

@@ -239,13 +239,27 @@ class Runner:
             self.executables[shape] = self._compile(shape, args)
         return self.executables[shape]
 
-    def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
+    def _description(self, shape: tuple[int, int, int]) -> str:
         # (what only the host reads is left out: changing it needs no new executable)
         model = dataclasses.replace(self.model_config, eos_token_ids=())
-        description = repr((model, compiled_fields(self.config), self._processors_fingerprint,
-                            self.config.returns_distributions, self.config.max_num_samples, shape))
-        return self.executable_cache.compile(self.step_fn, args, description,
+        return repr((model, compiled_fields(self.config), self._processors_fingerprint,
+                     self.config.returns_distributions, self.config.max_num_samples, shape))
+
+    def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
+        return self.executable_cache.compile(self.step_fn, args, self._description(shape),
                                              list(self.kv_sharding.mesh.devices.flat))
+
+    def _abstract_args(self, shape: tuple[int, int, int]) -> tuple:
+        empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        return jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))  # (placed: not compiled)
+
+    def cached_prefix(self, shapes: tuple[tuple[int, int, int], ...]) -> int:
+        """How many of `shapes`, from the first, the executable cache holds (a restart loads them in
+        moments); 0 without a cache, or with a draft model (whose steps compile beside them)."""
+        if self.executable_cache.directory is None or self.draft is not None:
+            return 0
+        return next((i for i, shape in enumerate(shapes) if not self.executable_cache.path(
+            self._abstract_args(shape), self._description(shape)).is_file()), len(shapes))
 
     def compile(self, shape: tuple[int, int, int]) -> None:
         """Compile (or load) the step for `shape`, unless it is; steps may use it from then on
@@ -253,8 +267,7 @@ class Runner:
         shapes and shardings only."""
         if shape in self.executables:
             return
-        empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
-        args = jax.tree.map(_abstract, self._args(self.prepare(empty, shape), shape))  # (placed: not compiled)
+        args = self._abstract_args(shape)
         if self.draft is not None:
             self.draft.compile_mirror(shape, args)
         self.executables[shape] = self._compile(shape, args)

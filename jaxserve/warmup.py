@@ -14,14 +14,21 @@ waits for it: tracing and lowering hold the GIL, and a second thread's would slo
 in bench/RESULTS.md). Its threads are daemons, so a process may end while they work; `close`
 (also run at exit) lets each finish its bucket first, since a thread cut off inside XLA at
 interpreter shutdown can abort the process.
+
+The buckets compiled while the engine serves stay out of its way: their threads run at the lowest
+OS priority (the step's threads get the cores first), and while they work the interpreter hands the
+GIL over every BACKGROUND_SWITCH_INTERVAL_S instead of every 5 ms (a step waiting for the GIL that a
+tracing thread holds waits that long at each handover). Figures in bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 
@@ -33,6 +40,15 @@ log = logging.getLogger(__name__)
 
 WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at once
 CLOSE_TIMEOUT_S = 120.0  # at most this long to wait for the buckets being compiled when closing
+BACKGROUND_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while buckets compile in the background
+LOWEST_PRIORITY = 19  # a background compile thread's nice value
+
+
+def _lowest_priority() -> None:
+    """This thread at the lowest OS priority (on Linux a thread has a nice value of its own; elsewhere
+    nothing changes)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOWEST_PRIORITY)
 
 
 class WarmupCancelled(RuntimeError):
@@ -55,16 +71,20 @@ class BucketCompiler:
         self._closed = False
         self._started_at = 0.0
         self._log_progress = False
+        self._background = False
+        self._switch_interval: float | None = None  # the interpreter's, while background compiles change it
 
     @property
     def num_compiled(self) -> int:
         return len(self._compiled)
 
-    def start(self, log_progress: bool = False) -> None:
-        """Start compiling; `log_progress`: a log line at each quarter (where no progress bar shows it)."""
+    def start(self, log_progress: bool = False, background: bool = False) -> None:
+        """Start compiling; `log_progress`: a log line at each quarter (where no progress bar shows it);
+        `background`: the buckets after the first compile while the engine serves (see the top)."""
         if self._workers:
             return
         self._log_progress = log_progress
+        self._background = background
         self._started_at = time.monotonic()
         for shape in self.shapes:
             self._todo.put(shape)
@@ -96,6 +116,8 @@ class BucketCompiler:
                 shape = self._todo.get_nowait()
             except queue.Empty:
                 return
+            if self._background and shape != self.shapes[0]:
+                self._in_background()
             try:
                 self.runner.compile(shape)
             except Exception as e:  # (a bucket the steps must do without: said now, raised by `wait`)
@@ -118,7 +140,22 @@ class BucketCompiler:
             elif self._log_progress and done * 4 // len(self.shapes) > (done - 1) * 4 // len(self.shapes):
                 log.info("%d of %d step buckets compiled", done, len(self.shapes))
 
+    def _in_background(self) -> None:
+        """This thread compiles while the engine may serve (see the top)."""
+        _lowest_priority()
+        with self._changed:
+            if self._switch_interval is None:
+                self._switch_interval = sys.getswitchinterval()
+                sys.setswitchinterval(BACKGROUND_SWITCH_INTERVAL_S)
+
+    def _restore_switch_interval(self) -> None:
+        with self._changed:
+            if self._switch_interval is not None:
+                sys.setswitchinterval(self._switch_interval)
+                self._switch_interval = None
+
     def _finish(self) -> None:
+        self._restore_switch_interval()
         atexit.unregister(self.close)  # (which holds the runner, its weights and its cache)
         took = time.monotonic() - self._started_at
         if self._failed:
@@ -135,4 +172,5 @@ class BucketCompiler:
         for worker in self._workers:
             if worker is not threading.current_thread():
                 worker.join(CLOSE_TIMEOUT_S)
+        self._restore_switch_interval()
         atexit.unregister(self.close)

@@ -64,7 +64,7 @@ def weight_formats(model_dir: str | Path, cfg: ModelConfig, quantization: str | 
     if quantization == "gguf" and gguf is None:
         raise ValueError(f"quantization='gguf' needs a GGUF file, and {model_dir} is not one")
     if quantization in (None, "gguf"):
-        return tensor_formats(gguf, MODEL_REGISTRY[cfg.architecture].hf_name_map) if gguf is not None else {}
+        return tensor_formats(model_dir, MODEL_REGISTRY[cfg.architecture].hf_name_map) if gguf is not None else {}
     if quantization == "none":
         return {}
     family = MODEL_REGISTRY[cfg.architecture]

@@ -89,3 +89,22 @@ class WrongShape(LogitsProcessor):
 
     def apply(self, logits, args, active):
         return logits[:, :-1]
+
+
+class FailOnDevice(LogitsProcessor):
+    """Fail the step on the device, for a row with extra_args {"fail_on_device": true}: a host callback
+    raises while the step runs, so the KV cache it wrote (donated) holds the error."""
+
+    args = {"fail_on_device": np.bool_(False)}
+
+    def row_args(self, extra_args):
+        return {"fail_on_device": True} if extra_args.get("fail_on_device") else None
+
+    def apply(self, logits, args, active):
+        def check(flags):
+            if np.any(flags):
+                raise RuntimeError("injected device failure")
+            return np.zeros((), np.float32)
+
+        zero = jax.pure_callback(check, jax.ShapeDtypeStruct((), jnp.float32), args["fail_on_device"] & active)
+        return logits + zero

@@ -1,7 +1,8 @@
 """Fuzzing the served API from its own OpenAPI document (/openapi.json) with schemathesis: request
 bodies and path parameters that fit the documented schemas, and ones that break them. Whatever is
-sent, no answer is a 5xx, every error is OpenAI's body (no stream carries an error event), and the
-server still serves a plain request afterwards.
+sent, no answer is a 5xx, every error is OpenAI's body (no stream carries an error event), a body
+that breaks the documented request schema is never answered 2xx, every 2xx body fits the documented
+response schema, and the server still serves a plain request afterwards.
 
 The default suite draws a few cases per operation and mode, derandomized (the same cases every run);
 the slow test draws many more. Generation is kept short (`bounded`): the fuzz is about the API's checks,
@@ -40,10 +41,11 @@ class Fault:
         return f"{self.operation} ({self.mode}): {self.what}\n  body: {json.dumps(self.body, default=repr)[:500]}"
 
 
-def bounded(body, path: str, data) -> None:
+def bounded(body, path: str, data, negative: bool) -> None:
     """Cap the token counts a body asks for (any number: a whole float counts as an integer). Half of
     the time each of the fields the first checks look at (the model, the messages, the prompt) is made
-    valid, so that the fuzz reaches the checks behind them."""
+    valid, so that the fuzz reaches the checks behind them (not in a `negative` case: its broken part
+    is left as it is)."""
     if not isinstance(body, dict):
         return
     for name, cap in CAPS.items():
@@ -52,6 +54,8 @@ def bounded(body, path: str, data) -> None:
             body[name] = cap
     if not any(name in body for name in MAX_TOKENS_FIELDS):
         body["max_output_tokens" if path == "/v1/responses" else "max_tokens"] = CAPS["max_tokens"]
+    if negative:
+        return
     if data.draw(st.booleans(), label="no model"):
         body.pop("model", None)
     if path == "/v1/chat/completions" and data.draw(st.booleans(), label="plain messages"):
@@ -83,10 +87,37 @@ def fault(response) -> str | None:
     return None
 
 
+def breaks_request_schema(document: dict, operation, body) -> bool:
+    """Whether `body`, as sent (after `bounded`), breaks the request body schema `document` gives
+    `operation` (False for an operation without a body)."""
+    from jsonschema import Draft202012Validator
+
+    content = (document["paths"][operation.path][operation.method.lower()].get("requestBody") or {}).get("content", {})
+    schema = content.get("application/json", {}).get("schema")
+    if schema is None:
+        return False
+    return not Draft202012Validator({**schema, "components": document.get("components", {})}).is_valid(body)
+
+
+def contract_fault(document: dict, case, response, negative: bool) -> str | None:
+    """What breaks the documented contract: a 2xx answer to a body the request schema refuses, or a 2xx
+    body the response schema does not describe."""
+    if not 200 <= response.status_code < 300:
+        return None
+    if negative and breaks_request_schema(document, case.operation, case.body):
+        return f"HTTP {response.status_code} to a body that breaks the request schema"
+    try:
+        case.operation.validate_response(response, case=case)
+    except Exception as e:  # (schemathesis' failure types: what matters is its message)
+        return f"HTTP {response.status_code}, a body the response schema does not describe: {str(e)[:500]}"
+    return None
+
+
 def fuzz(url: str, max_examples: int) -> tuple[list[Fault], int]:
     """Every operation of the served document, in both modes, `max_examples` cases each at most: the
     faults found, and the number of requests sent."""
-    schema = schemathesis.openapi.from_dict(httpx.get(url + "/openapi.json").json())
+    document = httpx.get(url + "/openapi.json").json()
+    schema = schemathesis.openapi.from_dict(document)
     faults, sent = [], 0
     for result in schema.get_all_operations():
         operation = result.ok()
@@ -96,10 +127,11 @@ def fuzz(url: str, max_examples: int) -> tuple[list[Fault], int]:
             @given(case=operation.as_strategy(generation_mode=mode), data=st.data())
             def run(case, data):
                 nonlocal sent
-                bounded(case.body, operation.path, data)
+                negative = mode is GenerationMode.NEGATIVE
+                bounded(case.body, operation.path, data, negative)
                 response = case.call(base_url=url, timeout=120)
                 sent += 1
-                if what := fault(response):
+                if what := fault(response) or contract_fault(document, case, response, negative):
                     faults.append(Fault(operation.label, mode.value, what, case.body))
 
             try:
@@ -133,6 +165,22 @@ FOUND = [
     ("/v1/completions", {"prompt": [-1], "echo": True, "max_tokens": 1}),
     ("/v1/completions", {"prompt": [[1, 2], [-5]], "max_tokens": 1}),
 ]
+# What the contract checks found: each answered 200 (or 500) before its fix, the field taken as absent.
+FOUND_ACCEPTED = [
+    ("/v1/responses", {"input": "hi", "reasoning": 0.0, "max_output_tokens": 1}, "reasoning"),
+    ("/v1/responses", {"input": "hi", "include": "", "max_output_tokens": 1}, "include"),
+    ("/v1/responses", {"input": "hi", "tools": {}, "max_output_tokens": 1}, "tools"),
+    ("/v1/responses", {"input": "hi", "text": {"format": 0}, "max_output_tokens": 1}, "text"),
+    ("/v1/completions", {"prompt": "hi", "bad_words": 0, "max_tokens": 1}, "bad_words"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": 0, "max_tokens": 1}, "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", FOUND_ACCEPTED)
+def test_a_wrong_falsy_field_is_a_400(served, path, body, param):
+    r = post(served, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize("path,body", FOUND)

@@ -50,7 +50,8 @@ def test_grouped_matmul_matches_float64(impl, rows, groups, chunk):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_grouped_matmul_of_quantized_experts(impl, fmt):
     """A quantized stack multiplies as its dequantized matrices do ("ragged"), or as each group's rows
-    through `matmul_t` of its quantized matrix ("chunked", whose CPU kernel may round x to int8)."""
+    through `matmul_t` of its quantized matrix, `chunk_rows` rows at a time ("chunked": the CPU kernel
+    rounds x by the number of rows it is given, to int8 or to bfloat16 tiles, `quantized_forms`)."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(24, 64)).astype(np.float32)
     w = quantize(rng.normal(size=(5, 32, 64)).astype(np.float32), fmt)
@@ -59,11 +60,15 @@ def test_grouped_matmul_of_quantized_experts(impl, fmt):
     got = jax.jit(functools.partial(grouped_matmul_t, impl=impl))(x, w, sizes)
     want = numpy_grouped(x, np.asarray(dequantize(w)), sizes)
     if impl == "chunked":
-        bounds = np.cumsum(sizes)
+        chunk, bounds = chunk_rows(len(x), len(sizes)), np.cumsum(sizes)
         want = np.zeros_like(want)
         for g in np.flatnonzero(sizes):
-            rows = slice(bounds[g] - sizes[g], bounds[g])
-            want[rows] = matmul_t(x[rows], QuantizedWeight(*(None if p is None else p[g] for p in w)))
+            for start in range(bounds[g] - sizes[g], bounds[g], chunk):
+                rows = np.zeros((chunk, x.shape[1]), np.float32)
+                part = x[start:min(start + chunk, bounds[g])]
+                rows[:len(part)] = part
+                matrix = QuantizedWeight(*(None if p is None else p[g] for p in w))
+                want[start:start + len(part)] = np.asarray(matmul_t(rows, matrix))[:len(part)]
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-4)
 
 

@@ -385,8 +385,15 @@ def test_over_http(served, client):
     body = {"ignore_eos": True, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "typical_p": 0.9,
             "min_keep": 2, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "."], "xtc_probability": 0.5,
             "xtc_threshold": 0.1, "dynatemp_range": 0.3, "dynatemp_exponent": 1.5, "dry_penalty_last_n": 64}
-    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=2, extra_body=body)
-    assert chat.usage.completion_tokens == 10
+    def chat(extra: dict) -> str:
+        answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=2,
+                                                extra_body=extra)
+        assert answer.usage.completion_tokens == 10
+        return answer.choices[0].message.content
+
+    # the fields take effect: a seeded run repeats, and differs from the same seed without them
+    with_fields = chat(body)
+    assert chat(body) == with_fields and chat({"ignore_eos": True}) != with_fields
     for field, value, message in [("mirostat", 3, "'mirostat' must be in [0, 2]"),
                                   ("typical_p", 1.5, "'typical_p' must be in [0.0, 1.0]"),
                                   ("dry_base", 0.5, "'dry_base' must be in [1.0, 100.0]"),

@@ -245,6 +245,43 @@ def test_choosing_an_alternative_branches_from_that_token_and_the_branches_are_k
     assert page.tokens() == branch
 
 
+def _settled(p: Page, timeout: float = 120) -> list[str]:
+    """Waits (polling from here: the page's CSP forbids Playwright's evaluated waits) until the last
+    answer has tokens and none is streaming; its tokens' ids."""
+    deadline = time.time() + timeout
+    tokens = p.id("message-assistant").last.get_by_test_id("token")
+    while p.locator("[data-streaming]").count() or not tokens.count():
+        assert time.time() < deadline, "the answer did not finish"
+        time.sleep(0.1)
+    return [tokens.nth(i).get_attribute("data-token-id") for i in range(tokens.count())]
+
+
+def test_a_whole_path_under_the_pages_own_content_security_policy(browser, url):
+    """The other tests lift the page's CSP for Playwright's waits; here it holds: an answer streams,
+    a token's alternatives show, choosing one branches from it, copy-as-curl gives the request, and
+    nothing is refused (a CSP violation is a console error)."""
+    p = Page(browser, url, bypass_csp=False)
+    try:
+        p.connected()
+        p.settings(seed=5, max_tokens=16, temperature=0.7)
+        p.send(QUESTION)
+        first = _settled(p)
+        assert len(first) > 3
+        p.id("message-assistant").last.get_by_test_id("token").nth(2).hover()
+        p.locator("[data-testid=alternatives]:not([hidden])").wait_for()
+        p.locator("[data-testid=alternatives] [data-testid=alternative]:not([aria-current])").first.click()
+        p.id("branch-label").filter(has_text="branch 2 of 2").wait_for()
+        branch = _settled(p)
+        assert branch[:2] == first[:2] and branch[2] != first[2]
+        p.id("prompt-input").fill(QUESTION)
+        p.id("copy-curl").click()
+        command = p.id("code-output").text_content()
+        assert command.startswith("curl") and QUESTION in command and re.search(r'"seed": ?5\b', command), command
+        assert p.errors == [], p.errors
+    finally:
+        p.close()
+
+
 def test_the_same_seed_twice_gives_the_same_text_and_n_choices_stand_side_by_side(page):
     page.settings(seed=3, max_tokens=12, n=2, temperature=1)
     page.send(QUESTION)

@@ -273,6 +273,29 @@ def _healthy(proc: subprocess.Popen, port: int) -> bool:
         return False
 
 
+def test_a_lost_kv_cache_fails_its_request_turns_health_503_and_exits_non_zero():
+    """docs/api.md's fatal path: a step that fails on the device leaves the (donated) KV cache holding
+    the error, so the engine cannot step at all: the request gets a 500, /health stops answering 200,
+    and the process exits non-zero, saying why."""
+    port = free_port()
+    with _serving(port, "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+                  "--logits-processors", "tests.processors:FailOnDevice") as proc:
+        url = f"http://127.0.0.1:{port}"
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "prompt": "hi", "max_tokens": 4, "vllm_xargs": {"fail_on_device": True}})
+        assert r.status_code == 500 and "injected device failure" in r.json()["error"]["message"], r.text
+        statuses = []
+        while proc.poll() is None and len(statuses) < 300:
+            try:
+                statuses.append(httpx.get(url + "/health", timeout=5).status_code)
+            except httpx.TransportError:
+                break
+            time.sleep(0.1)
+        out, _ = proc.communicate(timeout=60)
+    assert 200 not in statuses, statuses
+    assert proc.returncode not in (0, None) and "the engine cannot step: its KV cache is lost" in out, out[-3000:]
+
+
 def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_finishes_every_stream():
     """One seat, a queue of two: of a burst, two wait and the rest get 503 + Retry-After, and the
     admitted all complete. Under the priority policy a waiting request of a higher priority (lower
@@ -399,3 +422,93 @@ def test_a_second_signal_exits_at_once():
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 128 + signal.SIGTERM and time.time() - start < 5, out
         assert "exiting now" in out
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{% for part in m['content'] %}{{ part['text'] }}|"
+                  "{% endfor %}{% endfor %}<assistant>")
+
+
+def test_every_server_flag_through_main_does_what_it_says(tmp_path):
+    """One server through `run_server.main()` with the server-level flags the other tests leave at their
+    defaults, each checked by what it does (the engine's flags are EngineConfig's, tested as such)."""
+    port, template = free_port(), tmp_path / "parts.jinja"
+    template.write_text(PARTS_TEMPLATE)
+    flags = ["--host", "127.0.0.1", "--max-model-len", "128", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
+             "--uvicorn-log-level", "warning", "--enable-log-requests", "--disable-log-stats",
+             "--allowed-origins", '["http://ok.example"]', "--allowed-methods", '["POST"]',
+             "--allowed-headers", '["Content-Type"]', "--allow-credentials", "--max-request-body-bytes", "4096",
+             "--max-num-queued-tokens", "1", "--served-model-name", "first", "second",
+             "--chat-template", str(template), "--chat-template-content-format", "openai",
+             "--trust-request-chat-template", "--chat-template-timeout", "0.5", "--tool-call-parser", "hermes",
+             "--no-enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1", "--return-tokens-as-token-ids",
+             "--response-role", "bot", "--enable-force-include-usage", "--disable-fastapi-docs",
+             "--disable-playground", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+             "--disable-uvicorn-access-log", "--disable-frontend-multiprocessing"]
+    with _serving(port, *flags) as proc:
+        url, chat = f"http://127.0.0.1:{port}", [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+        def post(path: str, **body) -> httpx.Response:
+            return httpx.post(url + path, json={"max_tokens": 3, **body}, timeout=60)
+
+        # the served names: the one asked for is answered; the template reads the content's parts
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["first", "second"]
+        r = post("/v1/chat/completions", model="second", messages=chat, temperature=0)
+        answer = r.json()
+        assert r.status_code == 200 and answer["model"] == "second", r.text
+        message = answer["choices"][0]["message"]
+        assert message["role"] == "bot"  # --response-role
+        assert message["reasoning"] and not message["content"]  # deepseek_r1: all thinking until </think>
+        assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        tokens = httpx.post(url + "/tokenize", json={"messages": chat}).json()["tokens"]
+        assert bytes(tokens).decode() == "<user>hi|<assistant>"
+        # a request's own template, trusted, and bounded in time
+        own = post("/v1/chat/completions", messages=chat, chat_template="{{ messages[0]['role'] }}!")
+        assert own.status_code == 200, own.text
+        slow = post("/v1/chat/completions", messages=chat,
+                    chat_template="{% for i in range(10**12) %}{% endfor %}")
+        assert slow.status_code == 400 and "0.5 s" in slow.json()["error"]["message"], slow.text
+        # tool_choice "auto" refused, logprobs as token ids, a stream's usage unasked
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        assert post("/v1/chat/completions", messages=chat, tools=tools, tool_choice="auto").status_code == 400
+        logprobs = post("/v1/completions", prompt="hi", logprobs=1).json()["choices"][0]["logprobs"]
+        assert all(token.startswith("token_id:") for token in logprobs["tokens"])
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True},
+                          timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 2
+        # CORS: the allowed origin, method and header only, with credentials
+        preflight = {"Origin": "http://ok.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "content-type"}
+        ok = httpx.options(url + "/v1/completions", headers=preflight)
+        assert ok.headers["Access-Control-Allow-Origin"] == "http://ok.example"
+        assert ok.headers["Access-Control-Allow-Credentials"] == "true"
+        for wrong in ({"Origin": "http://other.example"}, {"Access-Control-Request-Method": "DELETE"}):
+            refused = httpx.options(url + "/v1/completions", headers={**preflight, **wrong})
+            assert "Access-Control-Allow-Origin" not in refused.headers or refused.status_code >= 400, wrong
+        # the body limit; no docs, no playground; the load endpoint
+        big = httpx.post(url + "/v1/completions", content=b'{"prompt": "' + b"a" * 5000 + b'"}',
+                         headers={"Content-Type": "application/json"})
+        assert big.status_code == 413
+        assert httpx.get(url + "/openapi.json").status_code == 404 and httpx.get(url + "/").status_code == 404
+        # one seat, and at most one waiting prompt token (one request alone always waits): a third is a 503
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(post, "/v1/completions", prompt="a", max_tokens=100, ignore_eos=True)
+            waiting = None
+            while not long.done():
+                load = httpx.get(url + "/load").json()
+                if load["server_load"] >= 1 and waiting is None:
+                    waiting = pool.submit(post, "/v1/completions", prompt="bb", max_tokens=1)
+                elif waiting is not None and load["queued_requests"] >= 1:
+                    third = post("/v1/completions", prompt="cc", max_tokens=1)
+                    assert third.status_code == 503 and "--max-num-queued-tokens" in third.text, third.text
+                    break
+                time.sleep(0.05)
+            else:
+                raise AssertionError("the long request ended before the queue filled")
+            assert long.result().status_code == 200 and waiting.result().status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    assert "Running on" not in out  # --uvicorn-log-level warning
+    assert "Avg prompt throughput" not in out  # --disable-log-stats
+    assert out.count("prompt tokens") >= 5  # --enable-log-requests

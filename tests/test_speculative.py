@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -160,6 +161,67 @@ def test_a_draft_model_gives_the_same_outputs(drafted, mixed):
     assert scheduler.allocator.num_free == scheduler.allocator.num_usable
 
 
+def write_other_draft(directory: Path, vocab_size: int | None = None) -> Path:
+    """A draft model unlike its target jaxserve-tiny, on the same byte-level vocabulary: 2 layers of
+    the target's 4, one KV head where the target has 2 (its k and v rows the mean of the target's
+    two heads'), the same embedding and LM head; with `vocab_size`, that many tokens instead."""
+    from safetensors.numpy import load_file, save_file
+
+    from checkpoints import default_model_dir
+    from checkpoints.default_model import TINY_CONFIG, write_byte_tokenizer
+
+    target = load_file(str(default_model_dir() / "model.safetensors"))
+    config = {**TINY_CONFIG, "num_hidden_layers": 2, "num_key_value_heads": 1,
+              "vocab_size": vocab_size or TINY_CONFIG["vocab_size"]}
+    weights = {}
+    for name, value in target.items():
+        if ".layers." in name and int(name.split(".")[2]) >= 2:
+            continue
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            value = value.reshape(2, -1, value.shape[-1]).mean(0)
+        if vocab_size and name in ("model.embed_tokens.weight", "lm_head.weight"):
+            value = np.resize(value, (vocab_size, value.shape[1]))
+        weights[name] = np.ascontiguousarray(value)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(directory)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+def test_a_different_draft_model_gives_the_same_outputs_with_some_drafts_rejected(mixed, tmp_path):
+    """A draft model of other layers and KV heads than the target's: the same 50 requests give the
+    same outputs; some of its greedy drafts are accepted, not all."""
+    prompts, params, expected, _ = mixed
+    spec = {"model": str(write_other_draft(tmp_path / "draft")), "num_speculative_tokens": 3,
+            "disable_by_batch_size": 16}
+    llm = LLM("jaxserve-tiny", **CROWDED_ENGINE, speculative_config=spec)
+    assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == expected
+    stats = llm.engine.scheduler.stats()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path):
+    spec = {"model": str(write_other_draft(tmp_path / "draft", vocab_size=300)), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary .300 tokens. is not the target's .260."):
+        LLM("jaxserve-tiny", max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, speculative_config=spec)
+
+
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(drafted, monkeypatch):
+    """The draft model's engine with its cut-off at 2 running sequences (the setting is read each step):
+    4 sequences decoding together draft nothing; one alone drafts."""
+    engine = drafted.engine
+    monkeypatch.setattr(engine, "config", dataclasses.replace(
+        engine.config, speculative_config={**DRAFT, "disable_by_batch_size": 2}))
+    prompts = np.random.default_rng(9).integers(0, 256, size=(4, 12)).tolist()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    before = engine.scheduler.stats().num_draft_tokens
+    drafted.generate(prompts, greedy, use_tqdm=False)
+    assert engine.scheduler.stats().num_draft_tokens == before
+    drafted.generate(prompts[:1], greedy, use_tqdm=False)
+    assert engine.scheduler.stats().num_draft_tokens > before
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_sampled_tokens_follow_the_distribution_without_speculation(engines, drafted, method):
     """The first three tokens of 600 draws with top-k, top-p and penalties, and other seeds with
@@ -272,11 +334,12 @@ def test_speculative_config_is_checked_as_vllm_does():
 
 def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
     """`run_server.py --speculative-config` with a draft model: answers as without it; /metrics
-    counts drafts under vLLM's names and jaxserve's; the stats line gives the acceptance rate."""
+    counts drafts under vLLM's names and jaxserve's; the stats line gives the acceptance rate. With
+    the default warm-up: the first request after /health turns 200 is drafted for."""
     port = free_port()
-    config = json.dumps({"model": "jaxserve-tiny", "num_speculative_tokens": 2})
+    config = json.dumps({"model": "jaxserve-tiny", "num_speculative_tokens": 3})
     with _serving(port, "--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-                  "--speculative-config", config, "--log-stats-interval", "0.5", "--warmup", "all") as proc:
+                  "--speculative-config", config, "--log-stats-interval", "0.5") as proc:
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
         answer = client.completions.create(model="jaxserve-tiny", prompt="a b c", max_tokens=12, temperature=0.0,
