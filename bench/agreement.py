@@ -116,7 +116,7 @@ def render(result: dict) -> str:
     readme = ("" if PROMPTS[1] in result["prompts_whose_answer_changes"]
               else ": the README's question is not among them")
     rows = [f"| {name} | {r['positions']} | {r['top1_agreement']:.1%} | {r['mean_kl']:.4f} | {r['p99_kl']:.3f} |"
-            for name, r in result.items() if isinstance(r, dict)]
+            for name, r in result.items() if isinstance(r, dict) and "positions" in r]
     return "\n".join([
         f"Measured {result['machine']}: `python bench/agreement.py`. The default model as served (Q4_1 and "
         f"Q8_0 blocks kept quantized, bfloat16 activations) against the same file dequantized to float32, "

@@ -488,7 +488,8 @@ class EngineConfig:
         step the server serves."""
         spanning = self.spanning_buckets
         if self.speculative is not None:
-            first = next(b for b in spanning if b[0] >= min(1 + self.speculative.num_speculative_tokens, spanning[-1][0]))
+            row = min(1 + self.speculative.num_speculative_tokens, spanning[-1][0])
+            first = next(b for b in spanning if b[0] >= row)
             spanning = (first, *(b for b in spanning if b != first))
         return spanning + tuple(b for b in self.step_buckets if b not in spanning)
 
