@@ -139,17 +139,27 @@ _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 _STRING, _ARRAY, _ALIGNMENT = 8, 9, 32
 
 
-@functools.cache
 def tensors(path: Path) -> tuple[Tensor, ...]:
     """The file's tensors, from its header read here (GGUF v2 and v3, little-endian): gguf's reader
     also decodes every metadata value, a vocabulary's 100 k strings among them (seconds), which
     loading the weights does not need."""
+    return _header(path)[1]
+
+
+def architecture(path: Path) -> str | None:
+    """The file's general.architecture, from its header as `tensors` reads it."""
+    return _header(path)[0]
+
+
+@functools.cache
+def _header(path: Path) -> tuple[str | None, tuple[Tensor, ...]]:
+    """(general.architecture, the tensors): see `tensors`."""
     data = np.memmap(path, mode="r")
     view = memoryview(data)
     magic, version, count, kv_count = struct.unpack_from("<4sIQQ", view, 0)
     if magic != b"GGUF" or version not in (2, 3):
         raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
-    offset, alignment = 24, _ALIGNMENT
+    offset, alignment, arch = 24, _ALIGNMENT, None
 
     def string(at: int) -> tuple[str, int]:
         (length,) = struct.unpack_from("<Q", view, at)
@@ -173,6 +183,8 @@ def tensors(path: Path) -> tuple[Tensor, ...]:
         (kind,) = struct.unpack_from("<I", view, offset)
         if key == "general.alignment":
             (alignment,) = struct.unpack_from("<I", view, offset + 4)
+        elif key == "general.architecture" and kind == _STRING:
+            arch = string(offset + 4)[0]
         offset = skip(kind, offset + 4)
     infos = []
     for _ in range(count):
@@ -193,7 +205,7 @@ def tensors(path: Path) -> tuple[Tensor, ...]:
         else:
             value = raw.reshape(quant_shape_to_byte_shape(shape, kind))
         out.append(Tensor(name, kind, value, n_bytes))
-    return tuple(out)
+    return arch, tuple(out)
 
 
 def metadata(path: Path) -> dict:
@@ -390,17 +402,12 @@ def view_file(model_dir: str | Path) -> Path | None:
     return Path(json.loads(marker.read_text())["file"]) if marker.is_file() else None
 
 
-def _viewed(model_dir: str | Path) -> tuple[Path, dict]:
-    """(the GGUF file of a model view, the view's config.json: its model_type is the GGUF architecture)."""
-    return view_file(model_dir), json.loads((Path(model_dir) / "config.json").read_text())
-
-
 def tensor_formats(model_dir: str | Path, name_map) -> dict[str, str]:
     """Parameter path -> the format its tensor is kept in when the view's file decides (KEPT_AS);
     float tensors are left out. `name_map`: HF name pattern -> parameter path (the family's)."""
     out = {}
-    path, config = _viewed(model_dir)
-    arch = config["model_type"]
+    path = view_file(model_dir)
+    arch = architecture(path)
     for tensor in tensors(path):
         param = _param_path(tensor.name, name_map, arch)
         if param is None and _is_experts(tensor.name):
@@ -430,8 +437,9 @@ def _param_path(name: str, name_map, arch: str, expert: int | None = None) -> st
 def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict:
     """Every tensor of the view's GGUF file, by parameter path, in the format `target` keeps it in
     (quantized parts under their own paths, see `ParamTarget.put`)."""
-    path, config = _viewed(model_dir)
-    arch = config["model_type"]
+    path = view_file(model_dir)
+    arch = architecture(path)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
     loaded: dict = {}
     requantized: dict[str, set] = {}
     for tensor in tensors(path):
@@ -472,7 +480,7 @@ def load_gguf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> 
         log.info("GGUF %s: %d tensors dequantized and quantized again (%s)", change, len(names),
                  ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else ""))
     target.check_complete(loaded, path)
-    tensors.cache_clear()  # (its memory map: what the weights need was copied out)
+    _header.cache_clear()  # (its memory map: what the weights need was copied out)
     return loaded
 
 

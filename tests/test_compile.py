@@ -180,6 +180,8 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
     engine, _ = build_engine(EngineConfig(**settings), warmup=False)
     order = engine.config.warmup_order
     assert order[0] == (1, 1, 8) and set(order) == set(engine.config.step_buckets)
+    assert engine.runner.cached_prefix(order) == len(order)  # (the LLM above compiled them all: a restart)
+    engine.runner.cached_prefix = lambda shapes: 0  # (a first start: ready after the first bucket alone)
     gate = Gate(engine)
     gate.through(order[0])
     engine.warmup(background=True)
@@ -201,6 +203,17 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
         got, shapes = generate(engine, prompts, params)
         assert got == want and (16, 4, 4) in shapes and engine.runner.token_budget() == 16
     assert counter.count == 0
+    engine.close()
+
+
+def test_a_restart_serves_once_every_bucket_the_executable_cache_holds_is_loaded():
+    """A restart loads the buckets it compiled before (moments each) before it is ready, so its first
+    requests run in every step shape; only the buckets missing from the cache compile in the background."""
+    settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+    LLM(**settings)  # (every bucket compiled and saved)
+    engine, _ = build_engine(EngineConfig(**settings), warmup=False)
+    engine.warmup(background=True)
+    assert engine.is_ready and engine.compile_progress == (len(engine.config.step_buckets),) * 2
     engine.close()
 
 
