@@ -329,7 +329,8 @@ def test_speculative_config_is_checked_as_vllm_does():
     config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, speculative_config=NGRAM)
     assert config.max_num_samples == 16 and config.seqs_buckets(64) == (4, 16) and config.seqs_buckets(4) == (4,)
     assert config.token_buckets == (1, 4, 8, 16, 32, 64)  # (8: two drafting rows of 1 + 3 tokens)
-    assert config.warmup_order[0] == (4, 4, config.page_buckets[-1])  # (compiled first: one drafting row fits)
+    sized = dataclasses.replace(config, max_model_len=128)  # (compiled first: the bucket one drafting row fits)
+    assert sized.warmup_order[0] == (4, 4, sized.page_buckets[-1]) and sized.warmup_order[1][0] == 1
     assert dataclasses.replace(config, speculative_config=None).seqs_buckets(64) == (4,)
 
 
