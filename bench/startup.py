@@ -21,6 +21,7 @@ With --serve-early, each run also sends bench/loadgen.py's W1 then W2 the moment
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -84,8 +85,6 @@ def _complete(client: httpx.Client, url: str) -> bool:
 
 def _serve_workloads(url: str, model: str) -> dict:
     """W1 then W2 (bench/loadgen.py) against the served model: W1's decode tok/s and TTFT, W2's tok/s."""
-    import asyncio
-
     w1 = asyncio.run(workload(url, "W1", model, offset=20_000))
     w2 = asyncio.run(workload(url, "W2", model, offset=20_000))
     return {"w1_decode_tok_s": w1["decode_tok_s"], "w1_ttft_ms": 1000 * w1["ttft_p50"], "w2_tok_s": w2["output_tok_s"]}

@@ -25,6 +25,7 @@ from checkpoints.default_model import cache_root
 
 log = logging.getLogger(__name__)
 
+
 @dataclasses.dataclass(frozen=True)
 class WheelModel:
     package: str  # pip's requirement: package==version

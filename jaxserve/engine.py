@@ -136,8 +136,8 @@ class Engine:
             shapes = self.compiler.shapes
             # (a restart loads the buckets it compiled before in moments: all of those first)
             first = max(1, self.runner.cached_prefix(shapes)) if background else len(shapes)
-            log.info("compiling %s (a restart loads them from the executable cache)",
-                     f"{first} step bucket{'s' * (first > 1)}" if first < len(shapes) else "every step bucket")
+            log.info("compiling (or loading from the executable cache) %d of %d step buckets before serving",
+                     first, len(shapes))
             bar = progress and not background
             self.compiler.start(log_progress=not bar, background=background)
             self.compiler.wait(first, progress=bar)
