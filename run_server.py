@@ -33,38 +33,39 @@ import jax
 
 from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
+from api.limits import Limits
 from api.metrics import StatsLog
-from api.protocol import Limits
 from api.reasoning import PARSERS as REASONING_PARSERS
 from api.state import api_state_of
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
-from jaxserve.async_engine import AsyncEngine
-from jaxserve import settings
-from jaxserve.config import VLLM_OPTIONS, EngineConfig, add_vllm_arguments, check_vllm_options
-from jaxserve.engine import build_engine
-from jaxserve.settings import json_strings
-from jaxserve.sharding import initialize_distributed, is_leader
-from jaxserve.tokenizer import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
+from jaxserve.config import fields
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.fields import json_strings
+from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments, check_vllm_options
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.build import build_engine
+from jaxserve.engine.chat_template import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
+from jaxserve.worker.sharding import initialize_distributed, is_leader
 
 log = logging.getLogger("jaxserve.server")
 ABORT_SECONDS = 5.0  # for aborted requests' last chunks to be sent, once the drain's time is up
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the engine's flags come from EngineConfig's fields and config.VLLM_OPTIONS;
+    """The command line: the engine's flags come from EngineConfig's fields and config.vllm.VLLM_OPTIONS;
     the server's own are declared here."""
     p = argparse.ArgumentParser(description="jaxserve: an OpenAI-compatible LLM server on JAX")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (the same as --model)")
-    settings.add_arguments(p.add_argument_group("engine"), EngineConfig)
+    fields.add_arguments(p.add_argument_group("engine"), EngineConfig)
     add_vllm_arguments(p.add_argument_group("vLLM's engine options (taken where they change nothing here)"))
     _add_server_arguments(p.add_argument_group("server"))
     _add_api_arguments(p.add_argument_group("API"))
     _add_multihost_arguments(p.add_argument_group("multi-host"))
     switches = p.add_argument_group("vLLM's server switches (no effect here)")
     for name, why in VLLM_SERVER_NO_EFFECT.items():
-        switches.add_argument(settings.flag_name(name), action="store_true", help=f"vLLM's; no effect: {why}")
+        switches.add_argument(fields.flag_name(name), action="store_true", help=f"vLLM's; no effect: {why}")
     return p
 
 
@@ -163,7 +164,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         check_vllm_options({name: getattr(args, name) for name, option in VLLM_OPTIONS.items()
                             if option.cli is not None and getattr(args, name) is not None})
-        args.engine = settings.from_namespace(EngineConfig, args)
+        args.engine = fields.from_namespace(EngineConfig, args)
     except ValueError as e:  # (named as the flag is)
         name = str(e).split("=", 1)[0].split(" ", 1)[0]
         p.error(f"--{name.replace('_', '-')}{str(e)[len(name):]}")
@@ -197,10 +198,10 @@ CLI_REFERENCE = Path(__file__).resolve().parent / "docs" / "cli.md"
 
 def cli_reference() -> str:
     """docs/cli.md: every flag of `python run_server.py`, made from the parser (`make docs`)."""
-    return settings.markdown_reference(
+    return fields.markdown_reference(
         build_parser(), "`python run_server.py` flags",
         "Generated from the code (`make docs`); `python run_server.py --help` says the same. The engine's flags "
-        "are `EngineConfig`'s fields (jaxserve/config.py), which the offline `LLM(...)` takes as keyword "
+        "are `EngineConfig`'s fields (jaxserve/config/engine.py), which the offline `LLM(...)` takes as keyword "
         "arguments under the same names (dashes as underscores).") + "\n"
 
 

@@ -10,8 +10,8 @@ from pydantic import MISSING
 from quart import Response
 
 from api.choices import Choices
-from api.generation import admit, generation, stream_error_status
 from api.errors import APIError
+from api.generation import admit, generation, stream_error_status
 from api.protocol import GenerationRequest
 from api.response_models import (ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatLogprob, ChatLogprobs,
                                  Completion, CompletionChunk, CompletionChunkChoice, CompletionLogprobs, DeltaMessage)
@@ -21,7 +21,7 @@ from api.state import APIState
 
 async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool
                  ) -> Response | ChatCompletion | Completion:
-    await admit(state, req, request_id, chat)
+    req = await admit(state, req, request_id, chat)
     if req.stream:
         chunks = ChunkStream(state, req, request_id, chat)
         return Response(chunks.events(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})

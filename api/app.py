@@ -23,17 +23,17 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from api.chat import chat
 from api.completions import completions
 from api.cors import CorsPolicy
-from api.metrics import Metrics
 from api.errors import APIError
 from api.generation import RETRY_AFTER
+from api.limits import Limits
+from api.metrics import Metrics
 from api.playground import playground as playground_pages
-from api.protocol import Limits
 from api.responses import responses
 from api.server_info import server_info
 from api.state import APIState, api_state
 from api.tokenize import tokenize
 from api.tool_parsers import ToolParser, parser_for_template
-from jaxserve.async_engine import AsyncEngine
+from jaxserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ from quart import Blueprint, Response
 from quart_schema import document_request, document_response
 
 from api.answer import answer
+from api.chat_models import ChatCompletionRequest
 from api.completions import complete
 from api.errors import APIError
 from api.protocol import parse_chat
-from api.request_models import ChatCompletionRequest
 from api.response_models import ChatCompletion
 from api.sse import new_id
 from api.state import api_state, json_body

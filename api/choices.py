@@ -3,14 +3,15 @@ and reasoning gathered for the whole answer or cut into stream chunks (`Choices`
 
 from __future__ import annotations
 
+from api.logprobs import CompletionLogprobsWriter, chat_logprobs, prompt_logprobs
 from api.protocol import GenerationRequest
 from api.reasoning import ChoiceReasoning, split_reasoning
-from api.logprobs import CompletionLogprobsWriter, chat_logprobs, prompt_logprobs
 from api.response_models import (ChatChoice, ChatCompletion, ChatLogprob, ChatLogprobs, ChatMessage, Completion,
                                  CompletionChoice, CompletionLogprobs, DeltaMessage, PromptLogprobs, Usage)
 from api.tool_parsers import ToolParser
 from api.tools import ChoiceTools
-from jaxserve.async_engine import AsyncEngine, Update
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.outputs import Update
 
 
 class Choices:

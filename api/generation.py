@@ -17,36 +17,36 @@ from api.errors import APIError
 from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
-from jaxserve.async_engine import QueueFull, Update
-from jaxserve.beam_search import BeamSearchParams
-from jaxserve.config import RequestError
-from jaxserve.engine import StepFailed
-from jaxserve.outputs import Logprob
-from jaxserve.sequence import TokenLogprobs
+from jaxserve.engine.beam_search import BeamSearchParams
+from jaxserve.engine.outputs import Logprob, Update
+from jaxserve.errors import QueueFull, RequestError, StepFailed
+from jaxserve.sched.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER = "1"  # seconds a client refused for a full queue or a draining server waits before retrying
 
 
-async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> None:
+async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> GenerationRequest:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
     serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is
     compiled on the tokenizing thread, not the event loop, before the request reaches the engine);
     then 503 where the bounded waiting queue has no room for it (`AsyncEngine.admit`: last, so a
     refused request holds no place in it). A chat request's constraint waits for the thinking
-    (--reasoning-parser)."""
+    (--reasoning-parser). -> the request as it runs."""
     if chat and state.reasoning_parser:
         if req.echo:
             raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
-        req.thinking = opens_thinking(state.reasoning_parser, state.tokenizer, req.prompts[0])  # (chat: one prompt)
-        req.params = req.params.with_constraint(thinking_first(req.params.constraint, req.thinking))
+        thinking = opens_thinking(state.reasoning_parser, state.tokenizer, req.prompts[0])  # (chat: one prompt)
+        req = dataclasses.replace(req, thinking=thinking,
+                                  params=req.params.with_constraint(thinking_first(req.params.constraint, thinking)))
     auto_tools = req.tools is not None and req.tools.mode == "auto"
     if auto_tools and not state.auto_tool_choice:
         raise APIError('"auto" tool choice requires --enable-auto-tool-choice (the server runs with '
                        '--no-enable-auto-tool-choice)', param="tool_choice")
     if auto_tools and state.tool_parser.name == "mistral":
-        req.params = dataclasses.replace(req.params, skip_special_tokens=False)  # [TOOL_CALLS] is special
+        # ([TOOL_CALLS] is a special token)
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, skip_special_tokens=False))
     try:
         for ids in req.prompts:
             state.engine.check(ids, req.params, priority=req.priority, cache_salt=req.cache_salt)
@@ -65,6 +65,7 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
     except QueueFull as e:
         raise APIError(str(e), status=503, type="server_overloaded", code="queue_full",
                        headers={"Retry-After": RETRY_AFTER}) from e
+    return req
 
 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
@@ -102,7 +103,7 @@ async def _beam_search(state: APIState, request_id: str, ids: list[int], params:
     result = await state.engine.beam_search(request_id, ids, params)
     for index, beam in enumerate(result.sequences):
         tokens = beam.tokens[len(ids):]
-        yield Update(index=index, text=beam.text, token_ids=tokens, num_prompt_tokens=len(ids),
+        yield Update(request_id=request_id, index=index, text=beam.text, token_ids=tokens, num_prompt_tokens=len(ids),
                      logprobs=[] if logprobs is None else [
                          _round_logprobs(token, candidates, logprobs)
                          for token, candidates in zip(tokens, beam.logprobs)],

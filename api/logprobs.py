@@ -7,9 +7,9 @@ import codecs
 import math
 
 from api.response_models import ChatLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs, TopLogprob
-from jaxserve.outputs import logprob_entries
-from jaxserve.sequence import TokenLogprobs
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.engine.outputs import logprob_entries
+from jaxserve.engine.tokenizer import Tokenizer
+from jaxserve.sched.sequence import TokenLogprobs
 
 LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
 

@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.async_engine import AsyncEngine, Update
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.outputs import Update
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vLLM's

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.structured import Constraint
+from jaxserve.structured_output.grammar import Constraint
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")

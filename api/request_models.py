@@ -1,92 +1,29 @@
-"""The request bodies of the generating routes as typed models: chat completions, completions and
-the Responses API; the OpenAPI document (/openapi.json) is generated from them.
+"""The request bodies of the generating routes as typed, frozen models: chat completions, completions
+and the Responses API; the OpenAPI document (/openapi.json) is generated from them.
 
-A model checks each field's JSON type and OpenAI's bounds, once; `validated` turns the first fault
-into OpenAI's error body naming the field. Null means absent, a whole-number float counts as an
-integer, and unknown fields are ignored (kept as they came), as OpenAI and vLLM do. What depends on
-the served model (the vocabulary, max_model_len, the names served) or on several fields together is
-checked by `api/protocol.py`; fields it checks are only described here (`Described`), never
-checked twice.
+A model reads each field once, as its real type (stop strings, token ids, the logit bias, the
+response format, the prompts), checking OpenAI's bounds (`api/fields.py`). A request then turns
+itself into what the engine takes (`to_sampling_params`, `to_beam_search_params`, `prompts`),
+checking what depends on several fields or on the served model (`Limits`) on the way.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Annotated, get_args
+import json
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, TypeAdapter, ValidationError, \
-    WithJsonSchema, model_validator
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from api.errors import APIError
-from jaxserve.sampling_params import MAX_N
+from api.fields import (MAX_TOKENS, OBJECT, STRING, STRINGS, TOKEN_IDS, Bool, FieldCheck, Object, Str, checked,
+                        described, documented, integer, number, object_of, strings, token_id_list, token_ids)
+from api.limits import Limits, check_model
+from api.structured_fields import (GUIDED, STRUCTURED_OUTPUTS, ResponseFormat, ResponseFormatField,
+                                   StructuredOutputsField, guided, guided_spec)
+from jaxserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
+from jaxserve.errors import RequestError
+from jaxserve.sample.params import MAX_N, SamplingParams
+from jaxserve.structured_output.grammar import Constraint
 
-MAX_TOKENS = 2**31  # OpenAI's bound on max_tokens and the other token counts
-
-
-@dataclasses.dataclass(frozen=True)
-class Typed:
-    """A field of one JSON type: the message of a value of another."""
-    what: str  # "a boolean", "a string", "an object"
-
-    def message(self, name: str, error: dict) -> str:
-        return f"'{name}' must be {self.what}, got {error['input']!r}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Bounds:
-    """A number field in [lo, hi] (or (lo, hi] where `lo_open`): the messages of a value of the wrong
-    type and of one out of range (non-finite numbers included)."""
-    lo: float
-    hi: float
-    integer: bool = False
-    lo_open: bool = False
-
-    def message(self, name: str, error: dict) -> str:
-        value = error["input"]
-        if error["type"] in ("int_type", "float_type"):
-            return f"'{name}' must be {'an integer' if self.integer else 'a number'}, got {value!r}"
-        return f"'{name}' must be in {'(' if self.lo_open else '['}{self.lo}, {self.hi}], got {value}"
-
-
-def whole(value):
-    """A whole-number float as the integer it stands for (5.0 is 5, as vLLM's request models read it)."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def number(lo: float, hi: float, lo_open: bool = False):
-    """An optional number in [lo, hi] (or (lo, hi]); booleans and strings are not numbers."""
-    bound = Field(strict=True, gt=lo, le=hi, allow_inf_nan=False) if lo_open else \
-        Field(strict=True, ge=lo, le=hi, allow_inf_nan=False)
-    return Annotated[Annotated[float, bound] | None, Bounds(lo, hi, lo_open=lo_open)]
-
-
-def integer(lo: int, hi: int):
-    """An optional integer in [lo, hi]; a whole-number float is read as the integer."""
-    return Annotated[Annotated[int, Field(strict=True, ge=lo, le=hi)] | None, BeforeValidator(whole),
-                     Bounds(lo, hi, integer=True)]
-
-
-Bool = Annotated[Annotated[bool, Field(strict=True)] | None, Typed("a boolean")]
-Str = Annotated[Annotated[str, Field(strict=True)] | None, Typed("a string")]
-Object = Annotated[Annotated[dict, Field(strict=True)] | None, Typed("an object")]
-
-
-def described(schema: dict, description: str | None = None):
-    """A field checked elsewhere (`api/protocol.py`, `api/tools.py`): any JSON here, `schema` in the
-    OpenAPI document."""
-    return Annotated[JsonValue, WithJsonSchema({**schema, **({"description": description} if description else {})})]
-
-
-def documented(field_type, description: str | None = None):
-    """A field of the chat request that another request passes on to it, described as the chat
-    request's field and checked there."""
-    return described(TypeAdapter(field_type).json_schema(), description)
-
-
-STRING = {"type": "string"}
-OBJECT = {"type": "object"}
-STRINGS = {"type": "array", "items": STRING}
-TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 LengthPenalty = number(-100.0, 100.0)
 Temperature = number(0.0, 2.0)
 TopP = number(0.0, 1.0, lo_open=True)
@@ -94,12 +31,54 @@ MaxTokens = integer(1, MAX_TOKENS)
 # top logprobs per token: OpenAI's 0..20, and as vLLM's more, or -1 for the whole vocabulary, where the
 # server's --max-logprobs allows (the engine checks the cap)
 TopLogprobs = integer(-1, MAX_TOKENS)
+length_penalty = FieldCheck(LengthPenalty)
+
+# Fields (OpenAI's and vLLM's) whose non-default values this server does not implement yet:
+# refused, never ignored.
+_NOT_YET = {
+    "best_of": lambda v: v not in (None, 1),
+    "suffix": lambda v: bool(v),
+    "audio": lambda v: v is not None,  # (the models write text only)
+    "modalities": lambda v: v not in (None, ["text"]),
+    "web_search_options": lambda v: v is not None,
+}
+# llama.cpp's sampler fields, SamplingParams' of the same names (bounds: the request models')
+LLAMACPP_FIELDS = ("typical_p", "mirostat", "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base",
+                   "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "xtc_probability",
+                   "xtc_threshold", "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "min_keep")
+# With use_beam_search, the fields beam search has no use for: 400 unless absent or at these values.
+_BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+                 "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ([""], []),
+                 "stop_token_ids": ([],), "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
+                 "response_format": ("text",), "tools": ([],), "guided_json": (), "guided_regex": (),
+                 "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "return_entropy": (False,),
+                 **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
+
+
+def _stop(name: str, value) -> list[str]:
+    stop = [value] if isinstance(value, str) else value
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):  # (SamplingParams: its bounds)
+        raise ValueError("'stop' must be a string or a list of strings")
+    return stop
+
+
+def _logit_bias(name: str, bias) -> dict[int, float]:
+    if not isinstance(bias, dict):
+        raise ValueError(f"'logit_bias' must be an object of token ids to biases, got {bias!r}")
+    out = {}  # (its bounds: SamplingParams'; its ids in the vocabulary: the engine's)
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise ValueError(f"'logit_bias' key {key!r} is not a token id")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"'logit_bias' values must be numbers, got {value!r}")
+        out[int(key)] = float(value)
+    return out
 
 
 class GenerationFields(BaseModel):
     """The fields that chat completions and completions share (OpenAI's and vLLM's), in the order they
-    are checked."""
-    model_config = ConfigDict(extra="allow")
+    are checked, and what they turn into."""
+    model_config = ConfigDict(extra="allow", frozen=True)
 
     model: described(STRING, "a served model's name (any, where absent)") = None
     echo: Bool = None
@@ -121,31 +100,32 @@ class GenerationFields(BaseModel):
     presence_penalty: number(-2.0, 2.0) = None
     frequency_penalty: number(-2.0, 2.0) = None
     repetition_penalty: number(0.0, 100.0, lo_open=True) = None
-    logit_bias: described({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                      "maximum": 100}}, "token id -> bias") = None
+    logit_bias: checked(dict[int, float], _logit_bias, {"type": "object", "additionalProperties": {
+        "type": "number", "minimum": -100, "maximum": 100}}, "logit_bias", "token id -> bias") = None
     seed: integer(-(2**63), 2**64 - 1) = None
-    stop: described({"anyOf": [STRING, STRINGS]}) = None
-    stop_token_ids: described(TOKEN_IDS) = None
-    allowed_token_ids: described(TOKEN_IDS) = None
-    bad_words: described(STRINGS) = None
+    stop: checked(list[str], _stop, {"anyOf": [STRING, STRINGS]}, "stop") = None
+    stop_token_ids: token_id_list("stop_token_ids") = None
+    allowed_token_ids: token_id_list("allowed_token_ids") = None
+    bad_words: strings("bad_words") = None
     include_stop_str_in_output: Bool = None
     ignore_eos: Bool = None
     skip_special_tokens: Bool = None
     spaces_between_special_tokens: Bool = None
     truncate_prompt_tokens: integer(-1, MAX_TOKENS) = None
-    response_format: described(OBJECT, '{"type": "text" | "json_object" | "json_schema", "json_schema": ...}') = None
-    guided_json: described({"anyOf": [OBJECT, STRING]}) = None
-    guided_regex: described(STRING) = None
-    guided_choice: described(STRINGS) = None
-    guided_grammar: described(STRING) = None
-    structured_outputs: described(OBJECT, "vLLM's: one of json, regex, choice, grammar, json_object") = None
-    stream_options: described(OBJECT, '{"include_usage": bool, "continuous_usage_stats": bool}') = None
+    response_format: ResponseFormatField = None
+    guided_json: guided("guided_json", {"anyOf": [OBJECT, STRING]}) = None
+    guided_regex: guided("guided_regex", STRING) = None
+    guided_choice: guided("guided_choice", STRINGS) = None
+    guided_grammar: guided("guided_grammar", STRING) = None
+    structured_outputs: StructuredOutputsField = None
+    stream_options: object_of("stream_options", '{"include_usage": bool, "continuous_usage_stats": bool}') = None
     return_tokens_as_token_ids: Bool = None
     return_token_ids: Bool = None
     return_entropy: Bool = None  # jaxserve's: each choice's `entropies`, per generated token
     add_special_tokens: Bool = None
     use_beam_search: Bool = None
-    vllm_xargs: described(OBJECT, "vLLM's: arguments of the server's logits processors (SamplingParams.extra_args)") = None
+    vllm_xargs: object_of("vllm_xargs", "vLLM's: arguments of the server's logits processors "
+                                        "(SamplingParams.extra_args)") = None
     # llama.cpp's samplers (its server's names; see docs/api.md)
     typical_p: number(0.0, 1.0) = None
     mirostat: integer(0, 2) = None
@@ -155,7 +135,8 @@ class GenerationFields(BaseModel):
     dry_base: number(1.0, 100.0) = None
     dry_allowed_length: integer(0, MAX_TOKENS) = None
     dry_penalty_last_n: integer(-1, MAX_TOKENS) = None
-    dry_sequence_breakers: described(STRINGS, "DRY's (default: newline, colon, double quote, asterisk)") = None
+    dry_sequence_breakers: strings("dry_sequence_breakers", "DRY's (default: newline, colon, double quote, "
+                                                            "asterisk)") = None
     xtc_probability: number(0.0, 1.0) = None
     xtc_threshold: number(0.0, 1.0) = None
     top_n_sigma: number(-1.0, 100.0) = None
@@ -174,87 +155,175 @@ class GenerationFields(BaseModel):
             body = {k: v for k, v in body.items() if k != "max_tokens"}
         return body
 
+    def given(self, name: str, default=None):
+        """A field's value (an unknown field's as it came), `default` where it is absent or null."""
+        value = getattr(self, name) if name in type(self).model_fields else (self.model_extra or {}).get(name)
+        return default if value is None else value
+
+    def check_model(self, limits: Limits) -> str:
+        """404 unless the request names a served model (or none) -> the name its answer carries: its
+        own, as vLLM answers, or the first served name."""
+        return check_model(self.model, limits)
+
+    def to_sampling_params(self, limits: Limits, default_max_tokens: int | None) -> SamplingParams:
+        """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""
+        for name, used in _NOT_YET.items():
+            if name in (self.model_extra or {}) and used(self.model_extra[name]):
+                raise APIError(f"'{name}' is not supported by this server yet", param=name)
+        if self.given("logits_processors"):
+            raise APIError("'logits_processors' are registered when the server starts (--logits-processors); a "
+                           "request uses them through their arguments, in 'vllm_xargs'", param="logits_processors")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+        try:
+            return SamplingParams(**self._sampling_fields(limits, default_max_tokens))
+        except RequestError as e:  # SamplingParams' own bounds (stop strings, bad words, min_tokens, ...)
+            raise APIError(str(e), param=e.field) from e
+        except ValueError as e:
+            raise APIError(str(e)) from e
+
+    def _sampling_fields(self, limits: Limits, default_max_tokens: int | None) -> dict:
+        defaults, given = limits.sampling_defaults, self.given
+        max_tokens = given("max_completion_tokens", given("max_tokens", default_max_tokens))
+        if "max_tokens" in defaults and max_tokens is not None:  # as vLLM: the model's max_new_tokens bounds
+            max_tokens = min(defaults["max_tokens"], max_tokens)  # every request (without one: `as_run`)
+        return dict(
+            n=given("n", 1), max_tokens=max_tokens, min_tokens=given("min_tokens", 0),
+            temperature=float(given("temperature", defaults.get("temperature", 1.0))),
+            top_p=float(given("top_p", defaults.get("top_p", 1.0))), top_k=given("top_k", defaults.get("top_k", -1)),
+            min_p=float(given("min_p", defaults.get("min_p", 0.0))),
+            presence_penalty=float(given("presence_penalty", 0.0)),
+            frequency_penalty=float(given("frequency_penalty", 0.0)),
+            repetition_penalty=float(given("repetition_penalty", defaults.get("repetition_penalty", 1.0))),
+            logit_bias=given("logit_bias", {}), seed=self.seed, stop=given("stop", []),
+            stop_token_ids=given("stop_token_ids", []), allowed_token_ids=self.allowed_token_ids,
+            bad_words=given("bad_words", []), include_stop_str_in_output=given("include_stop_str_in_output", False),
+            ignore_eos=given("ignore_eos", False), skip_special_tokens=given("skip_special_tokens", True),
+            spaces_between_special_tokens=given("spaces_between_special_tokens", True),
+            truncate_prompt_tokens=self._truncate_prompt_tokens(limits.max_model_len), logprobs=self.top_logprobs_k(),
+            prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), extra_args=self._extra_args(limits),
+            return_entropy=given("return_entropy", False),
+            **{name: getattr(self, name) for name in LLAMACPP_FIELDS if getattr(self, name) is not None})
+
+    def top_logprobs_k(self) -> int | None:
+        """Top logprobs per sampled token, or None for no logprobs."""
+        raise NotImplementedError
+
+    def _truncate_prompt_tokens(self, max_model_len: int) -> int | None:
+        keep = self.truncate_prompt_tokens
+        if keep == 0 or (keep or 0) > max_model_len:
+            raise APIError(f"'truncate_prompt_tokens' must be -1 (the model's context) or from 1 to max_model_len "
+                           f"({max_model_len}), got {keep}", param="truncate_prompt_tokens")
+        return keep
+
+    def constraint(self) -> Constraint | None:
+        """response_format, or one of vLLM's guided_* fields or `structured_outputs` (its newer form of
+        them), as a grammar constraint (compiled once to check it)."""
+        found, guided = [], {name: getattr(self, name) for name in GUIDED}
+        structured = self.structured_outputs or {}
+        if structured.get("json_object"):
+            found.append(("structured_outputs", Constraint("json_object")))
+        for key, name in STRUCTURED_OUTPUTS.items():
+            if key in structured:
+                if guided[name] is not None:
+                    raise APIError(f"give one constraint, not structured_outputs.{key} and {name}",
+                                   param="structured_outputs")
+                try:
+                    guided[name] = guided_spec(name, structured[key])
+                except ValueError as e:
+                    raise APIError(str(e), param=name) from e
+        fmt = self.response_format
+        if fmt is not None and fmt.type != "text":
+            found.append(("response_format", Constraint("json_object") if fmt.type == "json_object" else
+                          Constraint("json_schema", json.dumps(fmt.json_schema["schema"]))))
+        found += [(name, Constraint(GUIDED[name], value)) for name, value in guided.items() if value is not None]
+        if len(found) > 1:
+            raise APIError(f"give one constraint, not {' and '.join(n for n, _ in found)}", param=found[1][0])
+        if not found:
+            return None
+        param, constraint = found[0]
+        try:
+            constraint.grammar()
+        except ValueError as e:
+            raise APIError(f"'{param}': {e}", param=param) from e
+        return constraint
+
+    def _extra_args(self, limits: Limits) -> dict | None:
+        """vLLM's `vllm_xargs` (SamplingParams.extra_args), with the logits processors' arguments given as
+        top-level fields (the OpenAI SDK's extra_body) under them."""
+        extra = {name: self.given(name) for name in limits.processor_args if self.given(name) is not None}
+        extra.update(self.vllm_xargs or {})
+        return extra or None
+
+    def response_options(self, limits: Limits) -> dict:
+        """GenerationRequest's fields on how the request runs and its response is sent: stream,
+        include_usage, continuous_usage (vLLM's continuous_usage_stats, with include_usage only),
+        tokens_as_ids (vLLM's return_tokens_as_token_ids), return_token_ids, priority and cache_salt
+        (checked by the engine)."""
+        stream, options = self.given("stream", False), self.stream_options
+        include_usage = bool(options and options.get("include_usage")) or (stream and limits.force_include_usage)
+        if options and not stream:
+            raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+        return dict(stream=stream, include_usage=include_usage,
+                    continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
+                    tokens_as_ids=self.given("return_tokens_as_token_ids", limits.tokens_as_ids),
+                    return_token_ids=self.given("return_token_ids", False), priority=self.given("priority", 0),
+                    cache_salt=self.cache_salt)
+
+    def to_beam_search_params(self, params: SamplingParams, prompts: list[list[int]], echo: bool,
+                              limits: Limits) -> BeamSearchParams | None:
+        """vLLM's `use_beam_search` (with `length_penalty`): the request's n best beams become its n
+        choices (logprobs: see `api/generation.py`). Sampling controls that beam search has no use for
+        are a 400, not ignored."""
+        if not self.use_beam_search:
+            if self.length_penalty not in (None, 1):
+                raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
+            return None
+        refused = [name for name, neutral in _BEAM_NEUTRAL.items() if self._beam_value(name) not in (None, *neutral)]
+        if refused:
+            raise APIError(f"'{refused[0]}' cannot be combined with 'use_beam_search'", param=refused[0])
+        if echo and params.logprobs is not None:
+            raise APIError("'echo' with 'logprobs' cannot be combined with 'use_beam_search': beam search scores "
+                           "no prompt tokens", param="logprobs")
+        if params.n > MAX_BEAM_WIDTH:
+            raise APIError(f"'n' (the beam width) must be at most {MAX_BEAM_WIDTH} with 'use_beam_search'", param="n")
+        # (a prompt that leaves no room is the engine's 400, in `admit`)
+        max_tokens = params.max_tokens or max(1, limits.max_model_len - max(map(len, prompts)))
+        return BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                                temperature=params.temperature,
+                                length_penalty=float(length_penalty(self.length_penalty, "length_penalty", 1.0)))
+
+    def _beam_value(self, name: str):
+        value = self.given(name)
+        return value.type if isinstance(value, ResponseFormat) else value
+
+
+def _prompts(name: str, prompt) -> list[str] | list[list[int]]:
+    if isinstance(prompt, str) or token_ids(prompt):
+        prompt = [token_ids(prompt) or prompt]
+    elif isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
+        prompt = [token_ids(p) for p in prompt]  # (None where one is not a list of ids)
+    if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
+                                                          or all(isinstance(p, list) for p in prompt)):
+        raise ValueError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id "
+                         "lists")
+    return prompt
+
 
 class CompletionRequest(GenerationFields):
     """POST /v1/completions. With `echo`, max_tokens 0 scores the prompt alone."""
     model_config = ConfigDict(json_schema_extra={"required": ["prompt"]})
 
-    prompt: described({"anyOf": [STRING, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]}) = None
+    prompt: checked(list[str] | list[list[int]], _prompts, {"anyOf": [
+        STRING, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]}, "prompt") = None
     logprobs: TopLogprobs = None
 
+    def top_logprobs_k(self) -> int | None:
+        return self.logprobs
 
-class ChatCompletionRequest(GenerationFields):
-    """POST /v1/chat/completions (or a raw `prompt` instead of messages, rendered by no template)."""
-    messages: described({"type": "array", "items": OBJECT, "minItems": 1}) = None
-    logprobs: Bool = None
-    top_logprobs: TopLogprobs = None
-    tools: described({"type": "array", "items": OBJECT}) = None
-    tool_choice: described({"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]}) = None
-    functions: described({"type": "array", "items": OBJECT}, "deprecated: tools") = None
-    function_call: described({"anyOf": [STRING, OBJECT]}, "deprecated: tool_choice") = None
-    add_generation_prompt: described({"type": "boolean"}) = None
-    continue_final_message: described({"type": "boolean"}) = None
-    chat_template: described(STRING, "with --trust-request-chat-template only") = None
-    chat_template_kwargs: described(OBJECT) = None
-    reasoning_effort: described({"enum": ["none", "minimal", "low", "medium", "high", "xhigh"]}) = None
-
-
-class ResponsesRequest(BaseModel):
-    """POST /v1/responses: read as the chat request it stands for (`api/responses.py`), whose model
-    checks the fields passed on."""
-    model_config = ConfigDict(extra="allow", json_schema_extra={"required": ["input"]})
-
-    model: described(STRING) = None
-    input: described({"anyOf": [STRING, {"type": "array", "items": OBJECT, "minItems": 1}]}) = None
-    instructions: described(STRING) = None
-    max_output_tokens: MaxTokens = None
-    temperature: documented(Temperature) = None
-    top_p: documented(TopP) = None
-    top_logprobs: documented(TopLogprobs) = None
-    include: described({"type": "array", "items": {"enum": ["message.output_text.logprobs"]}}) = None
-    tools: described({"type": "array", "items": OBJECT}, "function tools") = None
-    tool_choice: described({"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]}) = None
-    parallel_tool_calls: documented(Bool) = None
-    text: described(OBJECT, '{"format": {"type": "text" | "json_object" | "json_schema", ...}}') = None
-    reasoning: described(OBJECT, '{"effort": ...}') = None
-    stream: documented(Bool) = None
-    user: documented(Str) = None
-    metadata: documented(Object) = None
-    truncation: described({"enum": ["disabled"]}) = None
-    priority: documented(integer(-(2**63), 2**63 - 1)) = None
-    cache_salt: documented(Str) = None
-
-
-def _error(rule: Typed | Bounds, name: str, error: ValidationError) -> APIError:
-    return APIError(rule.message(name, error.errors()[0]), param=name)
-
-
-def validated(model: type[BaseModel], body: dict) -> dict:
-    """The body with its fields checked by `model` (whole-number floats made integers); a 400 naming
-    the first field at fault otherwise."""
-    try:
-        return model.model_validate(body).model_dump(exclude_unset=True)
-    except ValidationError as e:
-        name = e.errors()[0]["loc"][0]
-        rule = next(m for m in model.model_fields[name].metadata if isinstance(m, (Typed, Bounds)))
-        raise _error(rule, name, e) from e
-
-
-class FieldCheck:
-    """The check of one field that its request's model only describes, made where its turn comes
-    (`length_penalty`: once `use_beam_search` is known)."""
-
-    def __init__(self, field_type):
-        self.adapter = TypeAdapter(field_type)
-        self.rule = next(m for m in get_args(field_type)[1:] if isinstance(m, (Typed, Bounds)))
-
-    def __call__(self, body: dict, name: str, default):
-        """body[name] as the field reads it, `default` where it is absent or null; a 400 naming it otherwise."""
-        try:
-            value = self.adapter.validate_python(body.get(name))
-        except ValidationError as e:
-            raise _error(self.rule, name, e) from e
-        return default if value is None else value
-
-
-length_penalty = FieldCheck(LengthPenalty)
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts: strings, or token-id lists."""
+        if self.prompt is None:
+            raise APIError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id "
+                           "lists", param="prompt")
+        return self.prompt

@@ -18,17 +18,18 @@ from pydantic_core import to_jsonable_python
 from quart import Blueprint, Response
 from quart_schema import document_request, document_response
 
+from api.chat_models import ResponsesRequest
 from api.choices import Choices
-from api.generation import admit, generation, stream_error_status
 from api.errors import APIError
+from api.fields import validated
+from api.generation import admit, generation, stream_error_status
 from api.protocol import GenerationRequest, parse_chat
-from api.request_models import ResponsesRequest, validated
-from api.response_models import (ChatLogprob, DeltaFunctionCall, DeltaMessage, FunctionCallItem, IncompleteDetails, MessageItem,
-                                 OutputItem, OutputText, ReasoningItem, ReasoningText, ResponseError, ResponseObject,
-                                 ResponseReasoning, ResponseUsage, Usage, given)
+from api.response_models import (ChatLogprob, DeltaFunctionCall, DeltaMessage, FunctionCallItem, IncompleteDetails,
+                                 MessageItem, OutputItem, OutputText, ReasoningItem, ReasoningText, ResponseError,
+                                 ResponseObject, ResponseReasoning, ResponseUsage, Usage, given)
 from api.sse import new_id, now, sse
 from api.state import APIState, api_state, json_body
-from jaxserve.tokenizer import message_text
+from jaxserve.engine.chat_template import message_text
 
 responses = Blueprint("responses", __name__)
 
@@ -40,6 +41,8 @@ _NOT_SERVED = {  # request fields that need what this server does not keep or ru
     "background": "background responses are not available",
     "max_tool_calls": "a bound on built-in tool calls has nothing to bound: only function tools are served",
 }
+
+
 def _text(content, where: str) -> str:
     """A message's content as the chat path reads it (`tokenizer.message_text`)."""
     try:
@@ -153,7 +156,7 @@ def chat_request(body: dict) -> dict:
     chat = {"messages": _messages(body), **_tools(body), **_response_format(body)}
     if reasoning.get("effort") is not None:
         chat["reasoning_effort"] = reasoning["effort"]
-    body = validated(ResponsesRequest, body)  # (a 400 names the Responses field)
+    body = validated(ResponsesRequest, body).model_dump(exclude_unset=True)  # (a 400 names the Responses field)
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
                          ("user", "user"), ("priority", "priority"), ("cache_salt", "cache_salt")):
@@ -309,7 +312,7 @@ async def create_response():
     req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
     builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                               req.params.top_p, logprobs=req.params.logprobs is not None)
-    await admit(state, req, builder.state.id, chat=True)
+    req = await admit(state, req, builder.state.id, chat=True)
     if req.stream:
         return Response(_events_or_failure(state, req, builder), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})

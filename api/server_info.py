@@ -8,7 +8,8 @@ import importlib.metadata
 
 from quart import Blueprint, Response
 
-from api.protocol import Limits, check_model
+from api.limits import Limits
+from api.request_models import check_model
 from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
 from api.sse import new_id, now
 from api.state import api_state
@@ -58,7 +59,7 @@ async def models():
 @server_info.get("/v1/models/<path:model>")
 async def model(model: str):
     limits = api_state().limits
-    check_model({"model": model}, limits)
+    check_model(model, limits)
     return model_card(model, limits)
 
 

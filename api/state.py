@@ -16,12 +16,12 @@ from typing import TypeVar
 
 from quart import current_app, request
 
-from api.metrics import Metrics
 from api.errors import APIError
-from api.protocol import Limits
+from api.limits import Limits
+from api.metrics import Metrics
 from api.tool_parsers import ToolParser
-from jaxserve.async_engine import AsyncEngine
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 _EXTENSION = "jaxserve"  # the key of the state in `app.extensions`

@@ -6,7 +6,8 @@ from __future__ import annotations
 from quart import Blueprint
 
 from api.errors import APIError
-from api.protocol import check_model, parse_chat
+from api.protocol import parse_chat
+from api.request_models import check_model
 from api.response_models import DetokenizeResponse, TokenizeResponse
 from api.state import api_state, json_body
 
@@ -21,7 +22,7 @@ RENDERING_FIELDS = ("messages", "tools", "add_generation_prompt", "continue_fina
 async def tokenize_text():
     state, body = api_state(), await json_body()
     limits, tokenizer = state.limits, state.text_tokenizer("/tokenize")
-    check_model(body, limits)
+    check_model(body.get("model"), limits)
     if "messages" in body:
         rendering = {k: body[k] for k in RENDERING_FIELDS if k in body}
         ids = (await state.off_loop(parse_chat, {**rendering, "max_tokens": 1}, limits, tokenizer)).prompts[0]
@@ -37,7 +38,7 @@ async def tokenize_text():
 async def detokenize():
     state, body = api_state(), await json_body()
     tokenizer = state.text_tokenizer("/detokenize")
-    check_model(body, state.limits)
+    check_model(body.get("model"), state.limits)
     ids = body.get("tokens")
     vocab_size = state.limits.vocab_size
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)

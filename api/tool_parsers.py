@@ -17,8 +17,9 @@ import json
 import re
 import uuid
 
-from api.response_models import FunctionCall, ToolCall as OpenAIToolCall
-from jaxserve.tokenizer import undecided_tail
+from api.response_models import FunctionCall
+from api.response_models import ToolCall as OpenAIToolCall
+from jaxserve.engine.detokenizer import undecided_tail
 
 
 @dataclasses.dataclass

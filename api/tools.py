@@ -19,8 +19,8 @@ import re
 
 from api.response_models import ChatMessage, DeltaFunctionCall, DeltaMessage, DeltaToolCall
 from api.tool_parsers import ToolCall, ToolCallStreamer, ToolParser, tool_call_from
-from jaxserve.structured import Constraint
-from jaxserve.tokenizer import REPLACEMENT_CHAR
+from jaxserve.engine.detokenizer import REPLACEMENT_CHAR
+from jaxserve.structured_output.grammar import Constraint
 
 
 class ToolError(ValueError):
@@ -56,22 +56,11 @@ class ToolRequest:
         return None
 
 
-def parse_tool_request(body: dict) -> ToolRequest | None:
-    tools, choice = body.get("tools"), body.get("tool_choice")
-    if body.get("functions") is not None and tools is None:  # the deprecated form
-        functions = body["functions"]
-        if not isinstance(functions, list):
-            raise ToolError("'functions' must be a list", "functions")
-        tools = [{"type": "function", "function": f} for f in functions]
-        call = body.get("function_call")
-        choice = {"type": "function", "function": call} if isinstance(call, dict) else call
-        legacy = True
-    else:
-        legacy = False
+def function_tools(tools) -> list[dict]:
+    """OpenAI's `tools` (function tools: {"type": "function", "function": {"name", "parameters"}}), none
+    for an empty value; ToolError naming the first tool at fault."""
     if not tools:
-        if choice not in (None, "none"):
-            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
-        return None
+        return []
     if not isinstance(tools, list):
         raise ToolError("'tools' must be a list", "tools")
     for i, tool in enumerate(tools):
@@ -82,8 +71,25 @@ def parse_tool_request(body: dict) -> ToolRequest | None:
                             "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise ToolError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+    return tools
+
+
+def parse_tool_request(tools: list[dict] | None, choice, functions, function_call,
+                       parallel_tool_calls: bool | None) -> ToolRequest | None:
+    """The request's tools (`function_tools`, checked) and how they are used; the deprecated
+    `functions` and `function_call` stand for them where `tools` is absent."""
+    legacy = functions is not None and tools is None
+    if legacy:
+        if not isinstance(functions, list):
+            raise ToolError("'functions' must be a list", "functions")
+        tools = function_tools([{"type": "function", "function": f} for f in functions])
+        choice = {"type": "function", "function": function_call} if isinstance(function_call, dict) else function_call
+    if not tools:
+        if choice not in (None, "none"):
+            raise ToolError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
     names = [t["function"]["name"] for t in tools]
-    parallel = body.get("parallel_tool_calls", True) is not False
+    parallel = parallel_tool_calls is not False
     if choice is None:
         choice = "auto"
     if isinstance(choice, dict):

@@ -22,11 +22,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.engine import build_engine  # noqa: E402
-from jaxserve.executables import ExecutableCache  # noqa: E402
-from jaxserve.sampling_params import RequestSampling, SamplingParams  # noqa: E402
-from jaxserve.scheduler import ScheduledBatch, ScheduledSeq  # noqa: E402
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.build import build_engine
+from jaxserve.sample.params import RequestSampling, SamplingParams
+from jaxserve.sched.plan import ScheduledBatch, ScheduledSeq
+from jaxserve.worker.executables import ExecutableCache
 
 
 def decode_batch(engine, rows: int, context: int) -> ScheduledBatch:

@@ -12,9 +12,9 @@ import time
 import jax
 
 from checkpoints import resolve_model
-from jaxserve.config import ModelConfig
-from jaxserve.sharding import make_mesh
-from jaxserve.weights import convert_checkpoint, load_weights
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.sharding import make_mesh
+from jaxserve.worker.weights import convert_checkpoint, load_weights
 
 
 def timed(fn) -> float:

@@ -36,7 +36,7 @@ import httpx
 from loadgen import workload
 
 ROOT = Path(__file__).resolve().parent.parent
-# the server's log lines (jaxserve/warmup.py, engine.py)
+# the server's log lines (jaxserve/worker/warmup.py, engine.py)
 ALL_COMPILED, BACKGROUND = "every step bucket is compiled", "the others compile in the background"
 
 

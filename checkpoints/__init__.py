@@ -1,7 +1,7 @@
 """Model checkpoints: where a model comes from and how its weights become device arrays.
 
 It knows no model: a loader is told what to load by a `ParamTarget` (the parameters' paths and
-shapes, the HF name map, their shardings), which the model side builds (`jaxserve.weights`).
+shapes, the HF name map, their shardings), which the model side builds (`jaxserve.worker.weights`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from checkpoints import builtin
 from checkpoints.builtin import DEFAULT_NAME as DEFAULT_MODEL_NAME
 from checkpoints.default_model import NAME as OFFLINE_MODEL_NAME
 from checkpoints.default_model import default_model_dir
-from checkpoints.gguf import gguf_file, load_gguf_params, model_view, view_file
+from checkpoints.gguf import load_gguf_params, model_view, view_file
+from checkpoints.gguf_file import gguf_file
 from checkpoints.hf import load_hf_params
 from checkpoints.target import ParamTarget, quantized_paths
 

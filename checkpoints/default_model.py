@@ -14,7 +14,6 @@ tokens. `write_byte_tokenizer` is shared with the tests' parity models.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from checkpoints.byte_level import bytes_to_unicode
+from kernels.cache import cache_root
 
 NAME = "jaxserve-tiny"
 VERSION = 1  # bump when the generated files change, so old caches are not reused
@@ -107,10 +107,6 @@ def _random_weights(cfg: dict, seed: int = 0, std: float = 0.2) -> dict[str, np.
     weights["model.norm.weight"] = np.ones(d, np.float32)
     weights["lm_head.weight"] = normal(cfg["vocab_size"], d)
     return weights
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxserve"
 
 
 def default_model_dir() -> Path:

@@ -15,8 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from safetensors import safe_open
 
 from checkpoints.target import ParamTarget

@@ -22,7 +22,6 @@ from jax.sharding import Sharding
 
 from kernels.matmul.quant import QuantizedWeight, quantize
 
-
 SLICE = re.compile(r"(.+)\[(\d+)\]")
 
 

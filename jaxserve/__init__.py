@@ -1,18 +1,40 @@
 """jaxserve: LLM inference on JAX with a paged KV cache and continuous batching.
 
-`from jaxserve import LLM, SamplingParams` is the offline API (vLLM's names).
+`from jaxserve import LLM, SamplingParams` is the offline API (vLLM's names). The names are loaded
+on first use, so that importing one part (`jaxserve.sample`, `jaxserve.config`) loads only what
+it imports.
 """
 
-from jaxserve.beam_search import BeamSearchParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine
-from jaxserve.inputs import TextPrompt, TokensPrompt
-from jaxserve.llm import LLM
-from jaxserve.logits_processors import LogitsProcessor
-from jaxserve.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxserve.sampling_params import RequestOutputKind, SamplingParams
-from jaxserve.structured import GuidedDecodingParams, StructuredOutputsParams
+from __future__ import annotations
 
-__all__ = ["LLM", "Engine", "EngineConfig", "RequestOutput", "CompletionOutput", "Logprob", "TextPrompt",
-           "TokensPrompt", "SamplingParams", "RequestOutputKind", "BeamSearchParams", "StructuredOutputsParams",
-           "GuidedDecodingParams", "LogitsProcessor"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "jaxserve.llm",
+    "Engine": "jaxserve.engine.core",
+    "EngineConfig": "jaxserve.config.engine",
+    "RequestOutput": "jaxserve.engine.outputs",
+    "CompletionOutput": "jaxserve.engine.outputs",
+    "Logprob": "jaxserve.engine.outputs",
+    "TextPrompt": "jaxserve.engine.inputs",
+    "TokensPrompt": "jaxserve.engine.inputs",
+    "SamplingParams": "jaxserve.sample.params",
+    "RequestOutputKind": "jaxserve.sample.params",
+    "BeamSearchParams": "jaxserve.engine.beam_search",
+    "LogitsProcessor": "jaxserve.sample.logits_processors",
+    "StructuredOutputsParams": "jaxserve.structured_output.grammar",
+    "GuidedDecodingParams": "jaxserve.structured_output.grammar",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jaxserve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,8 +10,8 @@ import argparse
 import time
 
 from checkpoints import resolve_model
-from jaxserve.config import QUANTIZATIONS
-from jaxserve.weights import convert_checkpoint
+from jaxserve.config.engine import QUANTIZATIONS
+from jaxserve.worker.weights import convert_checkpoint
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,15 +9,15 @@ import itertools
 import jax
 from tqdm import tqdm
 
-from jaxserve.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jaxserve.config import VLLM_OPTIONS, EngineConfig
-from jaxserve.engine import build_engine
-from jaxserve.inputs import PromptType, prompt_list, tokenize_prompt
-from jaxserve.outputs import CompletionOutput, RequestOutput, logprob_entries
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import Sequence
-from jaxserve.settings import fields
-from jaxserve.tokenizer import template_message
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.fields import fields
+from jaxserve.config.vllm import VLLM_OPTIONS
+from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
+from jaxserve.engine.build import build_engine
+from jaxserve.engine.chat_template import template_message
+from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
+from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.sample.params import SamplingParams
 
 
 def _generative_only(task: str):
@@ -41,7 +41,7 @@ class LLM:
     def __init__(self, model: str | None = None, **options):
         """`options`: the engine settings (`EngineConfig`'s fields, under their names or vLLM's:
         `block_size` is `page_size`, `gpu_memory_utilization` is `kv_cache_memory_fraction`), and
-        vLLM's other engine options where they change nothing here (`config.VLLM_OPTIONS`; refused
+        vLLM's other engine options where they change nothing here (`config.vllm.VLLM_OPTIONS`; refused
         where they would)."""
         config = EngineConfig.from_options(model=model, **options)
         if jax.process_count() > 1:
@@ -72,27 +72,23 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        seqs: list[tuple[str | None, Sequence]] = []
+        collectors: dict[str, OutputCollector] = {}
         try:
             for prompt, p, rank in zip(prompts, params, priority):
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                seqs.append((text, self.engine.add_request(str(next(self._request_ids)), ids, p, priority=rank,
-                                                           cache_salt=salt)))
-        except ValueError:
-            for _, seq in seqs:
-                self.engine.abort(seq.request_id)
-            raise
-        with tqdm(total=len(seqs), desc="generating", disable=not use_tqdm) as bar:
-            try:
+                seq = self.engine.add_request(str(next(self._request_ids)), ids, p, priority=rank, cache_salt=salt)
+                collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p)
+            with tqdm(total=len(collectors), desc="generating", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished():
-                    self.engine.step()
-                    bar.update(sum(all(s.is_finished for s in _choices(seq)) for _, seq in seqs) - bar.n)
-            except BaseException:  # (a failed step, Ctrl-C): nothing of this call is left to run later
-                for _, seq in seqs:
-                    self.engine.abort(seq.request_id)
-                raise
-        return [self._output(text, seq) for text, seq in seqs]
+                    for update in self.engine.step():
+                        collectors[update.request_id].add(update)
+                    bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+        except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
+            for request_id in collectors:
+                self.engine.abort(request_id)
+            raise
+        return [c.output(self.tokenizer) for c in collectors.values()]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -101,12 +97,9 @@ class LLM:
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
              lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
-        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
-        server render them (`tokenizer.template_message`: text parts joined, or kept as parts where
-        the template reads them, see `chat_template_content_format`; tool-call arguments decoded):
-        the assistant's turn opened, or the last message continued (`continue_final_message`);
-        `tools` (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The
-        reply is text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
+        rendered as vLLM's `LLM.chat` and the server render them (`template_message`: text parts
+        joined, or kept as parts where the template reads them; tool-call arguments decoded). The
+        reply is text: tool calls in it are not parsed here."""
         _check_unsupported(lora_request=lora_request)
         if self.tokenizer is None:
             raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "
@@ -127,7 +120,7 @@ class LLM:
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False, lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt, best
-        first (see `jaxserve.beam_search`). Prompts and `lora_request` as for `generate`."""
+        first (see `jaxserve.engine.beam_search`). Prompts and `lora_request` as for `generate`."""
         _check_unsupported(lora_request=lora_request)
         return beam_search(self, prompt_list(prompts), params, use_tqdm)
 
@@ -143,34 +136,10 @@ class LLM:
 
     embed, encode, score, classify, reward = map(_generative_only, ("embed", "encode", "score", "classify", "reward"))
 
-    def _output(self, prompt: str | None, seq: Sequence) -> RequestOutput:
-        outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
-                                    cumulative_logprob=None if s.params.logprobs is None else s.cumulative_logprob,
-                                    finish_reason=s.finish_reason,
-                                    stop_reason=s.stop_reason,
-                                    logprobs=None if s.params.logprobs is None else
-                                    logprob_entries(self.tokenizer, s.output_token_ids, s.logprobs,
-                                                    s.params.detokenize),
-                                    entropies=list(s.entropies) if s.params.return_entropy else None)
-                   for s in _choices(seq)]
-        prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None:
-            prompt_logprobs = [None, *logprob_entries(self.tokenizer, seq.prompt_token_ids[1:], seq.prompt_logprobs,
-                                                      seq.params.detokenize)]
-        return RequestOutput(request_id=seq.request_id, prompt=prompt, prompt_token_ids=seq.prompt_token_ids,
-                             outputs=outputs, finished=all(o.finish_reason is not None for o in outputs),
-                             num_cached_tokens=seq.num_cached_tokens, prompt_logprobs=prompt_logprobs)
-
 
 def _check_unsupported(lora_request=None) -> None:
-    """vLLM's per-request LoRA adapters, which jaxserve does not have: None only."""
     if lora_request is not None:
         raise ValueError("LoRA adapters are not supported: lora_request must be None")
-
-
-def _choices(seq: Sequence) -> list[Sequence]:
-    """The n sequences of a request, by choice index."""
-    return sorted([seq, *seq.forks], key=lambda s: s.index)
 
 
 def _signature() -> inspect.Signature:
@@ -187,3 +156,26 @@ def _signature() -> inspect.Signature:
 
 
 LLM.__init__.__signature__ = _signature()
+
+
+def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
+                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    """`search` with each round run by `LLM.generate`; a beam's text is that of all its tokens,
+    prompt included (as vLLM's `LLM.beam_search`)."""
+    engine = llm.engine
+    run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
+                 engine.config)
+    step = round_params(params)
+    with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
+        try:
+            beams = next(run)
+            while True:
+                outputs = llm.generate(beams, step, use_tqdm=False)
+                bar.update()
+                beams = run.send([out.outputs[0].logprobs[0] for out in outputs])
+        except StopIteration as done:
+            results = done.value
+    for result in results:
+        for beam in result.sequences:
+            beam.text = "" if llm.tokenizer is None else llm.tokenizer.decode(beam.tokens)
+    return results

@@ -2,6 +2,6 @@
 
 from kernels.matmul import matmul_t
 from kernels.matmul.grouped import grouped_matmul_t
-from kernels.paged_attention import cache_dtype, implementation, paged_attention, write_kv
+from kernels.paged_attention import AXIS, cache_dtype, implementation, paged_attention, write_kv
 
-__all__ = ["cache_dtype", "grouped_matmul_t", "implementation", "matmul_t", "paged_attention", "write_kv"]
+__all__ = ["AXIS", "cache_dtype", "grouped_matmul_t", "implementation", "matmul_t", "paged_attention", "write_kv"]

@@ -35,10 +35,10 @@ def hf_checkpoint(tmp_path_factory):
 def served():
     """(Server, AsyncEngine): the real HTTP server over jaxserve-tiny, shared by the API tests."""
     from api.app import create_app
-    from api.protocol import Limits
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import build_engine
+    from api.limits import Limits
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.build import build_engine
 
     engine, tokenizer = build_engine(EngineConfig(**ENGINE))
     async_engine = AsyncEngine(engine, tokenizer)

@@ -10,11 +10,12 @@ import sys
 import jax
 import numpy as np
 
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import allocate_kv_cache
+from jaxserve.config.engine import EngineConfig
 from jaxserve.models import ModelInputs, forward, rope_table
-from jaxserve.sharding import kv_sharding, make_mesh
-from jaxserve.weights import load_weights
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.kv_cache import allocate_kv_cache
+from jaxserve.worker.sharding import kv_sharding, make_mesh
+from jaxserve.worker.weights import load_weights
 
 
 def logits(model_dir: str, quantization: str | None, tp: int, ids: list[int]) -> tuple[np.ndarray, dict]:

@@ -13,8 +13,8 @@ import pytest
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 
 from api.app import create_app
+from api.limits import Limits
 from api.responses import ResponseBuilder
-from api.protocol import Limits
 from api.tool_parsers import PARSERS
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})

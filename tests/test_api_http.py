@@ -18,7 +18,7 @@ from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 
 from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
-from api.protocol import Limits
+from api.limits import Limits
 
 
 def test_health_and_models(served, client):

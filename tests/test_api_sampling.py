@@ -10,7 +10,7 @@ import pytest
 from server import MAX_MODEL_LEN, MESSAGES, MODEL, completion, post, streamed_text
 
 from api.app import create_app
-from api.protocol import Limits
+from api.limits import Limits
 from checkpoints.default_model import IM_END_ID
 from jaxserve import SamplingParams
 

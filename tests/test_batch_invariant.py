@@ -25,10 +25,10 @@ import numpy as np
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
+from jaxserve.config.engine import EngineConfig
 from jaxserve.models import ModelInputs
 from jaxserve.models.invariant import ROWS, tile_inputs
-from jaxserve.sequence import Sequence, TokenLogprobs
+from jaxserve.sched.sequence import Sequence, TokenLogprobs
 from kernels import paged_attention
 
 # A 32-token budget cuts the target's 45-token prompt into chunks whose sizes depend on what else

@@ -16,9 +16,9 @@ import torch
 from hf_models import build_hf_model, save_hf_model
 
 from checkpoints import default_model_dir, resolve_model
-from jaxserve.config import ModelConfig, resolve_dtype, sampling_defaults
-from jaxserve.weights import load_weights
-
+from jaxserve.config.checkpoint import resolve_dtype, sampling_defaults
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.weights import load_weights
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,5 +1,5 @@
-"""The shape the code keeps: short functions, no import cycles between modules, and an API that uses
-only public names of the engine. (Kernels and tests are exempt from the length rule.)"""
+"""The shape the code keeps: short functions and modules, imports that point down (import-linter), and
+an API that uses only public names of the engine. (Kernels and tests are exempt from the length rules.)"""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxserve", "api", "checkpoints", "kernels")
 MAX_FUNCTION_LINES = 60
+MAX_MODULE_LINES = 400
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -20,23 +21,6 @@ def _modules() -> dict[str, ast.Module]:
             out[name] = ast.parse(path.read_text(), str(path))
     out["run_server"] = ast.parse((ROOT / "run_server.py").read_text())
     return out
-
-
-def _top_level_imports(name: str, tree: ast.Module, modules: set[str]) -> set[str]:
-    """The project modules `name` imports when it is imported (not inside functions or TYPE_CHECKING)."""
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if isinstance(node, (ast.Import, ast.ImportFrom, ast.If, ast.Try)) else ():
-            if isinstance(sub, ast.Import):
-                found |= {alias.name for alias in sub.names}
-            elif isinstance(sub, ast.ImportFrom) and sub.module and not sub.level:
-                # `from package import submodule` depends on the submodule, not on the package's names
-                found |= {f"{sub.module}.{a.name}" if f"{sub.module}.{a.name}" in modules else sub.module
-                          for a in sub.names}
-    ancestors = {name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1)}  # imported first anyway
-    return {m for m in found if m in modules and m != name and m not in ancestors}
 
 
 def test_no_function_over_60_lines_outside_kernels_and_tests():
@@ -52,22 +36,47 @@ def test_no_function_over_60_lines_outside_kernels_and_tests():
     assert not long, long
 
 
-def test_no_import_cycle_between_modules():
-    modules = _modules()
-    graph = {name: _top_level_imports(name, tree, set(modules)) for name, tree in modules.items()}
-    state: dict[str, int] = {}  # 1: on the path, 2: done
+def test_imports_point_down(tmp_path):
+    """The import-linter contracts in pyproject.toml: api -> jaxserve -> checkpoints -> kernels, the
+    engine's stages in order, models and checkpoints independent; no import goes up, so none cycles."""
+    from importlinter.cli import lint_imports
 
-    def visit(name: str, path: list[str]) -> None:
-        state[name] = 1
-        for dep in sorted(graph[name]):
-            assert state.get(dep) != 1, "import cycle: " + " -> ".join(path[path.index(dep):] + [dep])
-            if dep not in state:
-                visit(dep, path + [dep])
-        state[name] = 2
+    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), cache_dir=str(tmp_path), no_logo=True) == 0
 
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
+
+def test_an_upward_import_breaks_the_contracts(tmp_path):
+    """The contracts bite: a copy of the project where the sampler imports the engine fails them."""
+    import shutil
+    import subprocess
+    import sys
+    for part in (*PACKAGES, "pyproject.toml"):
+        copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
+        copy(ROOT / part, tmp_path / part)
+    params = tmp_path / "jaxserve" / "sample" / "params.py"
+    params.write_text(params.read_text() + "\nimport jaxserve.engine.core  # noqa: E402\n")
+    run = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
+                          "sys.exit(lint_imports(no_cache=True, no_logo=True))"], cwd=tmp_path,
+                         capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "jaxserve.sample is not allowed to import jaxserve.engine" in run.stdout
+
+
+def test_no_module_over_400_lines_outside_kernels_and_tests():
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for package in PACKAGES if package != "kernels"
+            for path in sorted((ROOT / package).rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    assert not long, long
+
+
+def test_importing_a_stage_loads_only_what_it_imports():
+    """`import jaxserve.sample` does not load the engine (the package's names load on first use)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, jaxserve.sample.params, jaxserve.config.engine; "
+            "print(sorted(m for m in sys.modules if m.startswith(('jaxserve.engine', 'jaxserve.worker', 'api'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_the_api_uses_only_public_names_of_jaxserve():

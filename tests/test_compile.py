@@ -7,13 +7,13 @@ import threading
 
 import jax
 import numpy as np
-
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.engine import Engine, build_engine
-from jaxserve.structured import Constraint
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.build import build_engine
+from jaxserve.engine.core import Engine
+from jaxserve.structured_output.grammar import Constraint
 
 
 class CompileCounter:
@@ -113,7 +113,7 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
 def test_executable_key_follows_the_attention_choice_and_the_arguments(tmp_path, monkeypatch):
     """Tests switch the attention implementation through the environment within one process: the
     executable saved for one choice must never be loaded for another."""
-    from jaxserve.executables import ExecutableCache
+    from jaxserve.worker.executables import ExecutableCache
 
     cache = ExecutableCache(tmp_path)
     args = (jax.numpy.zeros((2, 3)),)

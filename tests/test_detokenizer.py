@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from checkpoints.default_model import write_byte_tokenizer
-from jaxserve.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from jaxserve.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from jaxserve.engine.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello, world! Ünïcödé façade — naïve café.",

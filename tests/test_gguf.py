@@ -28,7 +28,7 @@ from test_parity import _hf_greedy, assert_same_greedy, chunked_logits
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
 from jaxserve import LLM, SamplingParams
-from jaxserve.tokenizer import Tokenizer
+from jaxserve.engine.tokenizer import Tokenizer
 from kernels.matmul.quant import nbytes
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -123,9 +123,9 @@ def test_quantized_blocks_agree_with_the_dequantized_reference(smollm2, referenc
 
 def test_weights_stay_at_the_files_size(smollm2):
     """Kept quantized, the model's parameters take within 10 % of the file's tensor bytes."""
-    from checkpoints.gguf import tensors
-    from jaxserve.config import ModelConfig
-    from jaxserve.weights import load_weights
+    from checkpoints.gguf_file import tensors
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.worker.weights import load_weights
 
     view, file, _ = smollm2
     _, state = load_weights(view, ModelConfig.from_hf(view), "bfloat16")
@@ -139,7 +139,7 @@ def test_the_tensor_index_reads_what_ggufs_reader_reads(smollm2, tmp_path):
     tensors beside metadata arrays of every kind."""
     import gguf
 
-    from checkpoints.gguf import tensors
+    from checkpoints.gguf_file import tensors
 
     written = tmp_path / "kinds.gguf"
     writer = gguf.GGUFWriter(str(written), "llama")
@@ -276,7 +276,7 @@ def write_gguf(model, arch: str, path: Path, kind: str = "F32") -> Path:
     import gguf
     from gguf import GGMLQuantizationType
 
-    from checkpoints.gguf import hf_config
+    from checkpoints.gguf_metadata import hf_config
 
     cfg = model.config
     writer = _writer_with_shape(path, arch, cfg)
@@ -343,7 +343,7 @@ def write_gemma_gguf(model, arch: str, path: Path) -> Path:
     1 + w, float32 (no tokenizer)."""
     import gguf
 
-    from checkpoints.gguf import hf_config
+    from checkpoints.gguf_metadata import hf_config
 
     cfg = model.config
     writer = _writer_with_shape(path, arch, cfg)
@@ -418,8 +418,8 @@ def test_quantized_expert_stacks_load_as_blocks(kind, data_dtype, hf_checkpoint,
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
-    from jaxserve.config import ModelConfig
-    from jaxserve.weights import load_weights
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.worker.weights import load_weights
     from kernels.matmul.quant import QuantizedWeight, dequantize
 
     model, _ = hf_checkpoint("qwen2-moe")
@@ -444,8 +444,8 @@ def test_phi3_fused_blocks_split_as_they_lie(kind, hf_checkpoint, tmp_path):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
-    from jaxserve.config import ModelConfig
-    from jaxserve.weights import load_weights
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.worker.weights import load_weights
     from kernels.matmul.quant import QuantizedWeight, dequantize
 
     model, _ = hf_checkpoint("phi3")
@@ -533,7 +533,7 @@ def test_experts_routed_other_than_by_softmax_are_refused(hf_checkpoint, tmp_pat
     """llama.cpp's expert_gating_func names the routing; only softmax's is served."""
     from gguf import ExpertGatingFuncType
 
-    from checkpoints.gguf import hf_config
+    from checkpoints.gguf_metadata import hf_config
 
     model, _ = hf_checkpoint("qwen2-moe")
     writer = _writer_with_shape(tmp_path / "m.gguf", "qwen2moe", model.config)
@@ -548,7 +548,7 @@ def test_generation_stops_where_llama_cpp_stops(tmp_path):
     llama.cpp stops at too (Gemma 3's and Phi-3's files name only <eos> / <|endoftext|>)."""
     import gguf
 
-    from checkpoints.gguf import _end_of_generation
+    from checkpoints.gguf_metadata import end_of_generation
 
     writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma3")
     writer.add_token_list(["<pad>", "<eos>", "<bos>", "hello", "<end_of_turn>", "<start_of_turn>"])
@@ -556,4 +556,4 @@ def test_generation_stops_where_llama_cpp_stops(tmp_path):
     writer.add_tensor("x.weight", np.zeros(32, np.float32))
     for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file, writer.close):
         write()
-    assert _end_of_generation(tmp_path / "t.gguf") == [1, 4]
+    assert end_of_generation(tmp_path / "t.gguf") == [1, 4]

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
-from checkpoints.gguf import gguf_tokenizer, model_view
-from jaxserve.tokenizer import Tokenizer
+from checkpoints.gguf import model_view
+from checkpoints.gguf_metadata import gguf_tokenizer
+from jaxserve.engine.tokenizer import Tokenizer
 
 STRINGS = 2000
 SPM_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"

@@ -14,8 +14,10 @@ from conftest import CROWDED_ENGINE, SMALL_ENGINE
 
 from checkpoints.default_model import TINY_CONFIG
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import NULL_PAGE, PageAllocator, allocate_kv_cache
+from jaxserve.config.engine import EngineConfig
+from jaxserve.models.config import ModelConfig
+from jaxserve.sched.pages import NULL_PAGE, PageAllocator
+from jaxserve.worker.kv_cache import allocate_kv_cache
 from kernels import cache_dtype
 
 

@@ -1,4 +1,4 @@
-"""llama.cpp's samplers (jaxserve/llamacpp_samplers.py) against float64 numpy references written
+"""llama.cpp's samplers (jaxserve/sample/llamacpp.py) against float64 numpy references written
 from llama.cpp's definitions (src/llama-sampling.cpp), on fixed logits: which tokens survive, their
 probabilities, and, where a sampler draws, the drawn tokens' distribution (chi-square); then through
 the engine and the server.
@@ -18,9 +18,10 @@ from server import MESSAGES, MODEL, post
 from test_sampling import assert_distribution, filtered
 
 from jaxserve import SamplingParams
-from jaxserve.llamacpp_samplers import BUILTIN_SAMPLERS
-from jaxserve.logits_processors import Processors
-from jaxserve.sampling import SamplingRow, SamplingTensors, _row_key, process_logits, sample
+from jaxserve.sample.llamacpp import BUILTIN_SAMPLERS
+from jaxserve.sample.logits_processors import Processors
+from jaxserve.sample.sampler import _row_key, process_logits, sample
+from jaxserve.sample.tensors import SamplingRow, SamplingTensors
 
 VOCAB = 256
 HISTORY = 256
@@ -385,6 +386,7 @@ def test_over_http(served, client):
     body = {"ignore_eos": True, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2, "typical_p": 0.9,
             "min_keep": 2, "dry_multiplier": 0.8, "dry_sequence_breakers": ["\n", "."], "xtc_probability": 0.5,
             "xtc_threshold": 0.1, "dynatemp_range": 0.3, "dynatemp_exponent": 1.5, "dry_penalty_last_n": 64}
+
     def chat(extra: dict) -> str:
         answer = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, seed=2,
                                                 extra_body=extra)

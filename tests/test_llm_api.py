@@ -13,9 +13,9 @@ from conftest import SMALL_ENGINE
 
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, Logprob, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
-from jaxserve.sampling_params import RequestSampling
-from jaxserve.scheduler import _FORK_SEED_STRIDE
-from jaxserve.tokenizer import loops_over_content
+from jaxserve.engine.chat_template import loops_over_content
+from jaxserve.sample.params import RequestSampling
+from jaxserve.sched.sequence import FORK_SEED_STRIDE
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_n_greedy_choices_equal_the_single_choice(default_llm, prompt_len):
     # sibling's cache (shared prompt pages, its own copy of the last one) held the right keys and values
     for k, out in enumerate(sampled.outputs):
         alone = default_llm.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0,
-                                                              seed=(5 + k * _FORK_SEED_STRIDE) % 2**64))
+                                                              seed=(5 + k * FORK_SEED_STRIDE) % 2**64))
         assert alone[0].outputs[0].token_ids == out.token_ids
 
 
@@ -364,7 +364,7 @@ def test_vllm_sampling_fields(default_llm):
 
 
 def test_a_failing_step_raises_and_the_next_generate_runs(default_llm, monkeypatch):
-    from jaxserve.engine import StepFailed
+    from jaxserve.errors import StepFailed
 
     engine = default_llm.engine
     monkeypatch.setattr(engine.runner, "launch", lambda batch: (_ for _ in ()).throw(RuntimeError("injected")))

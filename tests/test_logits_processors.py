@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import CROWDED_ENGINE
-from processors import BanToken, Count, EntropyTemperature, NoRepeat, Raises, WrongShape
+from processors import BanToken, EntropyTemperature, NoRepeat, Raises, WrongShape
 from server import post
 from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.logits_processors import Processors, load_class
+from jaxserve.sample.logits_processors import Processors, load_class
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,12 @@ import pytest
 from flax import nnx
 from safetensors import safe_open
 
-from jaxserve.config import ModelConfig
 from jaxserve.models import LLAMA, MODEL_REGISTRY, MOE, abstract_model
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.gemma import GemmaOptions
 from jaxserve.models.llama import LlamaOptions
 from jaxserve.models.moe import MoeOptions
-from jaxserve.weights import param_target
+from jaxserve.worker.weights import param_target
 
 # hf_models.ARCHITECTURES name -> the options its config.json gives
 OPTIONS = {

@@ -10,10 +10,10 @@ import torch
 from flax import nnx
 from test_parity import chunked_logits
 
-from jaxserve.config import ModelConfig
 from jaxserve.models import abstract_model
+from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe import route
-from jaxserve.weights import load_weights
+from jaxserve.worker.weights import load_weights
 
 
 def test_dense_layers_and_the_shared_expert_follow_the_config(hf_checkpoint):
@@ -62,7 +62,6 @@ def test_expert_parallel_needs_experts_that_divide_over_the_devices(hf_checkpoin
     _, dense_dir = hf_checkpoint("llama")
     with pytest.raises(ValueError, match="LlamaForCausalLM has no experts"):
         ModelConfig.from_hf(dense_dir).parallel(True, 1)
-
 
 
 def test_bfloat16_experts_are_kept_as_raw_bits_on_cpu(hf_checkpoint):

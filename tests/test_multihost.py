@@ -74,7 +74,7 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[str]:
 
 def test_two_processes_serve_like_one_and_stop_together(hf_checkpoint, tmp_path):
     from jaxserve import LLM, SamplingParams
-    from jaxserve.weights import convert_checkpoint
+    from jaxserve.worker.weights import convert_checkpoint
 
     _, model_dir = hf_checkpoint("llama")
     llm = LLM(str(model_dir), **SMALL_ENGINE)  # (compiled already by other tests of this checkpoint)

@@ -9,7 +9,7 @@ import httpx
 from server import MAX_MODEL_LEN, MODEL
 
 from api.app import create_app
-from api.protocol import Limits
+from api.limits import Limits
 
 
 def request_schema(document: dict, path: str) -> dict:

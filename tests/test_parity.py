@@ -20,11 +20,12 @@ from hf_models import ARCHITECTURES, ATTN_CAP, FINAL_CAP
 from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig, ModelConfig
-from kernels import cache_dtype
-from jaxserve.kv_cache import allocate_kv_cache
+from jaxserve.config.engine import EngineConfig
 from jaxserve.models import ModelInputs, forward, rope_table
-from jaxserve.weights import load_weights
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.kv_cache import allocate_kv_cache
+from jaxserve.worker.weights import load_weights
+from kernels import cache_dtype
 
 TIE_MARGIN = 1e-3
 # bfloat16 keeps 8 significant bits: these models' logprobs move by a few hundredths under it

@@ -12,9 +12,9 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
-import struct
 import time
 import zlib
 from pathlib import Path

@@ -27,9 +27,9 @@ from safetensors.numpy import load_file, save_file
 from test_gguf import MAX_KL, MIN_TOP1, TIE, agreement
 
 from checkpoints.target import param_paths
-from jaxserve.config import ModelConfig
 from jaxserve.models import MODEL_REGISTRY
-from jaxserve.weights import weight_formats
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.weights import weight_formats
 from kernels.matmul.quant import dequantize, quantize
 
 HERE = Path(__file__).resolve().parent
@@ -141,7 +141,7 @@ def test_an_orbax_copy_keeps_the_matrices_quantized(tmp_path):
     import jax
 
     from checkpoints import default_model_dir
-    from jaxserve.weights import convert_checkpoint, load_weights
+    from jaxserve.worker.weights import convert_checkpoint, load_weights
 
     d = default_model_dir()
     cfg = ModelConfig.from_hf(d)

@@ -13,10 +13,11 @@ from test_compile import CompileCounter
 
 from checkpoints.default_model import default_model_dir
 from jaxserve import LLM, BeamSearchParams, SamplingParams
-from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.kv_cache import allocate_kv_cache
+from jaxserve.config.engine import EngineConfig
 from jaxserve.models import ModelInputs, forward, rope_table
-from jaxserve.weights import load_weights
+from jaxserve.models.config import ModelConfig
+from jaxserve.worker.kv_cache import allocate_kv_cache
+from jaxserve.worker.weights import load_weights
 
 PARITY_ATOL = 1e-4  # tests/test_parity.py's float32 tolerance on logits
 

@@ -168,7 +168,7 @@ HIDE_TORCH = ("import importlib.util\n"
 def test_loading_the_tokenizer_says_nothing_about_pytorch():
     """Where torch is not installed, importing transformers warns that PyTorch was not found: jaxserve
     needs none, and a newcomer's first run should not show what reads like an error."""
-    load = "from checkpoints import default_model_dir\nfrom jaxserve.tokenizer import Tokenizer\nTokenizer(default_model_dir())"
+    load = "from checkpoints import default_model_dir\nfrom jaxserve.engine.tokenizer import Tokenizer\nTokenizer(default_model_dir())"
     out = subprocess.run([sys.executable, "-c", HIDE_TORCH + load], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "PyTorch" not in out.stderr + out.stdout, out.stderr
     # (and without jaxserve's filter, transformers does warn: the test hides torch as it should)
@@ -405,6 +405,7 @@ def test_a_second_signal_exits_at_once():
     port = free_port()
     with _serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300") as proc:
         url = f"http://127.0.0.1:{port}"
+
         def request():
             with contextlib.suppress(httpx.HTTPError):  # (the server goes away mid-answer)
                 httpx.post(url + "/v1/completions", timeout=60, json={"prompt": "x", "max_tokens": 500,

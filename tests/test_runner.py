@@ -6,14 +6,13 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.runner import StepInputs
-from jaxserve.sampling import Padding
-from jaxserve.sampling_params import RequestSampling
-from jaxserve.scheduler import ScheduledBatch, ScheduledSeq
+from jaxserve.sample.params import RequestSampling
+from jaxserve.sample.tensors import Padding
+from jaxserve.sched.plan import ScheduledBatch, ScheduledSeq
+from jaxserve.worker.step_fn import StepInputs
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import jax
 import numpy as np
 import pytest
 import scipy.stats
-
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import MAX_LOGPROBS
-from jaxserve.sampling import SampleOutput, SamplingRow, SamplingTensors, entropy, sample
-from jaxserve.sampling_params import RequestSampling
+from jaxserve.config.engine import MAX_LOGPROBS
+from jaxserve.sample.params import RequestSampling
+from jaxserve.sample.sampler import entropy, sample
+from jaxserve.sample.tensors import SampleOutput, SamplingRow, SamplingTensors
 
 VOCAB = 12
 LOGITS = np.random.default_rng(0).normal(0.0, 1.5, size=VOCAB).astype(np.float32)
@@ -194,7 +194,7 @@ def numpy_penalties(logits, history, num_prompt, presence, frequency, repetition
 
 
 def test_penalties_match_numpy_on_random_logits_and_histories():
-    from jaxserve.sampling import process_logits
+    from jaxserve.sample.sampler import process_logits
 
     rng = np.random.default_rng(7)
     rows, params, histories, prompts, want = 16, [], [], [], []
@@ -214,7 +214,7 @@ def test_penalties_match_numpy_on_random_logits_and_histories():
 
 
 def test_logit_bias_and_min_tokens_masking():
-    from jaxserve.sampling import process_logits
+    from jaxserve.sample.sampler import process_logits
 
     bias = SamplingParams(logit_bias={3: 100.0, 5: -100.0})
     masked = SamplingParams(min_tokens=4, stop_token_ids=[2])

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.sampling import PromptLogprobs
-from jaxserve.scheduler import ScheduledBatch, Scheduler, StepOutput, prompt_targets
-from jaxserve.sequence import Sequence
-from jaxserve.structured import Constraint
+from jaxserve.config.engine import EngineConfig
+from jaxserve.sample.tensors import PromptLogprobs
+from jaxserve.sched.plan import ScheduledBatch, StepOutput, prompt_targets
+from jaxserve.sched.scheduler import Scheduler
+from jaxserve.sched.sequence import Sequence
+from jaxserve.structured_output.grammar import Constraint
 
 EOS = 99
 

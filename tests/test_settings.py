@@ -9,9 +9,10 @@ import inspect
 import pytest
 
 import run_server
-from jaxserve.config import VLLM_OPTIONS, EngineConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.fields import fields, flag_name
+from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.llm import LLM
-from jaxserve.settings import fields, flag_name
 
 # Every flag (option strings) of `python run_server.py` and its default, as they stood when the flags
 # were first made from EngineConfig: later changes may add flags, never drop or change one of these.

@@ -62,7 +62,7 @@ def test_tensor_parallel_llama_and_an_orbax_round_trip(hf_checkpoint, tmp_path):
     check(results, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size)
 
     from checkpoints.orbax_io import is_orbax_dir
-    from jaxserve.weights import convert_checkpoint
+    from jaxserve.worker.weights import convert_checkpoint
 
     orbax_dir = convert_checkpoint(model_dir, tmp_path / "orbax")
     assert is_orbax_dir(orbax_dir) and (orbax_dir / "tokenizer.json").is_file()

@@ -15,7 +15,7 @@ from server import Server, free_port, post
 import run_server
 from checkpoints import default_model_dir
 from jaxserve import LLM, SamplingParams
-from jaxserve.structured import StructuredOutputsParams
+from jaxserve.structured_output.grammar import StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -40,10 +40,10 @@ def bare_llm(bare_model):
 def bare_served(bare_model):
     """The real HTTP server over the bare model, as `run_server.py --skip-tokenizer-init` builds it."""
     from api.app import create_app
-    from api.protocol import Limits
-    from jaxserve.async_engine import AsyncEngine
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine import build_engine
+    from api.limits import Limits
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.build import build_engine
 
     engine, tokenizer = build_engine(EngineConfig(model=str(bare_model), skip_tokenizer_init=True, **SMALL_ENGINE))
     assert tokenizer is None

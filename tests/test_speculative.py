@@ -1,4 +1,4 @@
-"""Speculative decoding (`jaxserve/speculative.py`): outputs exactly as without it, whatever is
+"""Speculative decoding (`jaxserve/spec_decode/ngram.py`): outputs exactly as without it, whatever is
 drafted, mixed with everything else a batch does; pages all returned; the configuration's checks."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from test_compile import LLAMACPP, CompileCounter
 from test_run_server import _serving
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
-from jaxserve.speculative import NgramProposer, SpeculativeConfig
-from jaxserve.structured import Constraint
+from jaxserve.config.engine import EngineConfig
+from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.spec_decode.ngram import NgramProposer
+from jaxserve.structured_output.grammar import Constraint
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
          "disable_by_batch_size": 16}
@@ -390,9 +391,9 @@ def test_the_memory_fraction_holds_the_draft_models_weights_and_cache_too():
     from flax import nnx
 
     from checkpoints import resolve_model
-    from jaxserve.config import ModelConfig
-    from jaxserve.engine import kv_cache_budget
+    from jaxserve.engine.build import kv_cache_budget
     from jaxserve.models import abstract_model
+    from jaxserve.models.config import ModelConfig
 
     target = ModelConfig.from_hf(resolve_model("jaxserve-tiny"))
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(

@@ -16,8 +16,8 @@ import pytest
 from server import MESSAGES, MODEL, post
 
 from checkpoints import resolve_model
-from jaxserve import grammar_sandbox
-from jaxserve.structured import Constraint
+from jaxserve.structured_output import sandbox as grammar_sandbox
+from jaxserve.structured_output.grammar import Constraint
 
 SCHEMA = {
     "type": "object",
@@ -215,6 +215,7 @@ def test_tool_turns_are_accepted_as_input(client):
     r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], max_tokens=4)
     assert r.choices[0].message.role == "assistant"
 
+
 def test_deprecated_functions_get_the_legacy_shape(client):
     kw = dict(model=MODEL, messages=ASK + [{"role": "function", "name": "get_time", "content": "noon"}],
               max_tokens=60, temperature=0.0, functions=[WEATHER["function"], TIME["function"]],
@@ -249,7 +250,7 @@ PATHOLOGICAL = [
 
 def test_pathological_grammars_are_quick_400s(served, monkeypatch):
     """Grammars that would crash the compiler or hold it for minutes are 400s within seconds, found
-    in the grammar sandbox (`jaxserve/grammar_sandbox.py`, here with a 1 s deadline); the engine's
+    in the grammar sandbox (`jaxserve/structured_output/sandbox.py`, here with a 1 s deadline); the engine's
     own check (the offline LLM's) refuses them too. A regex whose DFA would explode is built lazily
     by llguidance, and served. The server then serves a normal constrained request."""
     monkeypatch.setattr(grammar_sandbox, "GRAMMAR_CHECK_TIMEOUT_S", 1.0)

@@ -23,7 +23,7 @@ from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 # a family's own settings (`ModelConfig.options`): one type per family
 ModelOptions = llama.LlamaOptions | gemma.GemmaOptions | moe.MoeOptions
@@ -42,7 +42,7 @@ class ModelFamily:
     options_from_hf: Callable[[str, dict, Path], ModelOptions]  # (architecture, decoder config, its path) -> options
     model: Callable[[ModelConfig, jax.typing.DTypeLike, nnx.Rngs], nnx.Module]  # (cfg, dtype, rngs) -> the module
     hf_name_map: Mapping[str, str]  # HF tensor name pattern -> parameter path (`re.sub` template)
-    partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.sharding.weight_sharding`
+    partition_rules: Sequence[tuple[str, PartitionSpec, str]]  # see `jaxserve.worker.sharding.weight_sharding`
     tied_head: frozenset[str]  # parameter paths a checkpoint may hold that tied embeddings leave out
     # (architecture, decoder config, config.json's path) -> `ModelConfig.ropes`: the rotations the
     # layers use, the model's own first
@@ -56,7 +56,6 @@ class ModelFamily:
     expert_parallel_rules: Sequence[tuple[str, PartitionSpec, str]] = ()
 
     def rules(self, cfg: ModelConfig) -> tuple[tuple[str, PartitionSpec, str], ...]:
-        """The partition rules of a model of `cfg`: with expert parallelism, the experts' first."""
         return (*(self.expert_parallel_rules if cfg.expert_parallel else ()), *self.partition_rules)
 
 

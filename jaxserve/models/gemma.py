@@ -30,7 +30,7 @@ from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention,
 from jaxserve.models.rope import RopeConfig, rope_from_hf
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 GEMMA2 = ("Gemma2ForCausalLM",)
 GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -78,7 +78,6 @@ def decoder_config(architecture: str, hf: dict) -> dict:
 
 
 def options_from_hf(architecture: str, hf: dict, path: Path) -> GemmaOptions:
-    """The family's options from the text model's config (`decoder_config`), read from `path`."""
     activation = hf["hidden_activation"]  # (`decoder_config` gives transformers' default where it is left out)
     if activation != "gelu_pytorch_tanh":
         raise ValueError(f"hidden_activation {activation!r} is not supported (only 'gelu_pytorch_tanh'), in {path}")
@@ -143,7 +142,6 @@ TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embedding
 # an image-text checkpoint's vision tower and projector: read past, never loaded (the model is text only)
 SKIPPED_TENSORS = r"(?:model\.)?(?:vision_tower|multi_modal_projector)\..*"
 
-# Megatron-style, as Llama's (`layers.ATTENTION_RULES`)
 PARTITION_RULES = [*ATTENTION_RULES, *mlp_rules(), *EMBEDDING_RULES]
 
 

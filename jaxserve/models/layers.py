@@ -24,12 +24,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
-from jaxserve.sharding import AXIS
-from kernels import matmul_t, paged_attention, write_kv
+from kernels import AXIS, matmul_t, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 
 @flax.struct.dataclass
@@ -56,7 +55,7 @@ class ModelInputs:
 
 
 # Partition rules of the shared layers (parameter path pattern, partition spec, the ModelConfig
-# count that must divide the mesh size; see `jaxserve.sharding.weight_sharding`). Megatron-style,
+# count that must divide the mesh size; see `jaxserve.worker.sharding.weight_sharding`). Megatron-style,
 # weights [out, in]: q/k/v and MLP gate/up column-parallel (output split over heads), o and down
 # row-parallel; the embedding split over the hidden size, the LM head over the vocabulary (the
 # logits come out vocab-sharded); norms replicated.
@@ -119,9 +118,8 @@ class Quantizable(nnx.Module):
 
 
 class Linear(Quantizable):
-    """y = x W^T + b, the weight stored [out, in] as Hugging Face stores it. The product
-    accumulates in float32 and returns the input dtype (`kernels.matmul_t`, which picks the
-    backend's implementation)."""
+    """y = x W^T + b. The product accumulates in float32 and returns the input dtype
+    (`kernels.matmul_t`, which picks the backend's implementation)."""
 
     def __init__(self, d_in: int, d_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(nnx.initializers.lecun_normal(in_axis=1, out_axis=0)(rngs.params(), (d_out, d_in),

@@ -4,9 +4,6 @@ Its architectures differ only in options read from config.json (`LlamaOptions`):
 projections, a per-head norm of q and k (Qwen3), a sliding window (Mistral). Modules and
 parameter names mirror Hugging Face's (`self_attn.q_proj`, `mlp.down_proj`, ...), so the name
 map of checkpoints (`HF_NAME_MAP`) stays mechanical, and so do the partition rules.
-
-Only the last token of each sequence goes through the LM head (and the tokens whose next prompt
-token's logprob is asked for, see `LlamaDecoder.logits`).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention,
                                     RMSNorm, mlp_rules)
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +38,6 @@ SLIDING_WINDOW = ("MistralForCausalLM",)  # architectures whose `sliding_window`
 
 
 def options_from_hf(architecture: str, hf: dict, path: Path) -> LlamaOptions:
-    """The family's options from config.json (`hf`, read from `path`)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
     attention_bias = bool(hf.get("attention_bias", False))

@@ -31,11 +31,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
                                     Quantizable, RMSNorm, mlp_rules)
-from jaxserve.sharding import AXIS
-from kernels import grouped_matmul_t, matmul_t
+from kernels import AXIS, grouped_matmul_t, matmul_t
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,6 @@ class MoeOptions:
 
 
 def options_from_hf(architecture: str, hf: dict, path: Path) -> MoeOptions:
-    """The family's options from config.json (`hf`, read from `path`)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (only 'silu'), in {path}")
     if hf.get("use_sliding_window"):
@@ -102,17 +100,14 @@ HF_NAME_MAP = {
 }
 TIED_HEAD = frozenset({"lm_head.weight"})  # what a checkpoint of tied embeddings may hold but the model lacks
 
-# (parameter path pattern, partition spec, the ModelConfig count, or MoeOptions', that must divide
-# the mesh size). Attention, the dense and shared-expert MLPs, the embedding and the head as the
-# shared layers' rules say (`layers.ATTENTION_RULES`); the experts' stacked matrices [experts, out, in] split along their
-# intermediate dimension (gate/up column-parallel, down row-parallel); routers replicated.
+# The experts' stacked matrices [experts, out, in] split along their intermediate dimension (gate/up
+# column-parallel, down row-parallel); routers replicated.
 PARTITION_RULES = [
     *ATTENTION_RULES, *mlp_rules(),
     (r"layers\.\d+\.mlp\.experts\.(gate|up)_proj\.weight", P(None, AXIS, None), "moe_intermediate_size"),
     (r"layers\.\d+\.mlp\.experts\.down_proj\.weight", P(None, None, AXIS), "moe_intermediate_size"),
     *mlp_rules("mlp.shared_expert", "shared_expert_intermediate_size"), *EMBEDDING_RULES,
 ]
-# With expert parallelism, taken before PARTITION_RULES: whole experts per device.
 EXPERT_PARALLEL_RULES = [
     (r"layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.weight", P(AXIS, None, None), "num_experts"),
 ]
@@ -204,7 +199,6 @@ class SparseMoeBlock(nnx.Module):
 
 
 def _expert_shard(x, weights, experts, gate, up, down):
-    """One device's share under expert parallelism: its own experts' outputs, summed over the mesh."""
     first = jax.lax.axis_index(AXIS) * gate.shape[0]
     return jax.lax.psum(expert_outputs(x, weights, experts, gate, up, down, first), AXIS)
 

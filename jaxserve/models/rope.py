@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
-    from jaxserve.config import ModelConfig
+    from jaxserve.models.config import ModelConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 

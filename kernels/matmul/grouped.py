@@ -24,7 +24,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul import KERNEL_DTYPES, STACK_TARGET, implementation as matmul_implementation, matmul_t, row_limit
+from kernels.matmul import KERNEL_DTYPES, STACK_TARGET, matmul_t, row_limit
+from kernels.matmul import implementation as matmul_implementation
 from kernels.matmul.quant import QuantizedWeight, dequantize
 
 IMPLEMENTATIONS = ("ragged", "chunked", "reference")

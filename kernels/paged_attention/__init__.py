@@ -36,7 +36,7 @@ PALLAS = ("tpu", "gpu")  # (these also run in Pallas' interpreter)
 CUSTOM_CALLS = (*PALLAS, "cpu")  # run per device under shard_map
 BY_BACKEND = {"tpu": "tpu", "gpu": "gpu", "cpu": "cpu"}  # jax.default_backend() -> implementation
 ENV = "JAXSERVE_ATTENTION"
-AXIS = "model"  # the mesh axis heads are split over (jaxserve.sharding)
+AXIS = "model"  # the mesh axis heads (and every split weight) are split over: the one model axis
 
 log = logging.getLogger(__name__)
 

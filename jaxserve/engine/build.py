@@ -1,0 +1,98 @@
+"""An engine from an `EngineConfig`: the checkpoint resolved and read, the mesh, the KV cache sized
+from memory, the tokenizer and the sampling defaults."""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from checkpoints import resolve_model
+from jaxserve.config.checkpoint import resolve_dtype, sampling_defaults
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.core import Engine
+from jaxserve.engine.tokenizer import Tokenizer, check_tokenizer_files
+from jaxserve.models import abstract_model
+from jaxserve.models.config import ModelConfig
+from jaxserve.sample.params import SamplingParams
+from jaxserve.worker.weights import weight_formats
+from kernels import implementation as attention_implementation
+
+log = logging.getLogger(__name__)
+
+
+def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int,
+                    formats: dict[str, str] | None = None,
+                    draft: tuple[ModelConfig, dict[str, str]] | None = None) -> int:
+    """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights
+    (matrices kept quantized as `formats` says, see `weights.weight_formats`). With a `draft` model
+    (its config and formats: speculative decoding), next to its weights too, and sharing the bytes
+    with its cache, which has as many pages (`jaxserve/worker/draft.py`): the target's part.
+
+    On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
+    weights; the cache is split over them, or copied to each when its KV heads do not divide.
+    On CPU the (virtual) devices share one pool of host RAM."""
+    tp = tensor_parallel_size
+    models = [(model_config, formats), *([draft] if draft is not None else [])]
+    weights = sum(x.size * x.dtype.itemsize for cfg, fmts in models for x in jax.tree.leaves(
+        nnx.state(abstract_model(cfg, jnp.dtype(dtype), fmts))))
+    copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
+    stats = jax.devices()[0].memory_stats() or {}
+    if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
+        budget = (fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weights) / copies
+    else:
+        per_device = fraction * stats["bytes_limit"] - weights / tp
+        budget = per_device * (tp if copies == 1 else 1)
+    if budget <= 0:
+        raise ValueError(f"kv_cache_memory_fraction={fraction} leaves no memory for the KV cache next to "
+                         f"{weights} bytes of weights")
+    token_bytes = [cfg.num_layers * cfg.num_kv_heads * cfg.head_dim for cfg, _ in models]  # (of a cached token)
+    return int(budget * token_bytes[0] / sum(token_bytes))
+
+
+def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
+                 ) -> tuple[Engine, Tokenizer | None]:
+    """Resolve the model, read its config and tokenizer (none with `skip_tokenizer_init`: a model
+    directory without tokenizer files is refused before anything loads, `check_tokenizer_files`),
+    load the weights, compile the step buckets (`Engine.warmup`; where `warmup` is False, the caller
+    does that later). The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory
+    allows, else 2 GiB; dtype "auto" is the checkpoint's own (`resolve_dtype`); the requests'
+    sampling defaults come from `generation_config` (`sampling_defaults`). `chat_template` replaces
+    the tokenizer's."""
+    if config.skip_tokenizer_init and (chat_template is not None or config.tokenizer is not None):
+        raise ValueError("a chat template or --tokenizer needs a tokenizer: drop them or --skip-tokenizer-init")
+    model_dir = resolve_model(config.model)
+    model_config = ModelConfig.from_hf(model_dir)
+    tokenizer_dir = None
+    if not config.skip_tokenizer_init:
+        tokenizer_dir = model_dir if config.tokenizer is None else resolve_model(config.tokenizer)
+        check_tokenizer_files(tokenizer_dir)
+    defaults = sampling_defaults(model_dir, config.generation_config, config.override_generation_config)
+    SamplingParams(**defaults)  # a bad default is an error now, not in every request
+    if defaults:
+        log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
+                    "--generation-config vllm for none)", defaults)
+    given = dict(dtype=resolve_dtype(config.dtype, model_dir))
+    if config.page_table_widths == "auto":  # (the C++ CPU kernel reads each sequence's own pages only;
+        # the batch-invariant mode's attention reads one width)
+        wide = config.batch_invariant or attention_implementation() == "cpu"
+        given["page_table_widths"] = "widest" if wide else "4x"
+    if config.kv_cache_memory_fraction is not None and not config.num_pages:
+        formats = weight_formats(model_dir, model_config, config.quantization)
+        spec, draft = config.speculative, None
+        if spec is not None and spec.model is not None:
+            draft_dir = resolve_model(spec.model)
+            draft_config = ModelConfig.from_hf(draft_dir)
+            draft = draft_config, weight_formats(draft_dir, draft_config, None)
+        given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
+                                                  config.tensor_parallel_size, formats, draft)
+    config = config.resolve(model_config, **given)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
+        tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)
+                     else pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template))
+        engine = Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults)
+    return engine, engine.tokenizer
