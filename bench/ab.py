@@ -6,7 +6,8 @@ Checks REV (default: the commit before HEAD's branch point, `HEAD~1`) out into a
 worktree, then for each run starts the base server and the current one in turn (alternating, so a
 drift of the machine hits both) on bench-125m and sends each W1 and W2 (bench/loadgen.py). Prints
 each run's figures and the ratios current / base (> 1 is faster now). Both servers run the same
-command line (serving.py's), from their own trees, on this tree's virtual environment.
+command line (serving.py's, with `--warmup all`), from their own trees, on this tree's virtual
+environment.
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def main() -> None:
             for run_index in range(1, args.runs + 1):
                 for name, tree in (("base", base_tree), ("current", ROOT)):
                     port = free_port()
-                    with server(jaxserve_cmd(model, args.dtype, port), port, cwd=tree) as (url, startup):
+                    # (every bucket compiled before the first request: the first start of a tree
+                    # compiles them, and a background compile must not be what is measured)
+                    cmd = jaxserve_cmd(model, args.dtype, port, "--warmup", "all")
+                    with server(cmd, port, cwd=tree) as (url, startup):
                         result = {r["workload"]: r for r in run(url, WORKLOADS, offset=1000 * run_index)}
                     rows.append((run_index, name, figures(result)))
                     print(f"run {run_index} {name}: " + ", ".join(f"{k} {v:.1f}" for k, v in rows[-1][2].items()),
