@@ -66,11 +66,15 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: object_of("chat_template_kwargs") = None
     reasoning_effort: checked(str, _effort, {"enum": list(REASONING_EFFORTS)}, "reasoning_effort") = None
 
-    def top_logprobs_k(self) -> int | None:
-        wanted, top = self.given("logprobs", False), self.top_logprobs
-        if top and not wanted:  # 0 asks for nothing: vLLM takes it alone
+    def check_together(self) -> None:
+        if self.echo and self.logprobs:  # (vLLM's echo: the reply starts with the message it continues)
+            raise APIError("'echo' with 'logprobs' on chat is not supported by this server yet", param="echo")
+        super().check_together()
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: vLLM takes it alone
             raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-        return (top or 0) if wanted else None
+
+    def top_logprobs_k(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def tool_request(self) -> ToolRequest | None:
         """The function tools: to show the template, and to parse or force ("none": shown only)."""

@@ -106,9 +106,7 @@ def parse_completion(body: dict, limits: Limits, tokenizer: Tokenizer | None) ->
 def parse_chat(body: dict, limits: Limits, tokenizer: Tokenizer) -> GenerationRequest:
     model = check_model(body.get("model"), limits)
     request = validated(ChatCompletionRequest, body)
-    echo = request.given("echo", False)  # vLLM's: the reply starts with the assistant message it continues
-    if echo and request.logprobs:
-        raise APIError("'echo' with 'logprobs' on chat is not supported by this server yet", param="echo")
+    echo = request.given("echo", False)
     params = request.to_sampling_params(limits, default_max_tokens=None)  # the rest of the context
     response = {**request.response_options(limits), "role": limits.response_role, "model": model}
     tools = request.tool_request()

@@ -155,6 +155,20 @@ class GenerationFields(BaseModel):
             body = {k: v for k, v in body.items() if k != "max_tokens"}
         return body
 
+    @model_validator(mode="after")
+    def _together(self):
+        """The fields that go only with others, checked once every field is read (a 400 naming the first)."""
+        self.check_together()
+        return self
+
+    def check_together(self) -> None:
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
+        if self.stream_options and not self.stream:
+            raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
+        if not self.use_beam_search and self.length_penalty not in (None, 1):
+            raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
+
     def given(self, name: str, default=None):
         """A field's value (an unknown field's as it came), `default` where it is absent or null."""
         value = getattr(self, name) if name in type(self).model_fields else (self.model_extra or {}).get(name)
@@ -173,8 +187,6 @@ class GenerationFields(BaseModel):
         if self.given("logits_processors"):
             raise APIError("'logits_processors' are registered when the server starts (--logits-processors); a "
                            "request uses them through their arguments, in 'vllm_xargs'", param="logits_processors")
-        if self.prompt_logprobs is not None and self.stream:
-            raise APIError("'prompt_logprobs' are not available when 'stream' is true", param="prompt_logprobs")
         try:
             return SamplingParams(**self._sampling_fields(limits, default_max_tokens))
         except RequestError as e:  # SamplingParams' own bounds (stop strings, bad words, min_tokens, ...)
@@ -262,8 +274,6 @@ class GenerationFields(BaseModel):
         (checked by the engine)."""
         stream, options = self.given("stream", False), self.stream_options
         include_usage = bool(options and options.get("include_usage")) or (stream and limits.force_include_usage)
-        if options and not stream:
-            raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options")
         return dict(stream=stream, include_usage=include_usage,
                     continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
                     tokens_as_ids=self.given("return_tokens_as_token_ids", limits.tokens_as_ids),
@@ -276,8 +286,6 @@ class GenerationFields(BaseModel):
         choices (logprobs: see `api/generation.py`). Sampling controls that beam search has no use for
         are a 400, not ignored."""
         if not self.use_beam_search:
-            if self.length_penalty not in (None, 1):
-                raise APIError("'length_penalty' applies only with 'use_beam_search'", param="length_penalty")
             return None
         refused = [name for name, neutral in _BEAM_NEUTRAL.items() if self._beam_value(name) not in (None, *neutral)]
         if refused:

@@ -97,9 +97,12 @@ class LLM:
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
              lora_request=None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
-        rendered as vLLM's `LLM.chat` and the server render them (`template_message`: text parts
-        joined, or kept as parts where the template reads them; tool-call arguments decoded). The
-        reply is text: tool calls in it are not parsed here."""
+        rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
+        server render them (`template_message`: text parts joined, or kept as parts where the
+        template reads them, see `chat_template_content_format`; tool-call arguments decoded): the
+        assistant's turn opened, or the last message continued (`continue_final_message`); `tools`
+        (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The reply is
+        text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
         _check_unsupported(lora_request=lora_request)
         if self.tokenizer is None:
             raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "

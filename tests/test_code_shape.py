@@ -4,6 +4,10 @@ an API that uses only public names of the engine. (Kernels and tests are exempt 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,27 +40,28 @@ def test_no_function_over_60_lines_outside_kernels_and_tests():
     assert not long, long
 
 
-def test_imports_point_down(tmp_path):
+def _lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter on the project at `root` (in a process of its own: it reconfigures logging)."""
+    return subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
+                           "sys.exit(lint_imports(no_cache=True, no_logo=True))"], cwd=root,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+def test_imports_point_down():
     """The import-linter contracts in pyproject.toml: api -> jaxserve -> checkpoints -> kernels, the
     engine's stages in order, models and checkpoints independent; no import goes up, so none cycles."""
-    from importlinter.cli import lint_imports
-
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), cache_dir=str(tmp_path), no_logo=True) == 0
+    run = _lint_imports(ROOT)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_an_upward_import_breaks_the_contracts(tmp_path):
     """The contracts bite: a copy of the project where the sampler imports the engine fails them."""
-    import shutil
-    import subprocess
-    import sys
     for part in (*PACKAGES, "pyproject.toml"):
         copy = shutil.copytree if (ROOT / part).is_dir() else shutil.copy
         copy(ROOT / part, tmp_path / part)
     params = tmp_path / "jaxserve" / "sample" / "params.py"
     params.write_text(params.read_text() + "\nimport jaxserve.engine.core  # noqa: E402\n")
-    run = subprocess.run([sys.executable, "-c", "import sys; from importlinter.cli import lint_imports; "
-                          "sys.exit(lint_imports(no_cache=True, no_logo=True))"], cwd=tmp_path,
-                         capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path), "PATH": ""})
+    run = _lint_imports(tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "jaxserve.sample is not allowed to import jaxserve.engine" in run.stdout
 
@@ -70,9 +75,6 @@ def test_no_module_over_400_lines_outside_kernels_and_tests():
 
 def test_importing_a_stage_loads_only_what_it_imports():
     """`import jaxserve.sample` does not load the engine (the package's names load on first use)."""
-    import subprocess
-    import sys
-
     code = ("import sys, jaxserve.sample.params, jaxserve.config.engine; "
             "print(sorted(m for m in sys.modules if m.startswith(('jaxserve.engine', 'jaxserve.worker', 'api'))))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
