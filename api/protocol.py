@@ -15,8 +15,8 @@ import dataclasses
 from api.chat_models import ChatCompletionRequest
 from api.errors import APIError
 from api.fields import validated, whole
-from api.limits import Limits
-from api.request_models import CompletionRequest, check_model
+from api.limits import Limits, check_model
+from api.request_models import CompletionRequest
 from api.tools import ToolRequest
 from jaxserve.config.engine import MAX_LOGPROBS
 from jaxserve.engine.beam_search import BeamSearchParams
@@ -25,8 +25,6 @@ from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.errors import RequestError
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sample.tensors import needs_distribution
-
-__all__ = ["GenerationRequest", "Limits", "check_model", "parse_chat", "parse_completion"]
 
 
 @dataclasses.dataclass(frozen=True)

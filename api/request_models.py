@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from api.errors import APIError
 from api.fields import (MAX_TOKENS, OBJECT, STRING, STRINGS, TOKEN_IDS, Bool, FieldCheck, Object, Str, checked,
                         described, documented, integer, number, object_of, strings, token_id_list, token_ids)
-from api.limits import Limits, check_model
+from api.limits import Limits
 from api.structured_fields import (GUIDED, STRUCTURED_OUTPUTS, ResponseFormat, ResponseFormatField,
                                    StructuredOutputsField, guided, guided_spec)
 from jaxserve.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
@@ -173,11 +173,6 @@ class GenerationFields(BaseModel):
         """A field's value (an unknown field's as it came), `default` where it is absent or null."""
         value = getattr(self, name) if name in type(self).model_fields else (self.model_extra or {}).get(name)
         return default if value is None else value
-
-    def check_model(self, limits: Limits) -> str:
-        """404 unless the request names a served model (or none) -> the name its answer carries: its
-        own, as vLLM answers, or the first served name."""
-        return check_model(self.model, limits)
 
     def to_sampling_params(self, limits: Limits, default_max_tokens: int | None) -> SamplingParams:
         """The request's sampling fields; `default_max_tokens` None means up to max_model_len."""

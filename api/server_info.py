@@ -8,8 +8,7 @@ import importlib.metadata
 
 from quart import Blueprint, Response
 
-from api.limits import Limits
-from api.request_models import check_model
+from api.limits import Limits, check_model
 from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
 from api.sse import new_id, now
 from api.state import api_state

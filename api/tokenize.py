@@ -6,8 +6,8 @@ from __future__ import annotations
 from quart import Blueprint
 
 from api.errors import APIError
+from api.limits import check_model
 from api.protocol import parse_chat
-from api.request_models import check_model
 from api.response_models import DetokenizeResponse, TokenizeResponse
 from api.state import api_state, json_body
 
