@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import openai
 import pytest
 from server import ENGINE, MAX_MODEL_LEN, MODEL, Server, free_port
@@ -12,6 +13,30 @@ SMALL_ENGINE = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=32
 # 23 usable pages of 16 tokens for up to 16 sequences: preemption is routine. The tests that want
 # it share these settings, so jaxserve-tiny's steps for them compile once (the executable cache).
 CROWDED_ENGINE = dict(max_model_len=128, max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+
+
+def needs_cpu_backend() -> None:
+    """Skips a test of the CPU kernels (or of the CPU backend's defaults) on any other backend, where the
+    "cpu" implementations refuse to run."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("the CPU kernels (and these defaults) are the CPU backend's")
+
+
+@pytest.fixture
+def ieee_float32():
+    """float32 products in float32 for the test's duration: on GPU, JAX's default precision multiplies
+    float32 operands in TF32 (10-bit mantissas: errors near 1e-3), while the kernel tests' tolerances
+    (1e-5) assume the IEEE products the CPU backend computes. Set globally (the engine's threads see it
+    too), and only off the CPU backend, where nothing changes."""
+    if jax.default_backend() == "cpu":
+        yield
+        return
+    before = jax.config.jax_default_matmul_precision
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", before)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from kernels import grouped_matmul_t, matmul_t
 from kernels.matmul.grouped import chunk_rows
 from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
+pytestmark = pytest.mark.usefixtures("ieee_float32")
+
 
 def numpy_grouped(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     out = np.zeros((x.shape[0], w.shape[1]))

@@ -22,6 +22,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels import cache_dtype, paged_attention
 from kernels.paged_attention.reference import to_cache
 
+pytestmark = pytest.mark.usefixtures("ieee_float32")
+
 KERNELS = {"tpu": ("tpu", "tpu_custom_call"), "gpu": ("cuda", "__gpu$xla.gpu.triton")}  # platform, custom call
 # The GPU the Triton kernel is lowered for from this CPU: newer JAX reads the target's compute
 # capability from the abstract mesh's device instead of from a local GPU.

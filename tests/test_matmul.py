@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import needs_cpu_backend
 
 from kernels.matmul import (KERNEL_MAX_ROWS, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, implementation,
                             matmul_t, native_bf16, quantized_forms, row_limit)
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
+
+pytestmark = pytest.mark.usefixtures("ieee_float32")
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -25,6 +28,8 @@ from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
                                                        ("bfloat16", "bfloat16", "float32"),
                                                        ("float32", "bfloat16", None)])
 def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
+    if impl == "cpu":
+        needs_cpu_backend()
     rng = np.random.default_rng(0)
     # rows: the dot form (under 16 rows): one, tiles with a remainder of one and of two rows (tiles
     # take 3 rows of x against a float32 w, 2 against a bfloat16 one); the panel form (16 rows and
@@ -56,6 +61,7 @@ def test_by_default_the_kernel_runs_up_to_its_row_limit_then_xla_in_float32(x_dt
     first, by the kernel's widening call): XLA:CPU's float32 products beat the kernel there, its
     bfloat16 ones do not. Where the CPU has bfloat16 instructions, bfloat16 x and w stay in the
     kernel at any row count."""
+    needs_cpu_backend()
     w = jnp.ones((8, 16), w_dtype)
     limit = row_limit(x_dtype, w_dtype)
     native = x_dtype == w_dtype == "bfloat16" and native_bf16()
@@ -79,6 +85,7 @@ def test_bfloat16_weights_are_widened_layer_by_layer():
     float32 copies of a chain of layers are not all live at once (a plain convert was run for every
     layer at the start of the step: 306 MB of temporaries in a 512-token bench-125m step). (x in
     float32: bfloat16 x is never widened where the CPU has bfloat16 instructions.)"""
+    needs_cpu_backend()
     rows, d, layers = KERNEL_MAX_ROWS[jnp.dtype(jnp.bfloat16)] + 1, 256, 12
     rng = np.random.default_rng(3)
     ws = [jnp.asarray(rng.standard_normal((d, d)) / 16, jnp.bfloat16) for _ in range(layers)]
@@ -108,6 +115,7 @@ def test_the_kernel_multiplies_bfloat16_natively_where_the_cpu_can():
 
 
 def test_matmul_t_keeps_leading_dimensions():
+    needs_cpu_backend()
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 3, 16)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
@@ -123,6 +131,7 @@ def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch
     from kernels import implementation as attention_implementation
     from kernels.cpu import build
 
+    needs_cpu_backend()
     resolve = attention_implementation if kernel == "attention" else implementation
     assert resolve() == "cpu"  # this machine builds it
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
@@ -172,6 +181,8 @@ def test_quantized_matmul_t_matches_float64(impl, fmt, x_dtype, out_dtype):
     4-row tile) and the panel form (16 rows on: one panel, a remainder of one row, several panels
     and work items); in: an even and an odd count of blocks (the dot form takes two per step), more
     than 16 blocks (its scales come 16 at a time); out: odd, a tile's remainders, several work items."""
+    if impl == "cpu":
+        needs_cpu_backend()
     rng = np.random.default_rng(4)
     for rows, d_in, d_out in [(1, 64, 7), (3, 96, 129), (16, 544, 13), (17, 96, 101), (100, 160, 33), (300, 64, 99),
                               (1, 544, 301)]:
@@ -192,6 +203,7 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
     """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
     nothing rounded) or without AMX (the integer forms at every row count, the panel form from 16
     rows on), where this CPU can run that build."""
+    needs_cpu_backend()
     if platform.machine() != "x86_64" or ("integer" in forms and "integer" not in quantized_forms()):
         pytest.skip("this CPU cannot run that build")
     from kernels.cpu import build
@@ -229,6 +241,7 @@ def test_matmul_t_runs_the_quantized_kernel_on_cpu_and_the_reference_elsewhere(f
     """Under jit on the CPU backend, a quantized weight goes to its kernel at every row count; with
     impl="xla", or under a mesh of several devices (XLA partitions its dot, not a custom call), to
     XLA's dot of the dequantized weight."""
+    needs_cpu_backend()
     w = _random_quantized(np.random.default_rng(6), (8, 64), fmt)
     for rows in (1, 4096):
         x = jnp.ones((2, rows, 64), jnp.bfloat16)
@@ -246,6 +259,7 @@ def test_quantized_matmul_t_checks_its_operands():
     w = _random_quantized(np.random.default_rng(7), (8, 64), "int4")
     with pytest.raises(ValueError, match="input dimension"):
         matmul_t(jnp.ones((1, 32)), w)
+    needs_cpu_backend()
     assert implementation() == "cpu"
     call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
     with pytest.raises(Exception, match="scales and mins float16"):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from conftest import needs_cpu_backend
 from flax import nnx
 from test_parity import chunked_logits
 
@@ -69,6 +70,8 @@ def test_bfloat16_experts_are_kept_as_raw_bits_on_cpu(hf_checkpoint):
     the whole stack to index one expert); the router stays bfloat16 values, and the logits stay
     within bfloat16's error of float32's."""
     from kernels.matmul.grouped import BITS
+
+    needs_cpu_backend()
 
     _, model_dir = hf_checkpoint("qwen3-moe")
     _, state = load_weights(model_dir, ModelConfig.from_hf(model_dir), "bfloat16")

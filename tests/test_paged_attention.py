@@ -6,8 +6,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from conftest import needs_cpu_backend
 
 from kernels import paged_attention, write_kv
+
+pytestmark = pytest.mark.usefixtures("ieee_float32")
 
 
 def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
@@ -31,6 +34,8 @@ def dense_attention(q, k, v, positions, sm_scale, sliding_window, soft_cap):
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (7, None), (None, 5.0), (7, 5.0)])
 def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl):
+    if impl == "cpu":
+        needs_cpu_backend()
     rng = np.random.default_rng(0)
     num_heads, head_dim, page_size, num_pages = 4, 8, 4, 40
     # (tokens already cached, new tokens this step): prefill, chunk, decodes, length 1
@@ -98,6 +103,8 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
 def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
     """Tiles of 16 rows, a random cache; in bfloat16 the cache holds its bits (as the engine stores
     it on CPU), also under a float32 q (`kv_cache_dtype`)."""
+    if impl == "cpu":
+        needs_cpu_backend()
     from kernels import cache_dtype
     from kernels.paged_attention.reference import to_cache
 
