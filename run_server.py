@@ -41,11 +41,12 @@ from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config import fields
 from jaxserve.config.engine import EngineConfig
-from jaxserve.config.fields import json_strings
+from jaxserve.config.fields import json_object, json_strings
 from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments, check_vllm_options
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.build import build_engine
+from jaxserve.engine.build import build_engines
 from jaxserve.engine.chat_template import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
+from jaxserve.engine.replicas import Replicas
 from jaxserve.worker.sharding import initialize_distributed, is_leader
 
 log = logging.getLogger("jaxserve.server")
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_arguments(p.add_argument_group("server"))
     _add_api_arguments(p.add_argument_group("API"))
     _add_multihost_arguments(p.add_argument_group("multi-host"))
+    _add_ray_arguments(p.add_argument_group("data-parallel replicas on Ray"))
     switches = p.add_argument_group("vLLM's server switches (no effect here)")
     for name, why in VLLM_SERVER_NO_EFFECT.items():
         switches.add_argument(fields.flag_name(name), action="store_true", help=f"vLLM's; no effect: {why}")
@@ -143,6 +145,19 @@ def _add_api_arguments(p) -> None:
                    help="serve no playground page at / (llama.cpp's name: --no-webui)")
 
 
+def _add_ray_arguments(p) -> None:
+    p.add_argument("--ray-address", default=None,
+                   help="--data-parallel-backend ray: the Ray cluster (default: RAY_ADDRESS, or the cluster running "
+                        "on this node, else a new local one)")
+    p.add_argument("--ray-hosts-per-replica", type=int, default=1,
+                   help="--data-parallel-backend ray: hosts one replica spans (a multi-host TPU slice: one actor per "
+                        "host, on separate nodes, in one jax.distributed job)")
+    p.add_argument("--ray-bundle", type=json_object, default=None,
+                   help='--data-parallel-backend ray: JSON, the Ray resources of one host of a replica, e.g. '
+                        '\'{"GPU": 1}\' or \'{"TPU": 4}\' (default: a CPU and the host\'s share of the '
+                        "tensor-parallel devices, of the accelerator the cluster has)")
+
+
 def _add_multihost_arguments(p) -> None:
     p.add_argument("--coordinator-address", default=None, help="multi-host: HOST:PORT of process 0's coordinator")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: the number of processes")
@@ -181,6 +196,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.ray_hosts_per_replica < 1:
+        p.error(f"--ray-hosts-per-replica must be >= 1, got {args.ray_hosts_per_replica}")
+    if args.engine.data_parallel_backend != "ray" and (args.ray_hosts_per_replica != 1 or args.ray_bundle
+                                                       or args.ray_address):
+        p.error("--ray-address, --ray-hosts-per-replica and --ray-bundle place replicas on Ray: add "
+                "--data-parallel-backend ray")
     if args.shutdown_timeout < 0:
         p.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return args
@@ -212,7 +233,7 @@ def read_chat_template(value: str | None) -> str | None:
     return path.read_text() if len(value) < 4096 and path.is_file() else value
 
 
-async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
+async def serve(app, args: argparse.Namespace, engine: Replicas) -> None:
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -269,7 +290,7 @@ async def serve(app, args: argparse.Namespace, engine: AsyncEngine) -> None:
         task.cancel()
 
 
-async def drain(app, engine: AsyncEngine, timeout: float, stop: asyncio.Event, sig: signal.Signals) -> None:
+async def drain(app, engine: Replicas, timeout: float, stop: asyncio.Event, sig: signal.Signals) -> None:
     """Refuse new work, let the requests in flight finish for up to `timeout` seconds, end the rest
     (finish_reason "abort": their streams end as usual), then stop serving."""
     state = api_state_of(app)
@@ -305,15 +326,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
     try:  # (warmed up by the engine thread, while the server answers /health)
-        engine, tokenizer = build_engine(args.engine, chat_template=read_chat_template(args.chat_template),
-                                         warmup=False)
+        front, engines = start_replicas(args)
     except (FileNotFoundError, ValueError) as e:  # (a model that is not there or not runnable: one line says why)
         raise SystemExit(f"jaxserve: {e}") from None
     if not is_leader():
-        follow(engine)
+        follow(engines[0])
         return
-    async_engine = AsyncEngine(engine, tokenizer, max_queued_requests=args.max_num_queued_reqs,
-                               max_queued_tokens=args.max_num_queued_tokens)
+    engine = front.engine  # (what the replicas share: the model, the configuration)
     names = args.served_model_name or [args.model or DEFAULT_MODEL_NAME]
     limits = Limits(served_model_name=names[0], other_model_names=tuple(names[1:]),
                     max_model_len=engine.config.max_model_len, vocab_size=engine.model_config.vocab_size,
@@ -323,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                     model_root=args.model or DEFAULT_MODEL_NAME, tokens_as_ids=args.return_tokens_as_token_ids,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
                     processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout)
-    app = create_app(async_engine, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
+    app = create_app(front, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
@@ -331,15 +350,29 @@ def main(argv: list[str] | None = None) -> None:
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground)
     freeze_heap()
-    async_engine.start()
+    front.start()
     try:
-        asyncio.run(serve(app, args, async_engine))
+        asyncio.run(serve(app, args, front))
     finally:
-        if async_engine.shutdown():  # not while the engine thread may still broadcast a step
-            engine.runner.stop_followers()
+        if front.shutdown() and engines:  # not while the engine thread may still broadcast a step
+            engines[0].runner.stop_followers()
         print("jaxserve: stopped", flush=True)
-    if async_engine.error is not None:
-        raise SystemExit(f"jaxserve: the engine loop failed: {async_engine.error!r}")
+    if front.error is not None:
+        raise SystemExit(f"jaxserve: the engine loop failed: {front.error!r}")
+
+
+def start_replicas(args: argparse.Namespace) -> tuple[Replicas, list]:
+    """(the replicas behind the API, the engines of this process): `--data-parallel-size` engines in
+    threads of this process, or (`--data-parallel-backend ray`) as Ray actors, whose engines are theirs."""
+    chat_template = read_chat_template(args.chat_template)
+    bounds = dict(max_queued_requests=args.max_num_queued_reqs, max_queued_tokens=args.max_num_queued_tokens)
+    if args.engine.data_parallel_backend == "ray":
+        from jaxserve.engine.ray_replicas import start_ray_replicas
+
+        return Replicas(start_ray_replicas(args.engine, chat_template, hosts=args.ray_hosts_per_replica,
+                                           bundle=args.ray_bundle, address=args.ray_address, **bounds)), []
+    engines, tokenizer = build_engines(args.engine, chat_template=chat_template, warmup=False)
+    return Replicas([AsyncEngine(engine, tokenizer, **bounds) for engine in engines]), engines
 
 
 def freeze_heap() -> None:

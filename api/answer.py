@@ -66,7 +66,7 @@ class ChunkStream:
         except Exception as e:  # after the 200 is sent, an error can only be an event in the stream
             status = stream_error_status(self.state, e)
             kind = "invalid_request_error" if status < 500 else "internal_error"
-            yield sse(APIError(str(e), status=status, type=kind).body())
+            yield sse((e if isinstance(e, APIError) else APIError(str(e), status=status, type=kind)).body())
         if req.include_usage:
             chunk = ChatCompletionChunk if self.chat else CompletionChunk
             yield sse(chunk(id=self.request_id, created=self.created, model=req.model, choices=[],

@@ -34,6 +34,7 @@ from api.state import APIState, api_state
 from api.tokenize import tokenize
 from api.tool_parsers import ToolParser, parser_for_template
 from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +42,12 @@ KEYED_PATHS = ("/v1", "/invocations")  # the routes --api-key guards
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
 
 
-def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
+def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
                reasoning_parser: str | None = None, docs: bool = True,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True) -> Quart:
-    """The app; `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
+    """The app over `engine`'s data-parallel replicas (or one); `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
     logs each request as it starts. `cors` says which web pages may call the API (any, by default).
@@ -56,6 +57,7 @@ def create_app(engine: AsyncEngine, limits: Limits, api_key: str | None = None,
     refuses it from its Content-Length before reading any of it, and a chunked one as soon as what has
     come exceeds the limit (the rest is not kept). `playground`: serve the browser playground at GET /
     (`api/playground.py`)."""
+    engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes

@@ -19,7 +19,7 @@ from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.outputs import Logprob, Update
-from jaxserve.errors import QueueFull, RequestError, StepFailed
+from jaxserve.errors import QueueFull, ReplicaLost, RequestError, StepFailed
 from jaxserve.sched.sequence import TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
         except ValueError as e:
             raise APIError(str(e)) from e
     try:
-        state.engine.admit([(f"{request_id}-{i}", len(ids)) for i, ids in enumerate(req.prompts)])
+        state.engine.admit([(f"{request_id}-{i}", ids) for i, ids in enumerate(req.prompts)], req.cache_salt)
     except QueueFull as e:
         raise APIError(str(e), status=503, type="server_overloaded", code="queue_full",
                        headers={"Retry-After": RETRY_AFTER}) from e
@@ -71,13 +71,16 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
 async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
     """(prompt index, update) of all the request's sequences as they come (`merged`), counted in the
     server's load meanwhile. A step that failed while computing them is a 500 (its traceback is
-    logged once, by the engine thread)."""
+    logged once, by the engine thread); a replica lost after it started answering, a 503."""
     state.in_flight += 1
     try:
         async for item in merged(_streams(state, req, request_id)):
             yield item
     except StepFailed as e:
         raise APIError(str(e), status=500, type="internal_error") from e
+    except ReplicaLost as e:  # (after part of the answer was sent: else the request ran on another replica)
+        raise APIError(f"the replica generating this request went away: {e}; retry the request", status=503,
+                       type="service_unavailable", code="replica_lost", headers={"Retry-After": RETRY_AFTER}) from e
     finally:
         state.in_flight -= 1
 

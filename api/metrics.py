@@ -17,8 +17,9 @@ from collections.abc import AsyncIterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.outputs import Update
+from jaxserve.engine.replicas import Replicas
+from jaxserve.sched.plan import SchedulerStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vLLM's
@@ -26,65 +27,77 @@ LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineCollector:
-    """Reads the engine's stats snapshot when scraped."""
+    """Reads the engines' stats snapshots when scraped: under jaxserve's names the totals of the
+    data-parallel replicas, under vLLM's one sample per replica (its `engine` label, as vLLM's)."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: Replicas, model_name: str):
         self.engine = engine
         self.model_name = model_name
 
     def collect(self):
-        stats = self.engine.stats
-        compiled, buckets = self.engine.compile_progress
-        queued_requests, queued_tokens = self.engine.queued
-        ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
-        figures = [
-            (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
-            (both, GaugeMetricFamily, "num_requests_waiting", "Sequences waiting (new or preempted).",
-             stats.num_waiting),
-            (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", stats.kv_cache_usage),
-            (vllms, GaugeMetricFamily, "gpu_cache_usage_perc", "KV cache use, 1 is full (vLLM's older name).",
-             stats.kv_cache_usage),
-            (ours, GaugeMetricFamily, "num_requests_queued", "Requests waiting to start (the queue that "
-             "--max-num-queued-reqs bounds).", queued_requests),
-            (ours, GaugeMetricFamily, "num_tokens_queued", "Prompt tokens of the requests waiting to start (the "
-             "queue that --max-num-queued-tokens bounds).", queued_tokens),
-            (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
-            (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
-             stats.kv_pages_total),
-            (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled (recomputation included).",
-             stats.num_prompt_tokens_computed),
-            (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", stats.num_generated_tokens),
-            (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", stats.num_preemptions),
-            (both, CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-             stats.num_prefix_queried_tokens),
-            (both, CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-             stats.num_prefix_hit_tokens),
-            (ours, GaugeMetricFamily, "step_buckets_compiled", "Step shapes compiled (after the first few, in "
-             "the background while serving).", compiled),
-            (ours, GaugeMetricFamily, "step_buckets", "Step shapes in all.", buckets),
+        sources = {PREFIXES[0]: [({}, self.engine)],
+                   PREFIXES[1]: [({"model_name": self.model_name, "engine": str(i)}, replica)
+                                 for i, replica in enumerate(self.engine.replicas)]}
+        for prefix, labelled in sources.items():
+            metrics = {}
+            for labels, source in labelled:
+                stats = source.stats
+                for prefixes, family, name, doc, value in _figures(stats, source.compile_progress, source.queued):
+                    if prefix in prefixes:
+                        if name not in metrics:
+                            metrics[name] = family(prefix + name, doc, labels=list(labels))
+                        metrics[name].add_metric(list(labels.values()), value)
+                if stats.accepted_per_position:
+                    name = "spec_decode_num_accepted_tokens_per_pos"
+                    if name not in metrics:
+                        metrics[name] = CounterMetricFamily(prefix + name, "Draft tokens accepted, by their place "
+                                                            "among a row's drafts (0: the first).",
+                                                            labels=[*labels, "position"])
+                    for position, accepted in enumerate(stats.accepted_per_position):
+                        metrics[name].add_metric([*labels.values(), str(position)], accepted)
+            yield from metrics.values()
+
+
+def _figures(stats: SchedulerStats, compile_progress: tuple[int, int], queued: tuple[int, int]) -> list[tuple]:
+    """(the prefixes it has, family, name, help, value) of each engine metric."""
+    compiled, buckets = compile_progress
+    queued_requests, queued_tokens = queued
+    ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
+    figures = [
+        (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
+        (both, GaugeMetricFamily, "num_requests_waiting", "Sequences waiting (new or preempted).",
+         stats.num_waiting),
+        (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", stats.kv_cache_usage),
+        (vllms, GaugeMetricFamily, "gpu_cache_usage_perc", "KV cache use, 1 is full (vLLM's older name).",
+         stats.kv_cache_usage),
+        (ours, GaugeMetricFamily, "num_requests_queued", "Requests waiting to start (the queue that "
+         "--max-num-queued-reqs bounds).", queued_requests),
+        (ours, GaugeMetricFamily, "num_tokens_queued", "Prompt tokens of the requests waiting to start (the "
+         "queue that --max-num-queued-tokens bounds).", queued_tokens),
+        (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
+        (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
+         stats.kv_pages_total),
+        (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled (recomputation included).",
+         stats.num_prompt_tokens_computed),
+        (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", stats.num_generated_tokens),
+        (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", stats.num_preemptions),
+        (both, CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+         stats.num_prefix_queried_tokens),
+        (both, CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+         stats.num_prefix_hit_tokens),
+        (ours, GaugeMetricFamily, "step_buckets_compiled", "Step shapes compiled (after the first few, in "
+         "the background while serving).", compiled),
+        (ours, GaugeMetricFamily, "step_buckets", "Step shapes in all.", buckets),
+    ]
+    if stats.accepted_per_position:  # (speculative decoding is on)
+        figures += [
+            (both, CounterMetricFamily, "spec_decode_num_drafts", "Rows that checked draft tokens.", stats.num_drafts),
+            (both, CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens checked.",
+             stats.num_draft_tokens),
+            (both, CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             stats.num_accepted_tokens),
         ]
-        if stats.accepted_per_position:  # (speculative decoding is on)
-            figures += [
-                (both, CounterMetricFamily, "spec_decode_num_drafts", "Rows that checked draft tokens.",
-                 stats.num_drafts),
-                (both, CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens checked.",
-                 stats.num_draft_tokens),
-                (both, CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                 stats.num_accepted_tokens),
-            ]
-        labels = {PREFIXES[0]: {}, PREFIXES[1]: {"model_name": self.model_name}}
-        for prefixes, family, name, doc, value in figures:
-            for prefix in prefixes:
-                metric = family(prefix + name, doc, labels=list(labels[prefix]))
-                metric.add_metric(list(labels[prefix].values()), value)
-                yield metric
-        for prefix in PREFIXES if stats.accepted_per_position else ():
-            metric = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted, by their place among a row's drafts (0: the "
-                                         "first).", labels=[*labels[prefix], "position"])
-            for position, accepted in enumerate(stats.accepted_per_position):
-                metric.add_metric([*labels[prefix].values(), str(position)], accepted)
-            yield metric
+    return figures
 
 
 class _Twins:
@@ -135,7 +148,7 @@ class LoopLag:
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: Replicas, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.loop_lag = LoopLag(self.registry)
@@ -187,9 +200,9 @@ class Metrics:
 class StatsLog:
     """vLLM's periodic stats line: prompt and generation throughput since the last line, sequences
     running and waiting, KV cache use and the prefix cache's hit rate, from the engine's stats
-    snapshots (`AsyncEngine.stats`) like `_EngineCollector`."""
+    snapshots (`Replicas.stats`: their totals) like `_EngineCollector`."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: Replicas):
         self.engine = engine
         self._last = time.perf_counter(), engine.stats
         self._was_busy = False

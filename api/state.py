@@ -20,7 +20,7 @@ from api.errors import APIError
 from api.limits import Limits
 from api.metrics import Metrics
 from api.tool_parsers import ToolParser
-from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.replicas import Replicas
 from jaxserve.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
@@ -29,7 +29,7 @@ _EXTENSION = "jaxserve"  # the key of the state in `app.extensions`
 
 @dataclasses.dataclass
 class APIState:
-    engine: AsyncEngine
+    engine: Replicas  # (one, or data-parallel replicas)
     limits: Limits
     tool_parser: ToolParser  # reads "auto" tool calls
     metrics: Metrics

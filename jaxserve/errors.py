@@ -31,3 +31,8 @@ class WarmupCancelled(RuntimeError):
 
 class CompilerCrash(Exception):
     """The grammar brought the compiler down (in the child)."""
+
+
+class ReplicaLost(RuntimeError):
+    """The data-parallel replica running a request went away (its Ray actor died). Before any of the
+    request's output was sent, the request runs on another replica instead."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import threading
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
 from tqdm import tqdm
@@ -13,10 +15,12 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
-from jaxserve.engine.build import build_engine
+from jaxserve.engine.build import build_engines
+from jaxserve.engine.core import Engine
 from jaxserve.engine.chat_template import template_message
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.engine.replicas import Router
 from jaxserve.sample.params import SamplingParams
 
 
@@ -46,7 +50,12 @@ class LLM:
         config = EngineConfig.from_options(model=model, **options)
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
-        self.engine, self.tokenizer = build_engine(config)
+        if config.data_parallel_backend != "thread":
+            raise ValueError("the offline LLM runs its data-parallel replicas in threads (data_parallel_backend="
+                             "'thread'); replicas on Ray serve through run_server.py")
+        self.engines, self.tokenizer = build_engines(config)
+        self.engine = self.engines[0]  # (what the replicas share: the model, the configuration)
+        self._router = Router(len(self.engines), self.engine.config.page_size, self.engine.config.max_num_seqs)
         self._request_ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -73,20 +82,23 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         collectors: dict[str, OutputCollector] = {}
+        added: list[tuple[Engine, str]] = []
+        loads = [0] * len(self.engines)  # (the prompts of this call each replica runs)
         try:
             for prompt, p, rank in zip(prompts, params, priority):
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                seq = self.engine.add_request(str(next(self._request_ids)), ids, p, priority=rank, cache_salt=salt)
+                replica = self._router.choose(ids, salt, loads)
+                loads[replica] += 1
+                seq = self.engines[replica].add_request(str(next(self._request_ids)), ids, p, priority=rank,
+                                                        cache_salt=salt)
+                added.append((self.engines[replica], seq.request_id))
                 collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p)
             with tqdm(total=len(collectors), desc="generating", disable=not use_tqdm) as bar:
-                while self.engine.has_unfinished():
-                    for update in self.engine.step():
-                        collectors[update.request_id].add(update)
-                    bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+                _run([e for e in self.engines if e.has_unfinished()], collectors, bar)
         except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
-            for request_id in collectors:
-                self.engine.abort(request_id)
+            for engine, request_id in added:
+                engine.abort(request_id)
             raise
         return [c.output(self.tokenizer) for c in collectors.values()]
 
@@ -134,10 +146,40 @@ class LLM:
         return self.tokenizer.hf
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget the prefix cache's pages; False (and nothing forgotten) while a request runs."""
-        return not self.engine.has_unfinished() and self.engine.scheduler.allocator.reset_prefix_cache()
+        """vLLM's: forget the prefix cache's pages (of every replica); False (and nothing forgotten) while
+        a request runs."""
+        if any(engine.has_unfinished() for engine in self.engines):
+            return False
+        return all([engine.scheduler.allocator.reset_prefix_cache() for engine in self.engines])
 
     embed, encode, score, classify, reward = map(_generative_only, ("embed", "encode", "score", "classify", "reward"))
+
+
+def _run(engines: list[Engine], collectors: dict[str, OutputCollector], bar: tqdm) -> None:
+    """Step the engines until their requests finish: each data-parallel replica in a thread of its own
+    (a step waits for its devices without the GIL), one alone in this one. A failure (or Ctrl-C)
+    stops them all after their step in flight."""
+    stop = threading.Event()
+
+    def run(engine: Engine) -> None:
+        while engine.has_unfinished() and not stop.is_set():
+            for update in engine.step():
+                collectors[update.request_id].add(update)
+            if len(engines) == 1:
+                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+
+    if len(engines) <= 1:
+        return run(engines[0]) if engines else None
+    with ThreadPoolExecutor(len(engines), thread_name_prefix="replica") as pool:
+        running = [pool.submit(run, engine) for engine in engines]
+        try:
+            while not all(f.done() for f in running) and not any(f.done() and f.exception() for f in running):
+                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
+                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+        finally:
+            stop.set()
+    for f in running:
+        f.result()  # (a step's exception, raised here)
 
 
 def _check_unsupported(lora_request=None) -> None:

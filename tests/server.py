@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
@@ -16,6 +22,35 @@ MAX_MODEL_LEN = 320
 # ask for any number of top logprobs, the whole vocabulary included)
 ENGINE = dict(model="jaxserve-tiny", max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64,
               num_pages=64, max_logprobs=-1, logits_processors=("processors:BanToken",))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@contextlib.contextmanager
+def serving(port: int, *flags: str, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
+    """`python run_server.py` over jaxserve-tiny (with `env` over this process's environment), once
+    /health says 200; killed at the end if still running."""
+    proc = subprocess.Popen([sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=None if env is None else {**os.environ, **env})
+    try:
+        deadline = time.time() + 240
+        while not healthy(proc, port):
+            assert time.time() < deadline, "the server did not become healthy"
+            time.sleep(0.3)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def healthy(proc: subprocess.Popen, port: int) -> bool:
+    assert proc.poll() is None, proc.stdout.read()
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def free_port() -> int:

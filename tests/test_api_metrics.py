@@ -29,7 +29,18 @@ def scrape(served) -> dict[str, float]:
     return values
 
 
-NAMES = (("jaxserve:", ""), ("vllm:", f"|{MODEL}"))  # (prefix, label suffix) of jaxserve's names and vLLM's
+NAMES = (("jaxserve:", ""), ("vllm:", f"|0|{MODEL}"))  # (prefix, label suffix) of the engine gauges: jaxserve's, vLLM's
+ENGINE_COUNTERS = ("generation_tokens_total", "prompt_tokens_total", "num_preemptions_total")
+
+
+def key(prefix: str, name: str) -> str:
+    """A metric's key in `scrape`: vLLM's engine figures carry the engine label (the one replica: "0"),
+    its request figures the model's name only."""
+    if prefix == "jaxserve:":
+        return prefix + name
+    name, _, labels = name.partition("|")
+    engine = "|0" if name in ENGINE_COUNTERS or name in GAUGES else ""
+    return f"{prefix}{name}{engine}{'|' + labels if labels else ''}|{MODEL}"
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")  # under both names
 
 
@@ -50,20 +61,21 @@ def test_metrics_parse_and_move(served, client):
     for name in ("jaxserve:num_requests_running", "jaxserve:num_requests_waiting", "jaxserve:kv_pages_used",
                  "jaxserve:num_preemptions_total"):
         assert name in after
-    # vLLM's names too, with its model_name label: the same figures
-    model = f"|{MODEL}"
-    for name in ("generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
-                 "e2e_request_latency_seconds_count", "num_requests_running", "kv_cache_usage_perc"):
+    # vLLM's names too, with its model_name label (and the engine's: its one replica is "0"): the same figures
+    model, engine = f"|{MODEL}", f"|0|{MODEL}"
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
         assert after[f"vllm:{name}{model}"] == after[f"jaxserve:{name}"], name
+    for name in ("generation_tokens_total", "prompt_tokens_total", "num_requests_running", "kv_cache_usage_perc"):
+        assert after[f"vllm:{name}{engine}"] == after[f"jaxserve:{name}"], name
     assert after[f"vllm:request_success_total|length{model}"] == after["jaxserve:request_success_total|length"]
-    assert after[f"vllm:gpu_cache_usage_perc{model}"] == after["jaxserve:kv_cache_usage_perc"]
+    assert after[f"vllm:gpu_cache_usage_perc{engine}"] == after["jaxserve:kv_cache_usage_perc"]
     assert not any(key.startswith(("vllm:kv_pages", "vllm:request_errors", "jaxserve:gpu")) for key in after)
     assert after["jaxserve:e2e_request_latency_seconds_count"] > before.get("jaxserve:e2e_request_latency_seconds_count", 0)
     # each figure, under each name, moved by what the two requests are known to have done: one
     # sequence of 8 prompt tokens (no full page: nothing from the prefix cache) and 7 generated
     # tokens, one update each, ended by its length; and one 400
     for prefix, label in NAMES:
-        moved = {name: after[f"{prefix}{name}{label}"] - before.get(f"{prefix}{name}{label}", 0) for name in (
+        moved = {name: after[key(prefix, name)] - before.get(key(prefix, name), 0) for name in (
             "generation_tokens_total", "prompt_tokens_total", "request_success_total|length",
             "time_to_first_token_seconds_count", "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
             "time_to_first_token_seconds_sum", "e2e_request_latency_seconds_sum", "num_preemptions_total")}
@@ -183,7 +195,7 @@ def test_preemptions_are_counted_and_the_recomputed_choices_match(served, client
     assert len({c.text for c in r.choices}) == 1
     for prefix, label in NAMES:
         def moved(name):
-            return after[f"{prefix}{name}{label}"] - before.get(f"{prefix}{name}{label}", 0)
+            return after[key(prefix, name)] - before.get(key(prefix, name), 0)
 
         assert moved("num_preemptions_total") >= 1, prefix
         assert moved("generation_tokens_total") == 16 * 80, prefix

@@ -15,9 +15,9 @@ from api.state import api_state_of
 
 
 def test_a_full_queue_is_a_503_with_retry_after_before_any_work(served, client):
-    engine = served[1]
-    engine.max_queued_requests = 2
-    engine.admit([("queued-elsewhere", 5)])
+    engine, bound = served[1], served[1].admission
+    bound.max_queued_requests = 2
+    engine.admit([("queued-elsewhere", [1, 2, 3, 4, 5])])
     try:
         r = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})  # one request of two choices
         assert r.status_code == 200
@@ -27,12 +27,12 @@ def test_a_full_queue_is_a_503_with_retry_after_before_any_work(served, client):
         error = r.json()["error"]
         assert error["type"] == "server_overloaded" and "--max-num-queued-reqs" in error["message"]
         assert scrape(served)["jaxserve:num_requests_queued"] == 1
-        engine.max_queued_requests, engine.max_queued_tokens = None, 8
+        bound.max_queued_requests, bound.max_queued_tokens = None, 8
         r = post(served, "/v1/completions", {"prompt": "a longer prompt than the rest", "max_tokens": 2})
         assert r.status_code == 503 and "--max-num-queued-tokens" in r.json()["error"]["message"]
     finally:
-        engine.max_queued_requests = engine.max_queued_tokens = None
-        engine._arrived("queued-elsewhere")
+        bound.max_queued_requests = bound.max_queued_tokens = None
+        engine.forget(["queued-elsewhere"])
     assert httpx.get(served[0].url + "/load").json()["queued_requests"] == 0
     assert completion(client, prompt="hi", max_tokens=2).choices[0].finish_reason in ("length", "stop")
 

@@ -4,6 +4,7 @@ were compiled before serving or only the first, with the rest compiling in the b
 from __future__ import annotations
 
 import threading
+import types
 
 import jax
 import numpy as np
@@ -110,21 +111,24 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     assert len(list(entries[0].parent.glob("*.executable"))) == buckets
 
 
-def test_executable_key_follows_the_attention_choice_and_the_arguments(tmp_path, monkeypatch):
+def test_executable_key_follows_the_attention_choice_the_arguments_and_the_devices(tmp_path, monkeypatch):
     """Tests switch the attention implementation through the environment within one process: the
-    executable saved for one choice must never be loaded for another."""
+    executable saved for one choice must never be loaded for another. Nor onto other devices (a
+    data-parallel replica's): it loads only onto those it was compiled for."""
     from jaxserve.worker.executables import ExecutableCache
 
     cache = ExecutableCache(tmp_path)
     args = (jax.numpy.zeros((2, 3)),)
     monkeypatch.delenv("JAXSERVE_ATTENTION", raising=False)
-    default = cache.path(args, "step")
+    devices = jax.devices()[:1]
+    default = cache.path(args, "step", devices)
     monkeypatch.setenv("JAXSERVE_ATTENTION", "tpu-interpret")
-    assert cache.path(args, "step") != default
+    assert cache.path(args, "step", devices) != default
     monkeypatch.delenv("JAXSERVE_ATTENTION")
-    assert cache.path(args, "step") == default
-    assert cache.path((jax.numpy.zeros((2, 4)),), "step") != default
-    assert cache.path(args, "another bucket") != default
+    assert cache.path(args, "step", devices) == default
+    assert cache.path((jax.numpy.zeros((2, 4)),), "step", devices) != default
+    assert cache.path(args, "another bucket", devices) != default
+    assert cache.path(args, "step", [types.SimpleNamespace(id=devices[0].id + 1)]) != default
 
 
 class Gate:

@@ -11,14 +11,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 import trustme
-from server import free_port
+from server import free_port, serving
 
 from kernels import implementation as attention_implementation
 
@@ -108,7 +107,7 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
             proc.kill()
 
 
-def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_while_serving(tmp_path):
+def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_whileserving(tmp_path):
     """A cold start (an empty cache: no compiled steps, no CPU kernels): the server listens while its
     engine compiles its first step bucket, /health answers 503 meanwhile and a request sent then
     waits; then /health answers 200, the request is served, and the other buckets compile in the
@@ -249,36 +248,12 @@ def test_vllm_flag_names():
             parse_args(wrong)
 
 
-@contextlib.contextmanager
-def _serving(port: int, *flags: str) -> Iterator[subprocess.Popen]:
-    """`python run_server.py` over jaxserve-tiny, once /health says 200; killed at the end if still running."""
-    proc = subprocess.Popen([sys.executable, "run_server.py", "--model", "jaxserve-tiny", "--port", str(port), *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.time() + 240
-        while not _healthy(proc, port):
-            assert time.time() < deadline, "the server did not become healthy"
-            time.sleep(0.3)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _healthy(proc: subprocess.Popen, port: int) -> bool:
-    assert proc.poll() is None, proc.stdout.read()
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 def test_a_lost_kv_cache_fails_its_request_turns_health_503_and_exits_non_zero():
     """docs/api.md's fatal path: a step that fails on the device leaves the (donated) KV cache holding
     the error, so the engine cannot step at all: the request gets a 500, /health stops answering 200,
     and the process exits non-zero, saying why."""
     port = free_port()
-    with _serving(port, "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+    with serving(port, "--max-model-len", "64", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
                   "--logits-processors", "tests.processors:FailOnDevice") as proc:
         url = f"http://127.0.0.1:{port}"
         r = httpx.post(url + "/v1/completions", timeout=60, json={
@@ -302,7 +277,7 @@ def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_fin
     value) preempts the running one and finishes first. SIGTERM with --shutdown-timeout: /health and new
     requests get 503 at once, both streams in flight finish with [DONE], the process exits 0."""
     port = free_port()
-    with _serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
+    with serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--max-num-batched-tokens", "32",
                   "--max-num-queued-reqs", "2", "--scheduling-policy", "priority", "--shutdown-timeout", "120") as proc:
         url, client = f"http://127.0.0.1:{port}", httpx.Client(timeout=120)
         done: list[str] = []
@@ -378,7 +353,7 @@ def test_a_burst_past_the_queue_then_priorities_under_load_then_a_drain_that_fin
 
 def test_a_short_shutdown_timeout_aborts_the_streams_left():
     port = free_port()
-    with _serving(port, "--max-model-len", "2048", "--max-num-seqs", "1", "--shutdown-timeout", "0.5") as proc:
+    with serving(port, "--max-model-len", "2048", "--max-num-seqs", "1", "--shutdown-timeout", "0.5") as proc:
         url, lines = f"http://127.0.0.1:{port}", [[], []]
 
         def stream(i: int) -> None:
@@ -403,7 +378,7 @@ def test_a_short_shutdown_timeout_aborts_the_streams_left():
 
 def test_a_second_signal_exits_at_once():
     port = free_port()
-    with _serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300") as proc:
+    with serving(port, "--max-model-len", "512", "--max-num-seqs", "1", "--shutdown-timeout", "300") as proc:
         url = f"http://127.0.0.1:{port}"
 
         def request():
@@ -445,7 +420,7 @@ def test_every_server_flag_through_main_does_what_it_says(tmp_path):
              "--response-role", "bot", "--enable-force-include-usage", "--disable-fastapi-docs",
              "--disable-playground", "--enable-prompt-tokens-details", "--enable-server-load-tracking",
              "--disable-uvicorn-access-log", "--disable-frontend-multiprocessing"]
-    with _serving(port, *flags) as proc:
+    with serving(port, *flags) as proc:
         url, chat = f"http://127.0.0.1:{port}", [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
         def post(path: str, **body) -> httpx.Response:

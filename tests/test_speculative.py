@@ -354,7 +354,7 @@ def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
             accepted = re.search(rf"^{prefix}spec_decode_num_accepted_tokens_total(?:{{[^}}]*}})? (\S+)$", metrics,
                                  re.M)
             assert float(drafted.group(1)) >= float(accepted.group(1)) > 0
-        assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="jaxserve-tiny",position="1"}' in metrics
+        assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="jaxserve-tiny",engine="0",position="1"}' in metrics
         time.sleep(1.5)  # (a stats line)
         proc.terminate()
         log = proc.communicate(timeout=60)[0]

@@ -10,6 +10,7 @@ import math
 from checkpoints import DEFAULT_MODEL_NAME, OFFLINE_MODEL_NAME
 from jaxserve.config.checkpoint import DTYPE_ALIASES, DTYPES
 from jaxserve.config.fields import json_object, options_to_fields, setting
+from jaxserve.config.kv_events import KVEventsConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.vllm import check_vllm_options
 from jaxserve.errors import RequestError
@@ -38,6 +39,7 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/worker/warmup.py)
 WARMUP_MODES = ("auto", "minimal", "all")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+DATA_PARALLEL_BACKENDS = ("thread", "ray")
 PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
 
 
@@ -96,6 +98,13 @@ class EngineConfig:
     tensor_parallel_size: int = setting(
         1, "devices to split weights and KV cache over (multi-host: all devices of all processes)", flags=("-tp",),
         compiled=True)
+    data_parallel_size: int = setting(
+        1, "engine replicas, each on its own tensor-parallel-size devices, behind one API that sends each request "
+        "to the least loaded replica or to the one holding its prompt's prefix", flags=("-dp",))
+    data_parallel_backend: str = setting(
+        "thread", "where replicas run: thread (one process, a thread per replica: the replicas of one host) or ray "
+        "(a Ray actor per replica, placed and restarted by Ray: replicas on several hosts; needs jaxserve[ray])",
+        choices=DATA_PARALLEL_BACKENDS)
     enable_expert_parallel: bool = setting(
         False, "split a Mixture-of-Experts model's experts whole over the tensor-parallel devices (each holds "
         "experts / tensor-parallel-size of them; attention stays tensor-parallel) instead of splitting every "
@@ -143,6 +152,11 @@ class EngineConfig:
         'earlier tokens, and each step checks them all at once, exactly (outputs are distributed as without it); '
         'disable_by_batch_size (default 8): no drafts while more sequences run (docs/speculative.md)',
         type=json_object)
+    kv_events_config: dict | None = setting(
+        None, 'JSON: publish the prefix cache\'s KV events for external routers (vLLM\'s KVEventsConfig), e.g. '
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\': '
+        "pages stored and evicted, and cache resets, as msgpack KVEventBatch messages over ZMQ, replica r on the "
+        "endpoint's port + r (docs/deploy.md)", type=json_object)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -173,15 +187,24 @@ class EngineConfig:
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
         if self.min_token_bucket < 1:
             raise ValueError(f"min_token_bucket must be >= 1, got {self.min_token_bucket}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "page_size", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages and self.num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
+        self.kv_events  # (a bad kv_events_config fails here)
+        if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
+            raise ValueError(f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
+                             f"got {self.data_parallel_backend!r}")
         if self.speculative is not None and self.batch_invariant:
             raise ValueError("speculative decoding with batch_invariant is not supported: drop one of them")
+
+    @functools.cached_property
+    def kv_events(self) -> KVEventsConfig | None:
+        return KVEventsConfig.parse(self.kv_events_config)
 
     @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:

@@ -69,8 +69,6 @@ VLLM_OPTIONS = {
     "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),
     "pipeline_parallel_size": VllmOption("pipeline parallelism is not supported (tensor_parallel_size splits the "
                                          "model)", (1,), _INT, ("-pp",)),
-    "data_parallel_size": VllmOption("data parallelism is not supported (run one server per replica)", (1,), _INT,
-                                     ("-dp",)),
     "enable_lora": VllmOption(_NO_LORA, (False,), _SWITCH),
     "cpu_offload_gb": VllmOption("weights are not offloaded to host memory", (0,), _FLOAT),
     "kv_cache_memory_bytes": VllmOption("size the KV cache with num_pages or gpu_memory_utilization", (None,), _INT),

@@ -23,23 +23,21 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 
+from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.core import Engine
 from jaxserve.engine.output_processor import update_of
 from jaxserve.engine.outputs import Logprob, Update, logprob_entries
 from jaxserve.engine.tokenizer import Tokenizer
-from jaxserve.errors import QueueFull, StepFailed, WarmupCancelled
+from jaxserve.errors import StepFailed, WarmupCancelled
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.plan import SchedulerStats
 from jaxserve.sched.sequence import Sequence
 from jaxserve.structured_output.grammar import Constraint
 
 log = logging.getLogger(__name__)
-
-RESERVATION_SECONDS = 30.0  # an admitted request not sent to the engine by then no longer counts as queued
 
 
 @dataclasses.dataclass
@@ -76,9 +74,8 @@ class AsyncEngine:
         """`max_queued_requests` / `max_queued_tokens` (None: unbounded) bound the requests waiting to
         start and their prompt tokens (`admit`)."""
         self.engine = engine
-        self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
-        # request id -> (prompt tokens, when admitted, sent): admitted, not yet in the engine's queue
-        self._admitted: dict[str, tuple[int, float, bool]] = {}
+        self.admission = QueueBound(max_queued_requests, max_queued_tokens,
+                                    lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
@@ -131,55 +128,26 @@ class AsyncEngine:
 
     @property
     def queued(self) -> tuple[int, int]:
-        """(requests, prompt tokens) waiting to start: admitted and not yet sent, on their way to the
-        engine, or in its queue (as of its last snapshot; one on its way may count twice for a moment)."""
-        with self._lock:
-            now = time.monotonic()
-            for request_id, (_, admitted, sent) in list(self._admitted.items()):
-                if not sent and now - admitted > RESERVATION_SECONDS:  # admitted, then never sent
-                    del self._admitted[request_id]
-            requests, tokens = len(self._admitted), sum(n for n, _, _ in self._admitted.values())
-        stats = self.engine.stats
-        return requests + stats.num_queued_requests, tokens + stats.num_queued_tokens
+        """(requests, prompt tokens) waiting to start (`QueueBound.queued`)."""
+        return self.admission.queued
 
-    def admit(self, requests: list[tuple[str, int]]) -> None:
-        """Count (request id, prompt tokens) as queued from now on, or QueueFull where the bounded
-        queue has no room for them all. A request alone is admitted into an empty queue whatever its
-        prompt's length (it could never be otherwise)."""
-        if self.max_queued_requests is not None or self.max_queued_tokens is not None:
-            requests_queued, tokens_queued = self.queued
-            new_tokens = sum(n for _, n in requests)
-            if self.max_queued_requests is not None and requests_queued + len(requests) > self.max_queued_requests:
-                raise QueueFull(f"the server is overloaded: {requests_queued} requests are waiting, and at most "
-                                f"{self.max_queued_requests} may wait (--max-num-queued-reqs); retry later")
-            if (self.max_queued_tokens is not None and requests_queued
-                    and tokens_queued + new_tokens > self.max_queued_tokens):
-                raise QueueFull(f"the server is overloaded: {tokens_queued} prompt tokens are waiting, and this "
-                                f"request's {new_tokens} would pass the {self.max_queued_tokens} that may wait "
-                                "(--max-num-queued-tokens); retry later")
-        with self._lock:
-            now = time.monotonic()
-            self._admitted.update((request_id, (n, now, False)) for request_id, n in requests)
+    def admit(self, requests: list[tuple[str, list[int]]]) -> None:
+        """Count (request id, prompt) as queued from now on, or QueueFull (`QueueBound.admit`)."""
+        self.admission.admit(requests)
 
-    def _sent(self, request_id: str) -> None:
-        """An admitted request is on its way to the engine (counted as queued until it arrives)."""
-        with self._lock:
-            if request_id in self._admitted:
-                self._admitted[request_id] = (*self._admitted[request_id][:2], True)
-
-    def _arrived(self, request_id: str) -> None:
-        """An admitted request is in the engine's queue, or refused there: no longer counted here."""
-        with self._lock:
-            self._admitted.pop(request_id, None)
+    def forget(self, request_ids: list[str]) -> None:
+        """Admitted requests that will not be sent after all: no longer counted as queued."""
+        for request_id in request_ids:
+            self.admission.arrived(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
         """Updates of the request's n sequences until all finish; leaving early aborts them. A step that
         fails raises `StepFailed`."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        self._sent(request_id)
+        self.admission.sent(request_id)
         if not self._send(Add(request_id, list(prompt_token_ids), params, subscriber, priority, cache_salt)):
-            self._arrived(request_id)
+            self.admission.arrived(request_id)
             raise RuntimeError("the engine is not running")
         unfinished = params.n
         try:
@@ -198,7 +166,7 @@ class AsyncEngine:
         """vLLM's server-side beam search: `beam_search.search`, each round's beams run side by side
         as requests of one token (so they share steps and the prefix cache). A beam's text is that
         of its generated tokens, as in vLLM's server."""
-        self._arrived(request_id)  # (its rounds are requests of their own, counted as they wait)
+        self.admission.arrived(request_id)  # (its rounds are requests of their own, counted as they wait)
         run = search([prompt_token_ids], params, frozenset(self.engine.model_config.eos_token_ids),
                      self.engine.config)
         step = round_params(params)
@@ -312,7 +280,7 @@ class AsyncEngine:
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, e)
             return
         finally:
-            self._arrived(command.request_id)
+            self.admission.arrived(command.request_id)
         self._subscribers[command.request_id] = sub
 
     def _publish_abort(self, seq: Sequence) -> None:

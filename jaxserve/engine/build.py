@@ -3,6 +3,7 @@ from memory, the tokenizer and the sampling defaults."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -14,10 +15,12 @@ from flax import nnx
 from checkpoints import resolve_model
 from jaxserve.config.checkpoint import resolve_dtype, sampling_defaults
 from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.checks import RequestChecks
 from jaxserve.engine.core import Engine
 from jaxserve.engine.tokenizer import Tokenizer, check_tokenizer_files
 from jaxserve.models import abstract_model
 from jaxserve.models.config import ModelConfig
+from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weights import weight_formats
 from kernels import implementation as attention_implementation
@@ -27,7 +30,7 @@ log = logging.getLogger(__name__)
 
 def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int,
                     formats: dict[str, str] | None = None,
-                    draft: tuple[ModelConfig, dict[str, str]] | None = None) -> int:
+                    draft: tuple[ModelConfig, dict[str, str]] | None = None, replicas: int = 1) -> int:
     """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights
     (matrices kept quantized as `formats` says, see `weights.weight_formats`). With a `draft` model
     (its config and formats: speculative decoding), next to its weights too, and sharing the bytes
@@ -35,7 +38,8 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
     On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
     weights; the cache is split over them, or copied to each when its KV heads do not divide.
-    On CPU the (virtual) devices share one pool of host RAM."""
+    On CPU the (virtual) devices share one pool of host RAM, which `replicas` data-parallel replicas
+    (each with its own weights) divide."""
     tp = tensor_parallel_size
     models = [(model_config, formats), *([draft] if draft is not None else [])]
     weights = sum(x.size * x.dtype.itemsize for cfg, fmts in models for x in jax.tree.leaves(
@@ -43,7 +47,8 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
     copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
     stats = jax.devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
-        budget = (fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - weights) / copies
+        ram = fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        budget = (ram - weights * replicas) / copies / replicas
     else:
         per_device = fraction * stats["bytes_limit"] - weights / tp
         budget = per_device * (tp if copies == 1 else 1)
@@ -56,13 +61,56 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
 
 def build_engine(config: EngineConfig, chat_template: str | None = None, warmup: bool = True
                  ) -> tuple[Engine, Tokenizer | None]:
-    """Resolve the model, read its config and tokenizer (none with `skip_tokenizer_init`: a model
-    directory without tokenizer files is refused before anything loads, `check_tokenizer_files`),
-    load the weights, compile the step buckets (`Engine.warmup`; where `warmup` is False, the caller
-    does that later). The cache holds `num_pages`, else what `kv_cache_memory_fraction` of memory
-    allows, else 2 GiB; dtype "auto" is the checkpoint's own (`resolve_dtype`); the requests'
-    sampling defaults come from `generation_config` (`sampling_defaults`). `chat_template` replaces
-    the tokenizer's."""
+    """The engine of a config of one replica (`build_engines`)."""
+    if config.data_parallel_size != 1:
+        raise ValueError("build_engine builds one replica: build_engines builds data_parallel_size of them")
+    engines, tokenizer = build_engines(config, chat_template, warmup)
+    return engines[0], tokenizer
+
+
+def build_engines(config: EngineConfig, chat_template: str | None = None, warmup: bool = True,
+                  first_rank: int = 0) -> tuple[list[Engine], Tokenizer | None]:
+    """Resolve the model, read its config and tokenizer (`_prepare`), load the weights of each of
+    `data_parallel_size` replicas onto its devices, compile the step buckets (`Engine.warmup`;
+    where `warmup` is False, the caller does that later). `chat_template` replaces the tokenizer's;
+    `first_rank`: the data-parallel rank of the first replica built here (a Ray replica's)."""
+    model_dir, model_config, config, tokenizer_dir, defaults = _prepare(config, chat_template)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
+        tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)
+                     else pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template))
+        engines = [Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults,
+                          replica=replica, data_parallel_rank=first_rank + replica)
+                   for replica in range(config.data_parallel_size)]
+    return engines, engines[0].tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """What the API needs of engines it does not run itself (Ray replicas): the model's and the
+    resolved engine configuration, the tokenizer, the sampling defaults, the logits processors and
+    the request checks, as a replica's `Engine` has them (`of`)."""
+
+    model_config: ModelConfig
+    config: EngineConfig
+    tokenizer: Tokenizer | None
+    sampling_defaults: dict
+    processors: Processors
+    checks: RequestChecks
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineSpec:
+        return cls(engine.model_config, engine.config, engine.tokenizer, engine.sampling_defaults, engine.processors,
+                   engine.checks)
+
+
+def _prepare(config: EngineConfig, chat_template: str | None) -> tuple:
+    """(model directory, ModelConfig, the config resolved for the model, tokenizer directory or None,
+    sampling defaults): the model resolved, its tokenizer's files checked (none with
+    `skip_tokenizer_init`: a model directory without tokenizer files is refused before anything
+    loads, `check_tokenizer_files`). The cache holds `num_pages`, else what
+    `kv_cache_memory_fraction` of memory allows, else 2 GiB; dtype "auto" is the checkpoint's own
+    (`resolve_dtype`); the requests' sampling defaults come from `generation_config`
+    (`sampling_defaults`)."""
     if config.skip_tokenizer_init and (chat_template is not None or config.tokenizer is not None):
         raise ValueError("a chat template or --tokenizer needs a tokenizer: drop them or --skip-tokenizer-init")
     model_dir = resolve_model(config.model)
@@ -76,6 +124,13 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
     if defaults:
         log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
                     "--generation-config vllm for none)", defaults)
+    config = config.resolve(model_config, **_derived_settings(config, model_dir, model_config))
+    return model_dir, model_config, config, tokenizer_dir, defaults
+
+
+def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig) -> dict:
+    """The settings that follow from the checkpoint, the backend and the memory: the dtype, the
+    page-table widths where "auto", the KV cache's budget where a memory fraction sizes it."""
     given = dict(dtype=resolve_dtype(config.dtype, model_dir))
     if config.page_table_widths == "auto":  # (the C++ CPU kernel reads each sequence's own pages only;
         # the batch-invariant mode's attention reads one width)
@@ -89,10 +144,6 @@ def build_engine(config: EngineConfig, chat_template: str | None = None, warmup:
             draft_config = ModelConfig.from_hf(draft_dir)
             draft = draft_config, weight_formats(draft_dir, draft_config, None)
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
-                                                  config.tensor_parallel_size, formats, draft)
-    config = config.resolve(model_config, **given)
-    with ThreadPoolExecutor(1) as pool:  # the tokenizer (mostly: importing transformers) loads meanwhile
-        tokenizer = (None if tokenizer_dir is None  # (skip_tokenizer_init)
-                     else pool.submit(Tokenizer, tokenizer_dir, chat_template=chat_template))
-        engine = Engine(model_dir, model_config, config, tokenizer, warmup=warmup, sampling_defaults=defaults)
-    return engine, engine.tokenizer
+                                                  config.tensor_parallel_size, formats, draft,
+                                                  config.data_parallel_size)
+    return given

@@ -9,7 +9,6 @@ step launched before: update, release text). `build_engine` makes one from an
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -21,16 +20,16 @@ import jax
 import numpy as np
 
 from checkpoints import resolve_model
-from jaxserve.config.engine import MAX_LOGPROBS, EngineConfig
+from jaxserve.config.engine import EngineConfig
+from jaxserve.engine.checks import RequestChecks, engine_processors
+from jaxserve.engine.kv_events import KVEventPublisher
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.tokenizer import Tokenizer
-from jaxserve.errors import RequestError, StepFailed
+from jaxserve.errors import StepFailed
 from jaxserve.models.config import ModelConfig
-from jaxserve.sample.llamacpp import BUILTIN_SAMPLERS
-from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import RequestSampling, SamplingParams
-from jaxserve.sample.tensors import MAX_SUPPRESSED, needs_distribution
+from jaxserve.sched.pages import salt_seed
 from jaxserve.sched.plan import ScheduledBatch, SchedulerStats
 from jaxserve.sched.scheduler import Scheduler
 from jaxserve.sched.sequence import Sequence, SequenceStatus
@@ -58,19 +57,21 @@ class Engine:
 
     def __init__(self, model_dir: str | Path, model_config: ModelConfig, config: EngineConfig,
                  tokenizer: Tokenizer | Future[Tokenizer] | None, *, warmup: bool = True,
-                 sampling_defaults: dict | None = None):
+                 sampling_defaults: dict | None = None, replica: int = 0, data_parallel_rank: int | None = None):
         """`tokenizer` may still be loading (a Future): it is needed only once the weights are loaded
         and the engine is warmed up (`warmup`; later, where `warmup` is False); None with
         `config.skip_tokenizer_init` (outputs are then token ids, with empty text). `sampling_defaults`
         (`config.sampling_defaults`): what the API and `LLM` give a request for the sampling fields
-        it leaves out."""
+        it leaves out. `replica`: which of this process's `config.data_parallel_size` replicas this is
+        (its devices); `data_parallel_rank`: which of all replicas (default: `replica`; a Ray replica's
+        rank among all), the rank of its KV events."""
         executable_cache = compilation_cache()
-        self.mesh = make_mesh(config.tensor_parallel_size)
+        self.mesh = make_mesh(config.tensor_parallel_size, replica, config.data_parallel_size)
         model_config = model_config.parallel(config.enable_expert_parallel, config.tensor_parallel_size)
         self.model_config = model_config = model_config.for_context(config.max_model_len)
         self.config = config
         self.sampling_defaults = dict(sampling_defaults or {})
-        self.processors = Processors([*BUILTIN_SAMPLERS, *config.logits_processors], model_config.vocab_size)
+        self.processors = engine_processors(config, model_config.vocab_size)
         self.processors.check(config.max_model_len)  # (before the weights: a processor that fails, fails fast)
         started = time.monotonic()
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
@@ -86,6 +87,10 @@ class Engine:
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
                              replicated(self.mesh), executable_cache, self.processors, draft)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
+        # the prefix cache's events, for external routers (--kv-events-config): one publisher per replica
+        rank = replica if data_parallel_rank is None else data_parallel_rank
+        self.kv_events = (KVEventPublisher(config.kv_events, rank, config.page_size)
+                          if config.kv_events is not None and is_leader() else None)
         # what drafts tokens for speculative decoding: prompt lookup (a draft model is the runner's)
         self.proposer = NgramProposer(spec) if spec is not None and draft is None else None
         self._seeds = np.random.default_rng(config.seed)
@@ -96,6 +101,7 @@ class Engine:
             self.warmup()
         self.tokenizer = tokenizer.result() if isinstance(tokenizer, Future) else tokenizer
         self.output = OutputProcessor(self.tokenizer, self.scheduler, model_config.vocab_size)
+        self.checks = RequestChecks(config, model_config, self.processors, self.tokenizer)
         # the scheduler's figures as of the last change, for other threads to read (metrics)
         self.stats: SchedulerStats = self.scheduler.stats()
 
@@ -132,8 +138,10 @@ class Engine:
         return len(self.runner.executables), len(self.config.step_buckets)
 
     def close(self) -> None:
-        """Stop compiling in the background (after the buckets being compiled)."""
+        """Stop compiling in the background (after the buckets being compiled), and publishing KV events."""
         self.compiler.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None) -> Sequence:
@@ -144,88 +152,22 @@ class Engine:
         another salt, or none (vLLM's)."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
-        sampling = RequestSampling.of(params, self._encode,
+        sampling = RequestSampling.of(params, self.checks.encode,
                                       self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, sampling=sampling, seed=seed, max_tokens=max_tokens, priority=priority,
-                       hash_seed=None if cache_salt is None else hashlib.sha256(
-                           b"cache_salt\0" + cache_salt.encode()).digest())
+                       hash_seed=salt_seed(cache_salt))
         self.scheduler.add(seq)
         self.stats = self.scheduler.stats()
         return seq
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
                       cache_salt: str | None = None) -> int:
-        """The request's max_tokens, or ValueError for what this engine cannot run (all but the
-        constraint), for the prompt as it runs (truncated: `SamplingParams.truncate`). Reads only
-        the configuration: any thread may call it, e.g. to refuse a streamed request before its
-        response starts."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
-        if priority and self.config.scheduling_policy != "priority":
-            raise RequestError(f"Got priority {priority} but priority scheduling is not enabled (the scheduling "
-                               "policy is fcfs: start the engine with --scheduling-policy priority)", "priority")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise RequestError("cache_salt must be a non-empty string", "cache_salt")
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty", "prompt")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            max_tokens = self.config.max_model_len - len(prompt_token_ids)
-            if max_tokens < 1:
-                raise RequestError(f"This model's maximum context length is {self.config.max_model_len} tokens, "
-                                   f"but the request has {len(prompt_token_ids)} prompt tokens, which leave no room "
-                                   "for an output token. Shorten the prompt.", "prompt")
-        self.config.check_fits(len(prompt_token_ids), max_tokens)
-        for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
-                          ("allowed_token_ids", params.allowed_token_ids or ())):
-            bad = [t for t in ids if t >= vocab]
-            if bad:
-                raise RequestError(f"{name}: token ids {bad[:5]} are outside the vocabulary [0, {vocab})", name)
-        if self.config.skip_tokenizer_init and params.text_settings:
-            name = params.text_settings[0]
-            raise RequestError(f"{name} needs the model's tokenizer, and the engine runs without one "
-                               "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
-                               "allowed_token_ids serve instead", name)
-        self._check_logprobs(params)
-        self.processors.request_args(params, self._encode)  # (a ValueError: the request's error)
-        suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
-        if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
-            raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
-                             f"got {len(suppressed)}")
-        return max_tokens
-
-    def _check_logprobs(self, params: SamplingParams) -> None:
-        """Top logprobs up to max_logprobs (-1: the vocabulary's size, in either), as vLLM's; prompt
-        logprobs up to the MAX_LOGPROBS the step computes per prompt token."""
-        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
-        if params.prompt_logprobs is not None and needs_distribution(params.prompt_logprobs):
-            raise RequestError(f"requested prompt logprobs of {params.prompt_logprobs}: at most {MAX_LOGPROBS} per "
-                               "prompt token are supported (more, or -1, only for sampled tokens' logprobs)",
-                               "prompt_logprobs")
-        for name, field, value in (("sample logprobs", "logprobs", params.logprobs),
-                                   ("prompt logprobs", "prompt_logprobs", params.prompt_logprobs)):
-            wanted = vocab if value == -1 else value
-            if value is None or wanted <= (vocab if cap == -1 else cap):
-                continue
-            if cap == -1:
-                raise RequestError(f"requested {name} of {value}, more than the vocabulary's {vocab} tokens", field)
-            more = " (-1: the whole vocabulary)" if value == -1 else ""
-            raise RequestError(f"requested {name} of {value}{more}, more than max_logprobs ({cap}): raise "
-                               "--max-logprobs (LLM's max_logprobs; -1: no cap)", field)
-
-    @property
-    def _encode(self) -> Callable[[str], list[int]] | None:
-        """text -> token ids, no special tokens; None on token ids alone (skip_tokenizer_init)."""
-        tokenizer = self.tokenizer
-        return None if tokenizer is None else (lambda text: tokenizer.encode(text, add_special_tokens=False))
+        """`RequestChecks.check_request`: the request's max_tokens, or ValueError."""
+        return self.checks.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
         """End the request's unfinished sequences now (finish reason `reason`) -> them."""
@@ -270,6 +212,9 @@ class Engine:
             self._in_flight = in_flight
         except Exception as e:
             raise StepFailed(self._fail(batch), e) from e
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish(self.scheduler.allocator.take_events())
         return released
 
     def _speculates(self) -> bool:

@@ -20,6 +20,21 @@ def page_hash(previous: bytes | None, tokens: list[int]) -> bytes:
     return hashlib.sha256((previous or b"") + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
+def salt_seed(cache_salt: str | None) -> bytes | None:
+    """What a salted prompt's first page key chains from (`page_hash`'s `previous`): only prompts
+    with the same cache_salt share pages."""
+    return None if cache_salt is None else hashlib.sha256(b"cache_salt\0" + cache_salt.encode()).digest()
+
+
+def prefix_hashes(token_ids: list[int], page_size: int, seed: bytes | None = None) -> list[bytes]:
+    """The prefix-cache keys of the full pages of `token_ids`, first to last."""
+    keys, previous = [], seed
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        previous = page_hash(previous, token_ids[start:start + page_size])
+        keys.append(previous)
+    return keys
+
+
 class PageAllocator:
     """Reference-counted pages 1..num_pages-1, with a cache of full pages by content.
 
@@ -31,9 +46,13 @@ class PageAllocator:
     everything before it (`register`). When its last holder lets go it is not wiped
     but kept, least recently used first, until a new page is needed (`take`); until
     then a sequence with the same prefix can pick it up again (`lookup` + `acquire`).
+
+    With `record_events` it notes what an external router of KV events needs (`events`, taken by
+    `take_events`): ("stored", parent key, keys, tokens) for each run of pages one sequence registers,
+    ("removed", keys) for each cached page evicted, ("cleared",) when the cache is reset.
     """
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, record_events: bool = False):
         self.num_pages = num_pages
         self.page_size = page_size
         self._refs = [0] * num_pages
@@ -42,6 +61,7 @@ class PageAllocator:
         self._cached: collections.OrderedDict[int, None] = collections.OrderedDict()  # unheld hashed pages, LRU first
         self._page_of: dict[bytes, int] = {}  # prefix hash -> page
         self._hash_of: dict[int, bytes] = {}  # page -> prefix hash
+        self.events: list[tuple] | None = [] if record_events else None
 
     @property
     def num_free(self) -> int:
@@ -63,7 +83,10 @@ class PageAllocator:
             page = self._free.pop()
         else:  # evict the least recently used cached page
             page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._hash_of.pop(page)]
+            evicted = self._hash_of.pop(page)
+            del self._page_of[evicted]
+            if self.events is not None:
+                self.events.append(("removed", [evicted]))
         self._refs[page] = 1
         return page
 
@@ -94,10 +117,12 @@ class PageAllocator:
             self.drop(page)
         page_ids.clear()
 
-    def register(self, page: int, prefix_hash: bytes) -> None:
+    def register(self, page: int, prefix_hash: bytes) -> bool:
         """Remember that `page` (full) holds the tokens whose prefix hash is `prefix_hash`. A page
         that held them before and that nobody holds now is freed: the copy in use is the one kept
-        (a sequence that computes its prompt whole, for prompt logprobs, makes such copies)."""
+        (a sequence that computes its prompt whole, for prompt logprobs, makes such copies).
+        -> whether the cache holds those tokens only from now on."""
+        known = prefix_hash in self._page_of
         idle = self._page_of.get(prefix_hash)
         if idle is not None and idle in self._cached and page not in self._hash_of:
             del self._cached[idle], self._page_of[prefix_hash], self._hash_of[idle]
@@ -105,6 +130,7 @@ class PageAllocator:
         if prefix_hash not in self._page_of and page not in self._hash_of:
             self._page_of[prefix_hash] = page
             self._hash_of[page] = prefix_hash
+        return not known and self._page_of.get(prefix_hash) == page
 
     def lookup(self, prefix_hash: bytes) -> int | None:
         return self._page_of.get(prefix_hash)
@@ -122,7 +148,14 @@ class PageAllocator:
         self._cached.clear()
         self._page_of.clear()
         self._hash_of.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
         return True
+
+    def take_events(self) -> list[tuple]:
+        """The events noted since the last call (`record_events`)."""
+        events, self.events = self.events, []
+        return events
 
     def match_prefix(self, seq: Sequence) -> bool:
         """Start a sequence that holds no pages on the cached pages of its longest known prefix
@@ -146,11 +179,21 @@ class PageAllocator:
 
     def register_full_pages(self, seq: Sequence) -> None:
         size = self.page_size  # (every computed token is known here: see `update`)
+        run = None  # the event of the pages stored one after another, so far
         for i in range(len(seq.page_hashes), seq.num_computed_tokens // size):
-            prefix_hash = page_hash(seq.page_hashes[-1] if seq.page_hashes else seq.hash_seed,
-                                    seq.token_ids[i * size:(i + 1) * size])
-            self.register(seq.page_ids[i], prefix_hash)
+            parent = seq.page_hashes[-1] if seq.page_hashes else seq.hash_seed
+            tokens = seq.token_ids[i * size:(i + 1) * size]
+            prefix_hash = page_hash(parent, tokens)
+            stored = self.register(seq.page_ids[i], prefix_hash)
             seq.page_hashes.append(prefix_hash)
+            if self.events is None or not stored:
+                run = None
+            elif run is None:
+                run = ("stored", parent if seq.page_hashes[:-1] else None, [prefix_hash], list(tokens))
+                self.events.append(run)
+            else:
+                run[2].append(prefix_hash)
+                run[3].extend(tokens)
 
     def allocate(self, seq: Sequence, n: int, page_copies: list[tuple[int, int]]) -> bool:
         """Pages for seq's next n tokens: a private copy of a shared page it writes into, then new pages.

@@ -65,7 +65,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]):
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        self.allocator = PageAllocator(config.num_pages, config.page_size, record_events=config.kv_events is not None)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # oldest first: the last is preempted first
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence

@@ -94,7 +94,7 @@ class ExecutableCache:
     def compile(self, fn, args: tuple, description: str, devices: list) -> jax.stages.Compiled:
         if self.directory is None:
             return fn.lower(*args).compile()
-        path = self.path(args, description)
+        path = self.path(args, description, devices)
         if path.is_file():
             try:
                 serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
@@ -122,9 +122,10 @@ class ExecutableCache:
             log.warning("could not save the executable to %s: %s", path, e)
         return compiled
 
-    def path(self, args: tuple, description: str) -> Path:
-        key = hashlib.sha256(
-            f"{_installation_digest()}\0{_settings()}\0{description}\0{_argument_signature(args)}".encode())
+    def path(self, args: tuple, description: str, devices: list) -> Path:
+        # (an executable loads only onto the devices it was compiled for: each data-parallel replica has its own)
+        key = hashlib.sha256(f"{_installation_digest()}\0{_settings()}\0{description}\0{_argument_signature(args)}"
+                             f"\0{[d.id for d in devices]}".encode())
         return self.directory / f"{key.hexdigest()}.executable"
 
     def _prune(self) -> None:

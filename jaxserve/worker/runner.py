@@ -127,8 +127,7 @@ class Runner:
                      self.config.returns_distributions, self.config.max_num_samples, shape))
 
     def _compile(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
-        return self.executable_cache.compile(self.step_fn, args, self._description(shape),
-                                             list(self.kv_sharding.mesh.devices.flat))
+        return self.executable_cache.compile(self.step_fn, args, self._description(shape), self._devices)
 
     def _abstract_args(self, shape: tuple[int, int, int]) -> tuple:
         empty = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
@@ -140,7 +139,11 @@ class Runner:
         if self.executable_cache.directory is None or self.draft is not None:
             return 0
         return next((i for i, shape in enumerate(shapes) if not self.executable_cache.path(
-            self._abstract_args(shape), self._description(shape)).is_file()), len(shapes))
+            self._abstract_args(shape), self._description(shape), self._devices).is_file()), len(shapes))
+
+    @property
+    def _devices(self) -> list:
+        return list(self.kv_sharding.mesh.devices.flat)
 
     def compile(self, shape: tuple[int, int, int]) -> None:
         """Compile (or load) the step for `shape`, unless it is; steps may use it from then on

@@ -62,15 +62,22 @@ def place(arrays, sharding: NamedSharding):
                         arrays)
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
+def make_mesh(tensor_parallel_size: int, replica: int = 0, replicas: int = 1) -> Mesh:
+    """The mesh of data-parallel replica `replica` of `replicas`: its own run of tensor_parallel_size devices."""
     devices = jax.devices()
-    if not 1 <= tensor_parallel_size <= len(devices):
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} but there are {len(devices)} devices "
-                         f"({jax.default_backend()})")
+    wanted = tensor_parallel_size * replicas
+    if not 1 <= wanted <= len(devices):
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size}" + (
+            f" x data_parallel_size={replicas}" if replicas > 1 else "") + f" but there are {len(devices)} devices "
+            f"({jax.default_backend()})")
+    if jax.process_count() > 1 and replicas > 1:
+        raise ValueError("data parallelism over several processes runs a replica per process group: use "
+                         "--data-parallel-backend ray")
     if jax.process_count() > 1 and tensor_parallel_size != len(devices):
         raise ValueError(f"with {jax.process_count()} processes the mesh must span all {len(devices)} devices: "
                          f"set --tensor-parallel-size {len(devices)}")
-    return Mesh(np.array(devices[:tensor_parallel_size]), (AXIS,))
+    start = replica * tensor_parallel_size
+    return Mesh(np.array(devices[start:start + tensor_parallel_size]), (AXIS,))
 
 
 def weight_sharding(mesh: Mesh, path: str, cfg: ModelConfig, rules: Sequence[tuple[str, P, str]],
