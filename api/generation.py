@@ -31,7 +31,7 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
     serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is
     compiled on the tokenizing thread, not the event loop, before the request reaches the engine);
-    then 503 where the bounded waiting queue has no room for it (`AsyncEngine.admit`: last, so a
+    then 503 where the bounded waiting queue has no room for it (`Replicas.admit`: last, so a
     refused request holds no place in it). A chat request's constraint waits for the thinking
     (--reasoning-parser). -> the request as it runs."""
     if chat and state.reasoning_parser:

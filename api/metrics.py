@@ -35,14 +35,15 @@ class _EngineCollector:
         self.model_name = model_name
 
     def collect(self):
-        sources = {PREFIXES[0]: [({}, self.engine)],
-                   PREFIXES[1]: [({"model_name": self.model_name, "engine": str(i)}, replica)
-                                 for i, replica in enumerate(self.engine.replicas)]}
+        front = self.engine
+        sources = {PREFIXES[0]: [({}, front.stats, front.compile_progress, front.queued)],
+                   PREFIXES[1]: [({"model_name": self.model_name, "engine": str(i)}, replica.stats,
+                                  replica.compile_progress, replica.admission.queued)
+                                 for i, replica in enumerate(front.replicas)]}
         for prefix, labelled in sources.items():
             metrics = {}
-            for labels, source in labelled:
-                stats = source.stats
-                for prefixes, family, name, doc, value in _figures(stats, source.compile_progress, source.queued):
+            for labels, stats, compile_progress, queued in labelled:
+                for prefixes, family, name, doc, value in _figures(stats, compile_progress, queued):
                     if prefix in prefixes:
                         if name not in metrics:
                             metrics[name] = family(prefix + name, doc, labels=list(labels))

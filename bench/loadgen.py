@@ -8,6 +8,7 @@ the server's `usage`.
 - W1: one stream. Time to first token, inter-token latency, decode tokens/s.
 - W2: 32 concurrent streams (distinct prompts), all sent at once. Output tokens/s, p50/p99 TTFT and ITL.
 - W3: 64 requests arriving at 4 per second. The same.
+- W2-64: W2 with 64 streams.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ VOCAB_RANGE = (100, 32000)  # plain pieces of bench-125m's vocabulary (no contro
 # name -> requests, arrival rate (None: all at once), first prompt index (no two requests share a prompt,
 # so no server's prefix or prompt cache helps)
 WORKLOADS = {"W1": dict(requests=1, rate=None, first=0), "W2": dict(requests=32, rate=None, first=100),
-             "W3": dict(requests=64, rate=4.0, first=200)}
+             "W3": dict(requests=64, rate=4.0, first=200), "W2-64": dict(requests=64, rate=None, first=300)}
 
 
 @dataclasses.dataclass

@@ -16,8 +16,8 @@ from jaxserve.config.fields import fields
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.build import build_engines
-from jaxserve.engine.core import Engine
 from jaxserve.engine.chat_template import template_message
+from jaxserve.engine.core import Engine
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.replicas import Router

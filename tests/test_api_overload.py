@@ -15,9 +15,9 @@ from api.state import api_state_of
 
 
 def test_a_full_queue_is_a_503_with_retry_after_before_any_work(served, client):
-    engine, bound = served[1], served[1].admission
+    bound = served[1].admission
     bound.max_queued_requests = 2
-    engine.admit([("queued-elsewhere", [1, 2, 3, 4, 5])])
+    bound.admit([("queued-elsewhere", [1, 2, 3, 4, 5])])
     try:
         r = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})  # one request of two choices
         assert r.status_code == 200
@@ -32,7 +32,7 @@ def test_a_full_queue_is_a_503_with_retry_after_before_any_work(served, client):
         assert r.status_code == 503 and "--max-num-queued-tokens" in r.json()["error"]["message"]
     finally:
         bound.max_queued_requests = bound.max_queued_tokens = None
-        engine.forget(["queued-elsewhere"])
+        bound.forget(["queued-elsewhere"])
     assert httpx.get(served[0].url + "/load").json()["queued_requests"] == 0
     assert completion(client, prompt="hi", max_tokens=2).choices[0].finish_reason in ("length", "stop")
 

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -24,7 +25,7 @@ from server import ROOT, free_port, serving
 from test_api_metrics import scrape
 
 from jaxserve.config.kv_events import KVEventsConfig
-from jaxserve.engine.kv_events import block_hash
+from jaxserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher, block_hash
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.ray_replicas import default_bundle, placement
 from jaxserve.engine.replicas import Replicas, Router
@@ -203,7 +204,8 @@ class _Replica:
 
     def __init__(self, lose: str | None = None):
         self.engine = SimpleNamespace(config=SimpleNamespace(page_size=PAGE, max_num_seqs=4))
-        self.lose, self.served, self.is_ready, self.queued = lose, [], True, (0, 0)
+        self.lose, self.served, self.is_ready = lose, [], True
+        self.admission = SimpleNamespace(queued=(0, 0))
         self.stats = SimpleNamespace(num_running=0)
 
     async def generate(self, request_id, prompt, params, **options):
@@ -248,3 +250,29 @@ def test_a_ray_replica_spans_its_hosts_on_separate_nodes_with_the_clusters_accel
     assert default_bundle({"CPU": 8, "GPU": 8}, tensor_parallel_size=2, hosts=1) == {"CPU": 1, "GPU": 2}
     assert default_bundle({"CPU": 8, "TPU": 16}, tensor_parallel_size=16, hosts=4) == {"CPU": 1, "TPU": 4}
     assert default_bundle({"CPU": 8}, tensor_parallel_size=1, hosts=1) == {"CPU": 1}
+
+
+def test_kv_events_replay_resends_the_kept_batches_from_a_sequence_number(tmp_path):
+    config = KVEventsConfig.parse({"enable_kv_cache_events": True, "endpoint": f"ipc://{tmp_path}/pub",
+                                   "replay_endpoint": f"ipc://{tmp_path}/replay", "buffer_steps": 2})
+    publisher = KVEventPublisher(config, replica=0, page_size=PAGE)
+    try:
+        for i in range(3):
+            publisher.publish([("removed", [bytes([i]) * 32])])
+        publisher.publish([])  # (nothing: no batch)
+        client = zmq.Context.instance().socket(zmq.DEALER)  # (a REQ socket would take one reply only)
+        client.connect(config.replay_endpoint)
+        got, deadline = [], time.monotonic() + 10
+        while (not got or got[-1][0] != 2) and time.monotonic() < deadline:  # (until all 3 are sent)
+            client.send_multipart([b"", (0).to_bytes(8, "big")])
+            got = []
+            while client.poll(5000):
+                _, number, payload = client.recv_multipart()
+                if number == END_OF_REPLAY:
+                    break
+                got.append((int.from_bytes(number, "big"), msgpack.unpackb(payload)))
+        client.close(linger=0)
+        assert [n for n, _ in got] == [1, 2]  # the last buffer_steps batches, from number 0 on
+        assert [batch[1][0]["block_hashes"] for _, batch in got] == [[block_hash(bytes([i]) * 32)] for i in (1, 2)]
+    finally:
+        publisher.close()

@@ -106,7 +106,7 @@ def test_what_raw_outputs_cannot_do_is_refused(offline, raw_llm, monkeypatch):
     than the vocabulary is refused where it does not; prompt logprobs stay at most MAX_LOGPROBS; beam
     search, which adds logprobs up, needs a logprobs mode."""
     engine = raw_llm.engine
-    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, max_logprobs=5))
+    monkeypatch.setattr(engine.checks, "config", dataclasses.replace(engine.config, max_logprobs=5))
     with pytest.raises(ValueError, match=r"logprobs of -1 \(-1: the whole vocabulary\), more than max_logprobs \(5\)"):
         engine.check_request([1, 2], SamplingParams(logprobs=-1))
     monkeypatch.undo()

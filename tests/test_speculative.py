@@ -14,10 +14,10 @@ import numpy as np
 import openai
 import pytest
 from conftest import CROWDED_ENGINE
+from prometheus_client.parser import text_string_to_metric_families
 from scipy.stats import chi2_contingency
-from server import free_port
+from server import free_port, serving
 from test_compile import LLAMACPP, CompileCounter
-from test_run_server import _serving
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
@@ -341,7 +341,7 @@ def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
     the default warm-up: the first request after /health turns 200 is drafted for."""
     port = free_port()
     config = json.dumps({"model": "jaxserve-tiny", "num_speculative_tokens": 3})
-    with _serving(port, "--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+    with serving(port, "--max-model-len", "128", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
                   "--speculative-config", config, "--log-stats-interval", "0.5") as proc:
         url = f"http://127.0.0.1:{port}"
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -354,7 +354,9 @@ def test_the_server_speculates_with_a_draft_model_and_says_how_well(tmp_path):
             accepted = re.search(rf"^{prefix}spec_decode_num_accepted_tokens_total(?:{{[^}}]*}})? (\S+)$", metrics,
                                  re.M)
             assert float(drafted.group(1)) >= float(accepted.group(1)) > 0
-        assert 'spec_decode_num_accepted_tokens_per_pos_total{model_name="jaxserve-tiny",engine="0",position="1"}' in metrics
+        per_position = [sample for family in text_string_to_metric_families(metrics) for sample in family.samples
+                        if sample.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+        assert {"model_name": "jaxserve-tiny", "engine": "0", "position": "1"} in [s.labels for s in per_position]
         time.sleep(1.5)  # (a stats line)
         proc.terminate()
         log = proc.communicate(timeout=60)[0]

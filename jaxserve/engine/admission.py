@@ -68,3 +68,8 @@ class QueueBound:
         all: no longer counted here."""
         with self._lock:
             self._admitted.pop(request_id, None)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Admitted requests that will not be sent after all: no longer counted as queued."""
+        for request_id in request_ids:
+            self.arrived(request_id)

@@ -9,10 +9,10 @@ text), and posts each sequence's update onto the requester's asyncio queue with
 `call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
 pages are freed at the next step.
 
-The waiting queue may be bounded (`admit`: the API refuses what would overflow it, before any
-work). A step that raises ends only the requests it computed (`StepFailed`); the loop stops (and
-the server with it) only when the engine cannot step: the KV cache is lost, or a step failed
-without a request to blame (it would fail again).
+The waiting queue may be bounded (`admission`, a `QueueBound`: the API refuses what would
+overflow it, before any work). A step that raises ends only the requests it computed
+(`StepFailed`); the loop stops (and the server with it) only when the engine cannot step: the KV
+cache is lost, or a step failed without a request to blame (it would fail again).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None):
         """`max_queued_requests` / `max_queued_tokens` (None: unbounded) bound the requests waiting to
-        start and their prompt tokens (`admit`)."""
+        start and their prompt tokens (`admission`, which the API admits requests through)."""
         self.engine = engine
         self.admission = QueueBound(max_queued_requests, max_queued_tokens,
                                     lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
@@ -125,20 +125,6 @@ class AsyncEngine:
         """ValueError now, in the caller's thread, for a constraint that does not compile, or not in
         time (`OutputProcessor.check_constraint`): it may take a while, so not on an event loop."""
         self.engine.output.check_constraint(constraint)
-
-    @property
-    def queued(self) -> tuple[int, int]:
-        """(requests, prompt tokens) waiting to start (`QueueBound.queued`)."""
-        return self.admission.queued
-
-    def admit(self, requests: list[tuple[str, list[int]]]) -> None:
-        """Count (request id, prompt) as queued from now on, or QueueFull (`QueueBound.admit`)."""
-        self.admission.admit(requests)
-
-    def forget(self, request_ids: list[str]) -> None:
-        """Admitted requests that will not be sent after all: no longer counted as queued."""
-        for request_id in request_ids:
-            self.admission.arrived(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:

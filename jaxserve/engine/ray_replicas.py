@@ -79,7 +79,7 @@ class ReplicaActor:
     def snapshot(self) -> tuple:
         """(stats, queued, compile progress, ready) as of now."""
         e = self.engine
-        return e.stats, e.queued, e.compile_progress, e.is_ready and e.is_running
+        return e.stats, e.admission.queued, e.compile_progress, e.is_ready and e.is_running
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int, cache_salt: str | None) -> AsyncIterator[Update]:
@@ -147,10 +147,6 @@ class RayReplica:
         return self._snapshot[0]
 
     @property
-    def queued(self) -> tuple[int, int]:
-        return self.admission.queued
-
-    @property
     def compile_progress(self) -> tuple[int, int]:
         return self._snapshot[2]
 
@@ -170,13 +166,6 @@ class RayReplica:
         if self._grammars is None:
             self._grammars = GrammarMatchers(self.tokenizer.hf, self.engine.model_config.vocab_size)
         self._grammars.compiled(constraint)
-
-    def admit(self, requests: list[tuple[str, list[int]]]) -> None:
-        self.admission.admit(requests)
-
-    def forget(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            self.admission.arrived(request_id)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:

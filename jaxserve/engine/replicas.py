@@ -64,7 +64,7 @@ class Router:
 def load_of(replica: AsyncEngine) -> float:
     """vLLM's balancing score: requests waiting to start (those on their way too) weigh four times
     the sequences running."""
-    return WAITING_WEIGHT * replica.queued[0] + replica.stats.num_running
+    return WAITING_WEIGHT * replica.admission.queued[0] + replica.stats.num_running
 
 
 def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:
@@ -95,7 +95,8 @@ class Replicas:
 
     @property
     def engine(self):
-        """The first replica's engine: what every replica shares (the model's and the engine's configuration)."""
+        """What every replica shares (the model, the engine's configuration, the sampling defaults):
+        the first one's `Engine`, or `EngineSpec` where it runs elsewhere."""
         return self.replicas[0].engine
 
     def start(self) -> None:
@@ -129,7 +130,7 @@ class Replicas:
 
     @property
     def queued(self) -> tuple[int, int]:
-        requests, tokens = zip(*(replica.queued for replica in self.replicas))
+        requests, tokens = zip(*(replica.admission.queued for replica in self.replicas))
         return sum(requests), sum(tokens)
 
     def check(self, prompt_token_ids: list[int], params: SamplingParams, **options) -> None:
@@ -139,7 +140,7 @@ class Replicas:
         self.replicas[0].check_constraint(constraint)
 
     def admit(self, requests: list[tuple[str, list[int]]], cache_salt: str | None = None) -> None:
-        """Route each (request id, prompt) and count it as queued on its replica (`AsyncEngine.admit`:
+        """Route each (request id, prompt) and count it as queued on its replica (`QueueBound.admit`:
         QueueFull where a replica's bounded queue has no room; then none of them is admitted)."""
         groups: dict[int, list[tuple[str, list[int]]]] = collections.defaultdict(list)
         for request_id, prompt in requests:
@@ -147,11 +148,11 @@ class Replicas:
         admitted = []
         try:
             for replica, group in groups.items():
-                self.replicas[replica].admit(group)
+                self.replicas[replica].admission.admit(group)
                 admitted.append((replica, group))
         except QueueFull:
             for replica, group in admitted:
-                self.replicas[replica].forget([request_id for request_id, _ in group])
+                self.replicas[replica].admission.forget([request_id for request_id, _ in group])
             for request_id, _ in requests:
                 self._routes.pop(request_id, None)
             raise
@@ -160,6 +161,8 @@ class Replicas:
                ) -> int:
         """The request's replica, chosen now if it has none: among those ready, less those to `avoid`
         (all of them, where none is ready: the request then waits there)."""
+        if len(self.replicas) == 1:
+            return 0
         if request_id not in self._routes:
             usable = [r not in avoid and replica.is_ready for r, replica in enumerate(self.replicas)]
             if not any(usable):
