@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import httpx
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from server import ROOT, free_port, serving
@@ -32,6 +33,7 @@ from jaxserve.engine.replicas import Replicas, Router
 from jaxserve.errors import ReplicaLost
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.pages import prefix_hashes
+from jaxserve.structured_output.grammar import Constraint, GrammarMatchers, mask_width
 
 PAGE = 16  # the servers' page size (the default)
 SYSTEMS = [[100 + 8 * s + i % 7 for i in range(3 * PAGE)] for s in range(8)]  # 8 "system prompts" of 3 pages
@@ -276,3 +278,17 @@ def test_kv_events_replay_resends_the_kept_batches_from_a_sequence_number(tmp_pa
         assert [batch[1][0]["block_hashes"] for _, batch in got] == [[block_hash(bytes([i]) * 32)] for i in (1, 2)]
     finally:
         publisher.close()
+
+
+def test_the_replicas_of_one_process_compile_each_grammar_once(offline):
+    """Each replica keeps its own sequences' matchers, copied from grammars compiled once in the
+    process: the API's check compiles a constraint for whichever replica runs it."""
+    hf, vocab = offline.tokenizer.hf, offline.engine.model_config.vocab_size
+    first, second = GrammarMatchers(hf, vocab), GrammarMatchers(hf, vocab)
+    constraint = Constraint("regex", "[a-z]{2,5}")
+    assert first.compiled(constraint) is second.compiled(constraint)
+    row = np.zeros(mask_width(vocab), np.int32)
+    first.fill(1, constraint, row)
+    second.fill(1, constraint, row)  # (the same sequence id in two replicas: two matchers)
+    assert first.accept(1, hf.encode("ab", add_special_tokens=False)[0]) is None
+    assert first._matchers[1] is not second._matchers[1]

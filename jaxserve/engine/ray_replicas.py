@@ -27,7 +27,7 @@ from jaxserve.engine.outputs import Update
 from jaxserve.errors import ReplicaLost
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.plan import SchedulerStats
-from jaxserve.structured_output.grammar import Constraint, GrammarMatchers
+from jaxserve.structured_output.grammar import Constraint, compiled_grammars
 from jaxserve.worker.sharding import initialize_distributed
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ReplicaActor:
     API's `RayReplica`; on the others, the follower of its steps."""
 
     def __init__(self, config: EngineConfig, chat_template: str | None, rank: int, coordinator: str | None,
-                 hosts: int, host: int, max_queued_requests: int | None, max_queued_tokens: int | None):
+                 hosts: int, host: int):
         if hosts > 1:
             initialize_distributed(coordinator, hosts, host)
         config = dataclasses.replace(config, data_parallel_size=1, data_parallel_backend="thread")
@@ -69,8 +69,7 @@ class ReplicaActor:
         if host:
             threading.Thread(target=engines[0].runner.follow, name="follower", daemon=True).start()
             return
-        self.engine = AsyncEngine(engines[0], tokenizer, max_queued_requests=max_queued_requests,
-                                  max_queued_tokens=max_queued_tokens)
+        self.engine = AsyncEngine(engines[0], tokenizer)  # (its queue is bounded by the API's handle)
         self.engine.start()
 
     def describe(self) -> EngineSpec:
@@ -116,7 +115,6 @@ class RayReplica:
         self.error: BaseException | None = None
         self._snapshot: tuple = (IDLE, (0, 0), (0, len(spec.config.step_buckets)), False)
         self.admission = QueueBound(max_queued_requests, max_queued_tokens, lambda: self._snapshot[1])
-        self._grammars: GrammarMatchers | None = None
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"replica-{rank}", daemon=True)
 
@@ -163,26 +161,26 @@ class RayReplica:
 
     def check_constraint(self, constraint: Constraint) -> None:
         """ValueError for a constraint that does not compile: checked here, with the model's tokenizer."""
-        if self._grammars is None:
-            self._grammars = GrammarMatchers(self.tokenizer.hf, self.engine.model_config.vocab_size)
-        self._grammars.compiled(constraint)
+        compiled_grammars(self.tokenizer.hf, self.engine.model_config.vocab_size).compiled(constraint)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
-        """The actor's updates; ReplicaLost where it dies meanwhile (or is not there)."""
-        self.admission.sent(request_id)
+        """The actor's updates; ReplicaLost where it dies meanwhile (or is not there). Once sent, the
+        request is counted as queued in the actor's figures (as of the handle's next poll), not here."""
         unfinished = params.n
         try:
             stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt)
+            self.admission.arrived(request_id)
             async for ref in stream:
                 update = await ref
-                self.admission.arrived(request_id)
                 unfinished -= update.finish_reason is not None
                 yield update
             if unfinished:  # (the stream of an actor that died may just end)
                 raise ReplicaLost(f"replica {self.rank}: its stream ended before the request did")
-        except self._ray.exceptions.RayError as e:
-            raise self._lost(e) from e
+        except self._ray.exceptions.RayTaskError:
+            raise  # (the request's own error, raised in the actor: also an instance of its cause)
+        except self._ray.exceptions.RayError as e:  # (dead, restarting, its objects gone)
+            raise ReplicaLost(f"replica {self.rank}: {type(e).__name__}") from e
         finally:
             self.admission.arrived(request_id)
             if unfinished:
@@ -192,18 +190,12 @@ class RayReplica:
                           params: BeamSearchParams) -> BeamSearchOutput:
         try:
             return await self.actor.beam_search.remote(request_id, prompt_token_ids, params)
-        except self._ray.exceptions.RayError as e:
-            raise self._lost(e) from e
+        except self._ray.exceptions.RayTaskError:
+            raise  # (the request's own error, raised in the actor: also an instance of its cause)
+        except self._ray.exceptions.RayError as e:  # (dead, restarting, its objects gone)
+            raise ReplicaLost(f"replica {self.rank}: {type(e).__name__}") from e
         finally:
             self.admission.arrived(request_id)
-
-    def _lost(self, e: Exception) -> Exception:
-        """What a Ray error means here: the request's own error where the actor raised it (a
-        RayTaskError is also an instance of its cause), else the replica is lost (dead, restarting,
-        its objects gone)."""
-        if isinstance(e, self._ray.exceptions.RayTaskError):
-            return e
-        return ReplicaLost(f"replica {self.rank}: {type(e).__name__}")
 
     def abort(self, request_id: str) -> None:
         self.actor.abort.remote(request_id)  # (fire and forget: a dead actor has nothing to abort)
@@ -242,7 +234,7 @@ def start_ray_replicas(config: EngineConfig, chat_template: str | None, *, hosts
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
             resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, host),
-        ).remote(config, chat_template, rank, coordinator, hosts, host, max_queued_requests, max_queued_tokens)
+        ).remote(config, chat_template, rank, coordinator, hosts, host)
             for host in range(hosts)]
         leaders.append(actors[0])
         log.info("replica %d: %d host(s) of %s placed by Ray", rank, hosts, bundle)

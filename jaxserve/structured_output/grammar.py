@@ -20,6 +20,7 @@ import json
 import logging
 import re
 import threading
+import weakref
 
 import numpy as np
 
@@ -225,9 +226,9 @@ def mask_width(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class GrammarMatchers:
-    """llguidance matchers of the constrained sequences, keyed by sequence id, made from compiled
-    grammars kept by constraint."""
+class CompiledGrammars:
+    """Compiled grammars kept by constraint, for one tokenizer: shared by the engines of one process
+    (data-parallel replicas), so a grammar the API checked is compiled once for all of them."""
 
     COMPILED = 32  # compiled grammars kept: each sequence's matcher is a copy of one (sharing its lexer)
 
@@ -239,9 +240,8 @@ class GrammarMatchers:
             self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size)
         except Exception as e:  # llguidance refuses some tokenizers (slow ones, vocab mismatches)
             raise ValueError(f"structured output is not available for this tokenizer: {e}") from e
-        self._matchers: dict[int, object] = {}
         self._compiled: collections.OrderedDict[Constraint, object] = collections.OrderedDict()
-        self._lock = threading.Lock()  # (compiled from the API's thread, copied in the engine's)
+        self._lock = threading.Lock()  # (compiled from the API's thread, copied in the engines')
 
     def compiled(self, constraint: Constraint):
         """The constraint's matcher at its start, its first mask computed (which builds its lexer);
@@ -265,6 +265,32 @@ class GrammarMatchers:
             if len(self._compiled) > self.COMPILED:
                 self._compiled.popitem(last=False)
         return matcher
+
+
+_shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf tokenizer -> {vocab size: CompiledGrammars}
+_shared_lock = threading.Lock()
+
+
+def compiled_grammars(hf_tokenizer, vocab_size: int) -> CompiledGrammars:
+    """The process's CompiledGrammars of this tokenizer (object) and vocabulary size."""
+    with _shared_lock:
+        by_vocab = _shared.setdefault(hf_tokenizer, {})
+        if vocab_size not in by_vocab:
+            by_vocab[vocab_size] = CompiledGrammars(hf_tokenizer, vocab_size)
+        return by_vocab[vocab_size]
+
+
+class GrammarMatchers:
+    """llguidance matchers of the constrained sequences, keyed by sequence id (one engine's), copied
+    from the process's compiled grammars (`compiled_grammars`)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int):
+        self.grammars = compiled_grammars(hf_tokenizer, vocab_size)
+        self._matchers: dict[int, object] = {}
+
+    def compiled(self, constraint: Constraint):
+        """`CompiledGrammars.compiled`."""
+        return self.grammars.compiled(constraint)
 
     def _matcher(self, seq_id: int, constraint: Constraint):
         matcher = self._matchers.get(seq_id)
