@@ -55,7 +55,7 @@ class LLM:
                              "'thread'); replicas on Ray serve through run_server.py")
         self.engines, self.tokenizer = build_engines(config)
         self.engine = self.engines[0]  # (what the replicas share: the model, the configuration)
-        self._router = Router(len(self.engines), self.engine.config.page_size, self.engine.config.max_num_seqs)
+        self._router = Router.for_config(len(self.engines), self.engine.config)
         self._request_ids = itertools.count()
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -26,11 +26,12 @@ from server import ROOT, free_port, serving
 from test_api_metrics import scrape
 
 from jaxserve.config.kv_events import KVEventsConfig
+from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher, block_hash
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.ray_replicas import default_bundle, placement
 from jaxserve.engine.replicas import Replicas, Router
-from jaxserve.errors import ReplicaLost
+from jaxserve.errors import QueueFull, ReplicaLost
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.pages import prefix_hashes
 from jaxserve.structured_output.grammar import Constraint, GrammarMatchers, mask_width
@@ -145,9 +146,9 @@ def test_kv_events_name_the_pages_the_prompts_store_and_what_pressure_evicts(rep
     stored_now = {h for _, e in subscriber.events("BlockStored") for h in e["block_hashes"]}
     assert removed & expected and removed <= stored_now
     numbers = {}
-    for number, (_, _, rank) in subscriber.batches:  # each replica numbers its batches 0, 1, 2, ...
-        numbers.setdefault(rank, []).append(number)
-    assert all(n == list(range(len(n))) for n in numbers.values())
+    for number, (_, _, rank) in subscriber.batches:  # each replica numbers its batches one after another
+        numbers.setdefault(rank, []).append(number)  # (from 0, its start's AllBlocksCleared, which a
+    assert all(n == list(range(n[0], n[0] + len(n))) for n in numbers.values())  # late subscriber misses)
 
 
 def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead():
@@ -160,6 +161,7 @@ def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead():
     assert router.choose(a + [11], None, [0, 9, 0]) == 2  # 9 ahead: the least loaded (ties in turn) instead
     assert router.choose(a, None, [0, 0, 1]) == 2  # ... which now holds the prefix
     assert router.choose(a, "tenant", [3, 3, 0]) == 2  # another salt: another prefix
+    assert router.choose(a[:8] + list(range(20, 40)), None, [0, 1, 0]) == 0  # a prefix under half: by load
     assert router.choose(b, None, [0, 0, 0]) in (0, 1, 2)
     assert Router(replicas=1, page_size=4, slack=0).choose(a, None, [100]) == 0
 
@@ -265,7 +267,7 @@ def test_kv_events_replay_resends_the_kept_batches_from_a_sequence_number(tmp_pa
         client = zmq.Context.instance().socket(zmq.DEALER)  # (a REQ socket would take one reply only)
         client.connect(config.replay_endpoint)
         got, deadline = [], time.monotonic() + 10
-        while (not got or got[-1][0] != 2) and time.monotonic() < deadline:  # (until all 3 are sent)
+        while (not got or got[-1][0] != 3) and time.monotonic() < deadline:  # (until all 4 are sent)
             client.send_multipart([b"", (0).to_bytes(8, "big")])
             got = []
             while client.poll(5000):
@@ -274,7 +276,7 @@ def test_kv_events_replay_resends_the_kept_batches_from_a_sequence_number(tmp_pa
                     break
                 got.append((int.from_bytes(number, "big"), msgpack.unpackb(payload)))
         client.close(linger=0)
-        assert [n for n, _ in got] == [1, 2]  # the last buffer_steps batches, from number 0 on
+        assert [n for n, _ in got] == [2, 3]  # the last buffer_steps batches (0: the start's AllBlocksCleared)
         assert [batch[1][0]["block_hashes"] for _, batch in got] == [[block_hash(bytes([i]) * 32)] for i in (1, 2)]
     finally:
         publisher.close()
@@ -292,3 +294,21 @@ def test_the_replicas_of_one_process_compile_each_grammar_once(offline):
     second.fill(1, constraint, row)  # (the same sequence id in two replicas: two matchers)
     assert first.accept(1, hf.encode("ab", add_special_tokens=False)[0]) is None
     assert first._matchers[1] is not second._matchers[1]
+
+
+def test_a_request_for_a_full_replica_goes_to_one_with_room_and_a_refused_one_holds_no_place():
+    first, second = _Replica(), _Replica()
+    for replica in (first, second):
+        replica.admission = QueueBound(1, None, lambda: (0, 0))
+    front = Replicas([first, second])
+    prompt = list(range(3 * PAGE))
+    front.admit([("a", prompt)])
+    front.admit([("b", prompt)])  # (the prefix's replica is full: the other one has room)
+    assert first.admission.queued[0] == second.admission.queued[0] == 1
+    with pytest.raises(QueueFull):
+        front.admit([("c", prompt)])
+    with pytest.raises(QueueFull):  # two prompts of one request: both or neither
+        front.admit([("d", [1, 2]), ("e", [3, 4])])
+    assert first.admission.queued[0] == second.admission.queued[0] == 1 and set(front._pending) == {"a", "b"}
+    assert [u.request_id for u in _updates(front, "a")] == ["a"]
+    assert not front._pending.get("a") and front._active == {}

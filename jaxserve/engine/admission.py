@@ -21,8 +21,8 @@ class QueueBound:
         queue, as of its last snapshot."""
         self.max_queued_requests, self.max_queued_tokens = max_queued_requests, max_queued_tokens
         self._engine_queued = engine_queued
-        # request id -> (prompt tokens, when admitted, sent): admitted, not yet in the engine's queue
-        self._admitted: dict[str, tuple[int, float, bool]] = {}
+        # request id -> (prompt tokens, when admitted, when sent or None): admitted, not yet in the engine's queue
+        self._admitted: dict[str, tuple[int, float, float | None]] = {}
         self._lock = threading.Lock()
 
     @property
@@ -32,7 +32,7 @@ class QueueBound:
         with self._lock:
             now = time.monotonic()
             for request_id, (_, admitted, sent) in list(self._admitted.items()):
-                if not sent and now - admitted > RESERVATION_SECONDS:  # admitted, then never sent
+                if sent is None and now - admitted > RESERVATION_SECONDS:  # admitted, then never sent
                     del self._admitted[request_id]
             requests, tokens = len(self._admitted), sum(n for n, _, _ in self._admitted.values())
         engine_requests, engine_tokens = self._engine_queued()
@@ -55,19 +55,27 @@ class QueueBound:
                                 "(--max-num-queued-tokens); retry later")
         with self._lock:
             now = time.monotonic()
-            self._admitted.update((request_id, (len(prompt), now, False)) for request_id, prompt in requests)
+            self._admitted.update((request_id, (len(prompt), now, None)) for request_id, prompt in requests)
 
     def sent(self, request_id: str) -> None:
         """An admitted request is on its way to the engine (counted as queued until it arrives)."""
         with self._lock:
             if request_id in self._admitted:
-                self._admitted[request_id] = (*self._admitted[request_id][:2], True)
+                self._admitted[request_id] = (*self._admitted[request_id][:2], time.monotonic())
 
     def arrived(self, request_id: str) -> None:
         """An admitted request is in the engine's queue, or refused there, or will not be sent after
         all: no longer counted here."""
         with self._lock:
             self._admitted.pop(request_id, None)
+
+    def arrived_before(self, moment: float) -> None:
+        """The requests sent before `moment` (`time.monotonic`) have arrived: the engine's figures
+        read after it count them (a remote engine's, read by polling)."""
+        with self._lock:
+            for request_id, (_, _, sent) in list(self._admitted.items()):
+                if sent is not None and sent < moment:
+                    del self._admitted[request_id]
 
     def forget(self, request_ids: list[str]) -> None:
         """Admitted requests that will not be sent after all: no longer counted as queued."""

@@ -20,6 +20,7 @@ sequence number on, ending with sequence number -1, as vLLM's publisher does.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -71,6 +72,7 @@ class KVEventPublisher:
         self._started.wait()
         if self._error is not None:
             raise ValueError(f"kv_events_config: cannot open {self.endpoint}: {self._error}") from self._error
+        self.publish([("cleared",)])  # (a replica that starts again holds none of the pages it held before)
 
     def publish(self, events: list[tuple]) -> None:
         """One batch of the allocator's events (nothing for none). Never blocks a step: with the
@@ -85,7 +87,8 @@ class KVEventPublisher:
                         self.config.max_queue_size, len(events))
 
     def close(self) -> None:
-        self._queue.put(None)
+        with contextlib.suppress(queue.Full):  # (a full queue: its thread is stuck; it is a daemon)
+            self._queue.put_nowait(None)
         self._thread.join(5)
 
     def _sockets(self):
@@ -124,7 +127,10 @@ class KVEventPublisher:
                 if batch is None:
                     return
                 payload = self._pack.pack(batch)
-                pub.send_multipart((topic, number.to_bytes(8, "big"), payload))
+                try:
+                    pub.send_multipart((topic, number.to_bytes(8, "big"), payload))
+                except Exception:  # (the events must not stop for one batch; a router can ask for a replay)
+                    log.exception("publishing KV events batch %d failed", number)
                 self._kept.append((number, payload))
                 number += 1
         finally:

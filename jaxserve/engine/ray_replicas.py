@@ -12,10 +12,14 @@ another replica), and the handle's poller marks it unready until its restarted e
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
+import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from jaxserve.config.engine import EngineConfig
@@ -24,6 +28,7 @@ from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxserve.engine.build import EngineSpec, build_engines
 from jaxserve.engine.outputs import Update
+from jaxserve.engine.replicas import total_stats
 from jaxserve.errors import ReplicaLost
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.plan import SchedulerStats
@@ -35,6 +40,17 @@ log = logging.getLogger(__name__)
 NAMESPACE = "jaxserve"
 POLL_SECONDS = 0.2  # how often a handle reads its replica's figures
 IDLE = SchedulerStats(0, 0, 0, 1, 0, 0, 0, 0, 0, {})  # a replica's figures before it answers
+MAX_CALLS = 100_000  # an actor's concurrent calls
+PLACEMENT_SECONDS = 300  # how long a replica's placement group may wait for room
+COUNTERS = ("num_prompt_tokens_computed", "num_generated_tokens", "num_preemptions", "num_prefix_queried_tokens",
+            "num_prefix_hit_tokens", "finish_counts", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+            "accepted_per_position")
+
+
+def with_counters(stats: SchedulerStats, before: SchedulerStats) -> SchedulerStats:
+    """`stats` with the counters of `before` (a replica's, before it restarted) added: a counter never goes down."""
+    total = total_stats([stats, before])
+    return dataclasses.replace(stats, **{name: getattr(total, name) for name in COUNTERS})
 
 
 def placement(bundle: dict, hosts: int) -> tuple[list[dict], str]:
@@ -76,12 +92,18 @@ class ReplicaActor:
         return self.spec
 
     def snapshot(self) -> tuple:
-        """(stats, queued, compile progress, ready) as of now."""
+        """(stats, queued, compile progress, ready) as of now. An engine whose loop died ends the
+        actor's process, for Ray to start it again."""
         e = self.engine
+        if not e.is_running and e.error is not None:
+            log.error("the engine loop failed (%r): ending this replica's process for Ray to restart it", e.error)
+            os._exit(1)
         return e.stats, e.admission.queued, e.compile_progress, e.is_ready and e.is_running
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        priority: int, cache_salt: str | None) -> AsyncIterator[Update]:
+        if params.constraint is not None:  # (compiled here, off the engine's thread, as the API does at home)
+            await asyncio.to_thread(self.engine.check_constraint, params.constraint)
         async for update in self.engine.generate(request_id, prompt_token_ids, params, priority=priority,
                                                  cache_salt=cache_salt):
             yield update
@@ -106,11 +128,13 @@ class RayReplica:
     its figures from a poller thread, the bounded queue counted here, requests streamed from the
     actor. `spec`: what the actor's engine is (`EngineSpec`)."""
 
-    def __init__(self, actor, rank: int, spec: EngineSpec, max_queued_requests: int | None = None,
+    def __init__(self, actors: list, rank: int, spec: EngineSpec, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None):
+        """`actors`: the replica's, one per host, the engine's first (all kept: Ray ends an actor
+        nobody holds a handle of)."""
         import ray
 
-        self._ray, self.actor, self.rank, self.engine = ray, actor, rank, spec
+        self._ray, self.actors, self.actor, self.rank, self.engine = ray, actors, actors[0], rank, spec
         self.tokenizer = spec.tokenizer
         self.error: BaseException | None = None
         self._snapshot: tuple = (IDLE, (0, 0), (0, len(spec.config.step_buckets)), False)
@@ -122,9 +146,15 @@ class RayReplica:
         self._poller.start()
 
     def _poll(self) -> None:
+        counted = IDLE  # the replica's counters before its last restart, added to those since
         while not self._stop.wait(POLL_SECONDS):
+            asked = time.monotonic()
             try:
-                self._snapshot = self._ray.get(self.actor.snapshot.remote(), timeout=10)
+                stats, *rest = self._ray.get(self.actor.snapshot.remote(), timeout=10)
+                if stats.num_generated_tokens < self._snapshot[0].num_generated_tokens - counted.num_generated_tokens:
+                    counted = self._snapshot[0]  # (restarted: its counters start again from 0)
+                self._snapshot = (with_counters(stats, counted), *rest)
+                self.admission.arrived_before(asked)  # (the figures count what was sent before they were asked)
             except Exception as e:  # (dead, restarting, or slow: unready until it answers again)
                 if self._snapshot[3]:
                     log.warning("replica %d does not answer (%s); requests go to the others", self.rank,
@@ -137,7 +167,8 @@ class RayReplica:
             self._ray.get(self.actor.shutdown.remote(), timeout=timeout)
         except Exception:  # (already gone)
             pass
-        self._ray.kill(self.actor, no_restart=True)
+        for actor in self.actors:
+            self._ray.kill(actor, no_restart=True)
         return True
 
     @property
@@ -166,30 +197,35 @@ class RayReplica:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
         """The actor's updates; ReplicaLost where it dies meanwhile (or is not there). Once sent, the
-        request is counted as queued in the actor's figures (as of the handle's next poll), not here."""
+        request is counted here until figures asked for after that come back (`_poll`)."""
         unfinished = params.n
         try:
-            stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt)
-            self.admission.arrived(request_id)
-            async for ref in stream:
-                update = await ref
-                unfinished -= update.finish_reason is not None
-                yield update
-            if unfinished:  # (the stream of an actor that died may just end)
-                raise ReplicaLost(f"replica {self.rank}: its stream ended before the request did")
-        except self._ray.exceptions.RayTaskError:
-            raise  # (the request's own error, raised in the actor: also an instance of its cause)
-        except self._ray.exceptions.RayError as e:  # (dead, restarting, its objects gone)
-            raise ReplicaLost(f"replica {self.rank}: {type(e).__name__}") from e
+            with self._calling(request_id):
+                self.admission.sent(request_id)
+                stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt)
+                async for ref in stream:
+                    update = await ref
+                    unfinished -= update.finish_reason is not None
+                    yield update
+                if unfinished:  # (the stream of an actor that died may just end)
+                    raise ReplicaLost(f"replica {self.rank}: its stream ended before the request did")
         finally:
-            self.admission.arrived(request_id)
             if unfinished:
                 self.abort(request_id)
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
                           params: BeamSearchParams) -> BeamSearchOutput:
+        with self._calling(request_id):
+            search = self.actor.beam_search.remote(request_id, prompt_token_ids, params)
+            self.admission.arrived(request_id)  # (its rounds are requests of their own, counted there)
+            return await search
+
+    @contextlib.contextmanager
+    def _calling(self, request_id: str):
+        """Around a call of the actor for a request: Ray's errors as what they mean here, and the
+        request no longer counted as queued here at its end."""
         try:
-            return await self.actor.beam_search.remote(request_id, prompt_token_ids, params)
+            yield
         except self._ray.exceptions.RayTaskError:
             raise  # (the request's own error, raised in the actor: also an instance of its cause)
         except self._ray.exceptions.RayError as e:  # (dead, restarting, its objects gone)
@@ -219,12 +255,18 @@ def start_ray_replicas(config: EngineConfig, chat_template: str | None, *, hosts
     if not ray.is_initialized():
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
     bundle = bundle or default_bundle(ray.cluster_resources(), config.tensor_parallel_size, hosts)
-    actor_class = ray.remote(max_restarts=-1, max_task_retries=0)(ReplicaActor)
-    leaders = []
+    # (a stream holds one of an async actor's concurrent calls for as long as it runs: room for many,
+    # so that the handle's polls and aborts never wait behind them)
+    actor_class = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=MAX_CALLS)(ReplicaActor)
+    groups = []
     for rank in range(config.data_parallel_size):
         bundles, strategy = placement(bundle, hosts)
         group = placement_group(bundles, strategy=strategy, name=f"jaxserve-replica-{rank}")
-        ray.get(group.ready())
+        try:
+            ray.get(group.ready(), timeout=PLACEMENT_SECONDS)
+        except ray.exceptions.GetTimeoutError:
+            raise ValueError(f"the Ray cluster has no room for replica {rank} ({hosts} x {bundle}) after "
+                             f"{PLACEMENT_SECONDS} s: see `ray status`, and --ray-bundle") from None
         coordinator = None
         if hosts > 1:
             coordinator = ray.get(ray.remote(_coordinator_address).options(
@@ -236,11 +278,11 @@ def start_ray_replicas(config: EngineConfig, chat_template: str | None, *, hosts
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, host),
         ).remote(config, chat_template, rank, coordinator, hosts, host)
             for host in range(hosts)]
-        leaders.append(actors[0])
+        groups.append(actors)
         log.info("replica %d: %d host(s) of %s placed by Ray", rank, hosts, bundle)
-    specs = ray.get([leader.describe.remote() for leader in leaders])  # (once their weights are loaded)
-    return [RayReplica(leader, rank, spec, max_queued_requests, max_queued_tokens)
-            for rank, (leader, spec) in enumerate(zip(leaders, specs))]
+    specs = ray.get([actors[0].describe.remote() for actors in groups])  # (once their weights are loaded)
+    return [RayReplica(actors, rank, spec, max_queued_requests, max_queued_tokens)
+            for rank, (actors, spec) in enumerate(zip(groups, specs))]
 
 
 def _coordinator_address() -> str:

@@ -2,11 +2,12 @@
 by prefix affinity; `Replicas` gives the API one `AsyncEngine`'s interface over several.
 
 A request goes to the replica that holds the longest prefix of its prompt (the pages the prefix
-cache would reuse), unless that replica's load is more than a batch (`max_num_seqs`) above the
-least loaded one's: then to the least loaded. The load is vLLM's balancing score: 4 x waiting +
-running. What a replica holds is what the router sent it: the keys of each prompt's full pages
+cache would reuse), where that prefix is at least half the prompt (`MIN_SHARE`) and that replica's
+load is at most `slack` above the least loaded one's (SGLang's router decides the same way);
+otherwise to the least loaded replica. The load is vLLM's balancing score: 4 x waiting + running.
+What a replica holds is what the router sent it: the keys of each prompt's full pages
 (`prefix_hashes`, the prefix cache's own) are remembered for the replica they went to, the most
-recent `PREFIX_ENTRIES` of them (SGLang's router approximates the same way).
+recent `PREFIX_ENTRIES` of them.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import collections
 import dataclasses
 import logging
 import math
+import time
 from collections.abc import AsyncIterator, Sequence
 
+from jaxserve.engine.admission import RESERVATION_SECONDS
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxserve.engine.outputs import Update
@@ -30,12 +33,18 @@ log = logging.getLogger(__name__)
 
 PREFIX_ENTRIES = 1 << 18  # page keys remembered (32 bytes each, with their dict entries: tens of MB at most)
 WAITING_WEIGHT = 4  # vLLM's: a waiting request weighs as four running ones
+MIN_SHARE = 0.5  # the share of a prompt a replica's cached prefix must cover to draw it (SGLang's cache threshold)
+MAX_SLACK = 32  # the most a prefix's replica may be loaded above the least loaded one (SGLang's balance threshold)
 
 
 class Router:
+    @classmethod
+    def for_config(cls, replicas: int, config) -> Router:
+        return cls(replicas, config.page_size, min(config.max_num_seqs, MAX_SLACK))
+
     def __init__(self, replicas: int, page_size: int, slack: int):
         """`slack`: how much more loaded than the least loaded replica the one holding a prompt's
-        prefix may be and still be chosen."""
+        prefix may be and still be chosen (`for_config`: a batch, at most MAX_SLACK)."""
         self.replicas, self.page_size, self.slack = replicas, page_size, slack
         self._owner: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # page key -> replica
         self._next = 0  # where ties between equally loaded replicas are broken from (in turn)
@@ -45,13 +54,14 @@ class Router:
         if self.replicas == 1:
             return 0
         keys = prefix_hashes(prompt_token_ids, self.page_size, salt_seed(cache_salt))
-        holder = None
+        holder, held = None, 0
         for key in keys:
             if key not in self._owner:
                 break
-            holder = self._owner[key]
+            holder, held = self._owner[key], held + 1
         least = min(range(self.replicas), key=lambda r: (loads[r], (r - self._next) % self.replicas))
-        chosen = holder if holder is not None and loads[holder] - loads[least] <= self.slack else least
+        draws = holder is not None and held * self.page_size >= MIN_SHARE * len(prompt_token_ids)
+        chosen = holder if draws and loads[holder] - loads[least] <= self.slack else least
         self._next = (chosen + 1) % self.replicas
         for key in keys:
             self._owner[key] = chosen
@@ -86,8 +96,9 @@ class Replicas:
     def __init__(self, replicas: list[AsyncEngine]):
         self.replicas = replicas
         config = replicas[0].engine.config
-        self.router = Router(len(replicas), config.page_size, config.max_num_seqs)
-        self._routes: dict[str, int] = {}  # request id -> its replica, from admission to its end
+        self.router = Router.for_config(len(replicas), config)
+        self._pending: dict[str, tuple[int, float]] = {}  # request id -> (its replica, when admitted): not started
+        self._active: dict[str, int] = {}  # request id -> its replica, while it runs
 
     @property
     def tokenizer(self):
@@ -140,45 +151,58 @@ class Replicas:
         self.replicas[0].check_constraint(constraint)
 
     def admit(self, requests: list[tuple[str, list[int]]], cache_salt: str | None = None) -> None:
-        """Route each (request id, prompt) and count it as queued on its replica (`QueueBound.admit`:
-        QueueFull where a replica's bounded queue has no room; then none of them is admitted)."""
-        groups: dict[int, list[tuple[str, list[int]]]] = collections.defaultdict(list)
-        for request_id, prompt in requests:
-            groups[self._route(request_id, prompt, cache_salt)].append((request_id, prompt))
+        """Route each (request id, prompt) and count it as queued on its replica, or QueueFull where
+        no replica's bounded queue has room for one of them (then none of them is admitted). A
+        request the router sends to a full replica goes to the least loaded one with room."""
         admitted = []
         try:
-            for replica, group in groups.items():
-                self.replicas[replica].admission.admit(group)
-                admitted.append((replica, group))
+            for request_id, prompt in requests:
+                replica = self._choose(prompt, cache_salt)
+                others = sorted((r for r in range(len(self.replicas)) if r != replica),
+                                key=lambda r: load_of(self.replicas[r]))
+                for candidate in (replica, *others):
+                    try:
+                        self.replicas[candidate].admission.admit([(request_id, prompt)])
+                    except QueueFull as e:
+                        full = e
+                        continue
+                    self._pending[request_id] = candidate, time.monotonic()
+                    admitted.append(request_id)
+                    break
+                else:
+                    raise full
         except QueueFull:
-            for replica, group in admitted:
-                self.replicas[replica].admission.forget([request_id for request_id, _ in group])
-            for request_id, _ in requests:
-                self._routes.pop(request_id, None)
+            for request_id in admitted:
+                replica, _ = self._pending.pop(request_id)
+                self.replicas[replica].admission.forget([request_id])
             raise
+        now = time.monotonic()  # (admitted, then never sent: as the queue's reservation, forgotten)
+        for request_id, (_, admitted_at) in list(self._pending.items()):
+            if now - admitted_at > RESERVATION_SECONDS:
+                del self._pending[request_id]
 
-    def _route(self, request_id: str, prompt: list[int], cache_salt: str | None, avoid: set[int] = frozenset()
-               ) -> int:
-        """The request's replica, chosen now if it has none: among those ready, less those to `avoid`
-        (all of them, where none is ready: the request then waits there)."""
+    def _choose(self, prompt: list[int], cache_salt: str | None, avoid: set[int] = frozenset()) -> int:
+        """The router's replica for a prompt: among those ready, less those to `avoid` (all of them,
+        where none is ready: the request then waits there)."""
         if len(self.replicas) == 1:
             return 0
-        if request_id not in self._routes:
-            usable = [r not in avoid and replica.is_ready for r, replica in enumerate(self.replicas)]
-            if not any(usable):
-                usable = [r not in avoid for r in range(len(self.replicas))]
-            loads = [load_of(replica) if ok else math.inf for replica, ok in zip(self.replicas, usable)]
-            self._routes[request_id] = self.router.choose(prompt, cache_salt, loads)
-        return self._routes[request_id]
+        usable = [r not in avoid and replica.is_ready for r, replica in enumerate(self.replicas)]
+        if not any(usable):
+            usable = [r not in avoid for r in range(len(self.replicas))]
+        loads = [load_of(replica) if ok else math.inf for replica, ok in zip(self.replicas, usable)]
+        return self.router.choose(prompt, cache_salt, loads)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                        priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
-        """The request's updates from its replica. Where that replica goes away before any update
-        came (`ReplicaLost`), from another one, once per replica; after an update, ReplicaLost."""
+        """The request's updates from its replica (the one it was admitted to). Where that replica
+        goes away before any update came (`ReplicaLost`), from another one, once per replica; after
+        an update, ReplicaLost."""
+        route, _ = self._pending.pop(request_id, (None, 0.0))
         lost: set[int] = set()
         try:
             while True:
-                route = self._route(request_id, prompt_token_ids, cache_salt, lost)
+                route = self._choose(prompt_token_ids, cache_salt, lost) if route is None else route
+                self._active[request_id] = route
                 sent = False
                 try:
                     async for update in self.replicas[route].generate(request_id, prompt_token_ids, params,
@@ -188,24 +212,26 @@ class Replicas:
                     return
                 except ReplicaLost:
                     lost.add(route)
-                    self._routes.pop(request_id, None)
                     if sent or len(lost) == len(self.replicas):
                         raise
                     log.warning("request %s: replica %d went away before it answered; sending it to another",
                                 request_id, route)
+                    route = None
         finally:
-            self._routes.pop(request_id, None)
+            self._active.pop(request_id, None)
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
                           params: BeamSearchParams) -> BeamSearchOutput:
+        route, _ = self._pending.pop(request_id, (None, 0.0))
+        route = self._choose(prompt_token_ids, None) if route is None else route
+        self._active[request_id] = route
         try:
-            return await self.replicas[self._route(request_id, prompt_token_ids, None)].beam_search(
-                request_id, prompt_token_ids, params)
+            return await self.replicas[route].beam_search(request_id, prompt_token_ids, params)
         finally:
-            self._routes.pop(request_id, None)
+            self._active.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
-        replica = self._routes.get(request_id)
+        replica = self._active.get(request_id)
         for r in self.replicas if replica is None else [self.replicas[replica]]:
             r.abort(request_id)
 
