@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import ray
 from server import free_port, serving
 from test_api_metrics import scrape
 
 pytestmark = pytest.mark.slow
-ray = pytest.importorskip("ray")
 
 
 def _stream(url: str, i: int) -> tuple[int, str | None]:

@@ -131,3 +131,18 @@ def markdown_reference(parser: argparse.ArgumentParser, title: str, intro: str) 
             lines.append(f"| {names} | {default} | {text} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def config_object(value: dict | str | None, name: str, known: tuple[str, ...] | list[str]) -> dict | None:
+    """A JSON configuration flag's object (given as one, or as its text), None for none; ValueError
+    where it is not an object or names a field not in `known`."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = json.loads(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"{name}: {', '.join(map(repr, unknown))} not supported (supported: {', '.join(known)})")
+    return value

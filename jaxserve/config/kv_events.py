@@ -4,7 +4,8 @@ for external routers (`jaxserve/engine/kv_events.py`)."""
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from jaxserve.config.fields import config_object
 
 PUBLISHERS = ("zmq", "null")
 
@@ -25,17 +26,9 @@ class KVEventsConfig:
         """From the JSON object (or its text) of `--kv-events-config`; None where events are off (or
         published nowhere: the "null" publisher).
         ValueError naming what is not supported."""
+        value = config_object(value, "kv_events_config", [f.name for f in dataclasses.fields(cls)])
         if value is None:
             return None
-        if isinstance(value, str):
-            value = json.loads(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {value!r}")
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(value) - set(names))
-        if unknown:
-            raise ValueError(f"kv_events_config: {', '.join(map(repr, unknown))} not supported (supported: "
-                             f"{', '.join(names)})")
         config = cls(**value)
         if config.publisher not in PUBLISHERS:
             raise ValueError(f"kv_events_config: publisher must be one of {', '.join(PUBLISHERS)}, "

@@ -4,7 +4,8 @@ steps aside."""
 from __future__ import annotations
 
 import dataclasses
-import json
+
+from jaxserve.config.fields import config_object
 
 # speculation runs in a step only while at most this many sequences run (unless the configuration
 # says otherwise): past it the verification costs more than it saves (bench/RESULTS.md, speculative)
@@ -33,16 +34,9 @@ class SpeculativeConfig:
     def parse(cls, value: dict | str | None) -> SpeculativeConfig | None:
         """From the JSON object (or its text) of `--speculative-config`; None for none. ValueError for
         what jaxserve does not run, naming the field."""
+        value = config_object(value, "speculative_config", _FIELDS)
         if value is None:
             return None
-        if isinstance(value, str):
-            value = json.loads(value)
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not supported (supported: "
-                             f"{', '.join(_FIELDS)})")
         model = value.get("model")
         method = value.get("method") or ("ngram" if model is None else "draft_model")
         if method in ("[ngram]",):

@@ -134,13 +134,18 @@ class RayReplica:
         nobody holds a handle of)."""
         import ray
 
-        self._ray, self.actors, self.actor, self.rank, self.engine = ray, actors, actors[0], rank, spec
+        self._ray, self.actors, self.rank, self.engine = ray, actors, rank, spec
         self.tokenizer = spec.tokenizer
         self.error: BaseException | None = None
         self._snapshot: tuple = (IDLE, (0, 0), (0, len(spec.config.step_buckets)), False)
         self.admission = QueueBound(max_queued_requests, max_queued_tokens, lambda: self._snapshot[1])
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"replica-{rank}", daemon=True)
+
+    @property
+    def actor(self):
+        """The actor that runs the engine (the first host's)."""
+        return self.actors[0]
 
     def start(self) -> None:
         self._poller.start()

@@ -166,14 +166,15 @@ class Replicas:
                     except QueueFull as e:
                         full = e
                         continue
-                    self._pending[request_id] = candidate, time.monotonic()
+                    if len(self.replicas) > 1:  # (one replica: every request is its)
+                        self._pending[request_id] = candidate, time.monotonic()
                     admitted.append(request_id)
                     break
                 else:
                     raise full
         except QueueFull:
             for request_id in admitted:
-                replica, _ = self._pending.pop(request_id)
+                replica, _ = self._pending.pop(request_id, (0, 0.0))
                 self.replicas[replica].admission.forget([request_id])
             raise
         now = time.monotonic()  # (admitted, then never sent: as the queue's reservation, forgotten)
@@ -192,11 +193,18 @@ class Replicas:
         loads = [load_of(replica) if ok else math.inf for replica, ok in zip(self.replicas, usable)]
         return self.router.choose(prompt, cache_salt, loads)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
         """The request's updates from its replica (the one it was admitted to). Where that replica
         goes away before any update came (`ReplicaLost`), from another one, once per replica; after
-        an update, ReplicaLost."""
+        an update, ReplicaLost. One replica's stream is its own (no layer between it and the API)."""
+        if len(self.replicas) == 1:
+            return self.replicas[0].generate(request_id, prompt_token_ids, params, priority=priority,
+                                             cache_salt=cache_salt)
+        return self._generate(request_id, prompt_token_ids, params, priority, cache_salt)
+
+    async def _generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                        cache_salt: str | None) -> AsyncIterator[Update]:
         route, _ = self._pending.pop(request_id, (None, 0.0))
         lost: set[int] = set()
         try:
