@@ -81,7 +81,7 @@ class ChunkStream:
         choice = ChatChunkChoice(index=c, delta=delta, logprobs=None if logprobs is None else ChatLogprobs(
             content=logprobs), **end, **tokens)
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],
-                                    **self._usage(c))
+                                    weight_version=self.choices.weight_version, **self._usage(c))
         if self.first_of(c):  # vLLM's return_token_ids: the prompt's in each choice's first chunk
             chunk.prompt_token_ids = self.req.prompts[c // self.req.params.n]
         return sse(chunk.dump())
@@ -92,7 +92,7 @@ class ChunkStream:
         if self.first_of(c):
             choice.prompt_token_ids = self.req.prompts[c // self.req.params.n]
         return sse(CompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],
-                                   **self._usage(c)).dump())
+                                   weight_version=self.choices.weight_version, **self._usage(c)).dump())
 
     def first_of(self, c: int) -> bool:
         """Whether this is choice c's first chunk, where token ids are asked for."""

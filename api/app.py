@@ -29,16 +29,19 @@ from api.limits import Limits
 from api.metrics import Metrics
 from api.playground import playground as playground_pages
 from api.responses import responses
+from api.rl import PATHS as TRAINING_PATHS
+from api.rl import training
 from api.server_info import server_info
 from api.state import APIState, api_state
 from api.tokenize import tokenize
+from api.tokens_io import tokens_io
 from api.tool_parsers import ToolParser, parser_for_template
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
-KEYED_PATHS = ("/v1", "/invocations")  # the routes --api-key guards
+KEYED_PATHS = ("/v1", "/invocations", "/inference", *TRAINING_PATHS)  # the routes --api-key guards
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
 
 
@@ -77,7 +80,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
-    for blueprint in (server_info, completions, chat, responses, tokenize, *([playground_pages] if playground else [])):
+    for blueprint in (server_info, completions, chat, responses, tokenize, training, tokens_io,
+                      *([playground_pages] if playground else [])):
         app.register_blueprint(blueprint)
     return app
 

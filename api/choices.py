@@ -32,6 +32,7 @@ class Choices:
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's, for return_token_ids
         self.entropies: list[list[float]] = [[] for _ in range(count)]  # each choice's, for return_entropy
         self.unsent = [0] * count  # how many of their tokens no chunk has carried yet
+        self.weight_version = 0  # the newest weights any of the tokens so far was sampled under
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobsWriter(self.tokenizer, offset[c], req.tokens_as_ids)
                                     for c in range(count)]
@@ -60,6 +61,7 @@ class Choices:
         if update.prompt_logprobs is not None:
             self.prompt_logprobs[p] = update.prompt_logprobs
         self.finish[c], self.stop_reason[c] = update.finish_reason, update.stop_reason
+        self.weight_version = max(self.weight_version, update.weight_version)
         text, token_ids, logprobs, entropies = update.text, update.token_ids, update.logprobs, update.entropies
         if self.req.prompt_only:
             text, token_ids, logprobs, entropies = "", [], [], []
@@ -132,6 +134,7 @@ class Choices:
         if self.req.return_token_ids:
             extra["prompt_token_ids"] = self.req.prompts[0]
         return ChatCompletion(id=request_id, created=created, model=self.req.model, usage=self.usage(), **extra,
+                              weight_version=self.weight_version,
                               choices=[self._chat_choice(c, "".join(parts)) for c, parts in enumerate(self.texts)])
 
     def _chat_choice(self, c: int, text: str) -> ChatChoice:
@@ -159,6 +162,7 @@ class Choices:
 
     def completion(self, request_id: str, created: int) -> Completion:
         return Completion(id=request_id, created=created, model=self.req.model, usage=self.usage(),
+                          weight_version=self.weight_version,
                           choices=[self._completion_choice(c, "".join(parts)) for c, parts in enumerate(self.texts)])
 
     def _completion_choice(self, c: int, text: str) -> CompletionChoice:

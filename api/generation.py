@@ -93,7 +93,8 @@ def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[A
     return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
                                 if req.beam is not None else
                                 state.engine.generate(f"{request_id}-{i}", ids, req.params, priority=req.priority,
-                                                      cache_salt=req.cache_salt),
+                                                      cache_salt=req.cache_salt,
+                                                      min_weight_version=req.min_weight_version),
                                 req.params.n)
             for i, ids in enumerate(req.prompts)]
 

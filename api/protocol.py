@@ -48,6 +48,7 @@ class GenerationRequest:
     prompt_field: str = "prompt"  # the field the prompts came from, which errors about them name
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache pages
+    min_weight_version: int = 0  # jaxserve's: wait for weights of at least this version (docs/rl.md)
 
 
 def as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[list[int], SamplingParams]:

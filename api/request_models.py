@@ -146,6 +146,7 @@ class GenerationFields(BaseModel):
     length_penalty: documented(LengthPenalty, "with use_beam_search only") = None
     priority: integer(-(2**63), 2**63 - 1) = None  # vLLM's: lower first (--scheduling-policy priority; else 0)
     cache_salt: Str = None  # vLLM's: only requests with the same salt share prefix-cache pages
+    min_weight_version: integer(0, 2**63 - 1) = None  # jaxserve's: wait for weights of this version or newer
 
     @model_validator(mode="before")
     @classmethod
@@ -273,7 +274,7 @@ class GenerationFields(BaseModel):
                     continuous_usage=include_usage and bool(options and options.get("continuous_usage_stats")),
                     tokens_as_ids=self.given("return_tokens_as_token_ids", limits.tokens_as_ids),
                     return_token_ids=self.given("return_token_ids", False), priority=self.given("priority", 0),
-                    cache_salt=self.cache_salt)
+                    cache_salt=self.cache_salt, min_weight_version=self.given("min_weight_version", 0))
 
     def to_beam_search_params(self, params: SamplingParams, prompts: list[list[int]], echo: bool,
                               limits: Limits) -> BeamSearchParams | None:

@@ -179,6 +179,7 @@ class ChatCompletion(Wire):
     usage: Usage
     prompt_logprobs: PromptLogprobs = MISSING
     prompt_token_ids: list[int] = MISSING
+    weight_version: int = MISSING  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
 
 
 class Completion(Wire):
@@ -188,6 +189,7 @@ class Completion(Wire):
     model: str
     choices: list[CompletionChoice]
     usage: Usage
+    weight_version: int = MISSING  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
 
 
 class ChatChunkChoice(Wire):
@@ -219,6 +221,7 @@ class ChatCompletionChunk(Wire):
     prompt_token_ids: list[int] = MISSING  # in each choice's first chunk
     choices: list[ChatChunkChoice]
     usage: Usage | None = MISSING  # with stream_options.include_usage: null but in the last chunk
+    weight_version: int = MISSING  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
 
 
 class CompletionChunk(Wire):
@@ -228,6 +231,38 @@ class CompletionChunk(Wire):
     model: str
     choices: list[CompletionChunkChoice]
     usage: Usage | None = MISSING  # with stream_options.include_usage: null but in the last chunk
+    weight_version: int = MISSING  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
+
+
+# --- tokens in, tokens out (vLLM's /inference/v1/generate)
+
+class TokenLogprob(Wire):
+    token: str  # "token_id:<id>"
+    logprob: float
+
+
+class GeneratedLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class GeneratedLogprobs(Wire):
+    content: list[GeneratedLogprob]
+
+
+class GenerateChoice(Wire):
+    index: int
+    token_ids: list[int]  # (in a stream: those new in this chunk)
+    logprobs: GeneratedLogprobs | None = None
+    finish_reason: FinishReason = None
+    stop_reason: StopReason = None
+
+
+class GenerateResponse(Wire):
+    request_id: str
+    choices: list[GenerateChoice]
+    prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: None = None  # vLLM's; no KV transfer here
+    weight_version: int  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
 
 
 # --- models, tokenize

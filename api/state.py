@@ -42,6 +42,9 @@ class APIState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     in_flight: int = 0  # requests being generated (vLLM's server load)
     draining: bool = False  # stopping: /health says 503, new requests get a 503, those in flight go on
+    # a streamed weight update under way (`api/rl.py`): each replica's tensors so far, and the version asked for
+    staged_weights: list | None = None
+    staged_version: int | None = None
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -11,6 +11,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import jax
 from tqdm import tqdm
 
+from checkpoints import resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
 from jaxserve.config.vllm import VLLM_OPTIONS
@@ -22,6 +23,7 @@ from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.replicas import Router
 from jaxserve.sample.params import SamplingParams
+from jaxserve.worker.weight_update import params_from_hf
 
 
 def _generative_only(task: str):
@@ -73,6 +75,8 @@ class LLM:
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
         vLLM's). vLLM's `lora_request` is taken at None."""
         _check_unsupported(lora_request=lora_request)
+        if self.is_sleeping():
+            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
         prompts = prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else \
             [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -151,6 +155,66 @@ class LLM:
         if any(engine.has_unfinished() for engine in self.engines):
             return False
         return all([engine.scheduler.allocator.reset_prefix_cache() for engine in self.engines])
+
+    # --- the rollout engine of a trainer: new weights, sleep mode (docs/rl.md) ---
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the weights the engine runs (0: the checkpoint's; each update sets it)."""
+        return self.engine.weight_version
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The model's parameters, by path ("layers.0.mlp.up_proj.weight"), and their float shapes:
+        what `update_weights` takes (a quantized matrix too is given in floats)."""
+        return dict(self.engine.weight_layout.param_shapes)
+
+    def get_weights(self) -> dict[str, jax.Array]:
+        """The weights the engine runs, as `update_weights` takes them: the float model's parameters by
+        path (a quantized matrix dequantized, in float32). A trainer may start from them."""
+        return self.engine.weight_layout.float_params(self.engine.runner.weights)
+
+    def params_from_hf(self, named: dict) -> dict[str, jax.Array]:
+        """Tensors by Hugging Face name (a trainer's model named as transformers names it) -> the
+        parameters by path that `update_weights` takes (on the tensors' own devices)."""
+        return params_from_hf(named, self.engine.weight_layout.target)
+
+    def update_weights(self, params: dict, weight_version: int | None = None) -> int:
+        """Run on new weights from the next request on: `params`, every parameter by path
+        (`param_shapes`; nested dicts too, as `nnx.to_pure_dict` gives them) as jax (or numpy) arrays
+        of the float model's shapes, from a trainer's mesh or any other. Each is cast to the engine's
+        dtype and quantized where the engine keeps it quantized, on the device, and placed onto the
+        engine's mesh device to device (an array already in the engine's dtype and sharding is taken
+        as it is, not copied: a trainer must not donate or delete it afterwards). No step compiles.
+        The prefix cache is reset. -> the new weight version (`weight_version`, default: one more),
+        which every output sampled under them carries."""
+        return self._update([engine.weight_layout.from_arrays(params) for engine in self.engines], weight_version)
+
+    def update_weights_from_path(self, path: str, weight_version: int | None = None) -> int:
+        """`update_weights` from a checkpoint (a safetensors directory of the model's architecture and
+        shapes, an Orbax copy, a GGUF file), loaded as the engine loaded its own."""
+        return self._update([engine.weight_layout.from_checkpoint(resolve_model(path)) for engine in self.engines],
+                            weight_version)
+
+    def _update(self, loaded: list[dict], weight_version: int | None) -> int:
+        leaves = [engine.weight_layout.leaves(each) for engine, each in zip(self.engines, loaded)]
+        version = self.engine.weight_version + 1 if weight_version is None else int(weight_version)
+        for engine, each in zip(self.engines, leaves):
+            engine.update_weights(each, version)
+        return version
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's: free the KV cache (level 1: and keep the weights on the host; level 2: free them too,
+        for new weights, or the checkpoint reloaded when waking). `generate` refuses until `wake_up`."""
+        for engine in self.engines:
+            engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing."""
+        for engine in self.engines:
+            engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return any(engine.is_sleeping for engine in self.engines)
 
     embed, encode, score, classify, reward = map(_generative_only, ("embed", "encode", "score", "classify", "reward"))
 

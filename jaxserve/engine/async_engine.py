@@ -23,8 +23,10 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
 
+from checkpoints import resolve_model
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.core import Engine
@@ -56,6 +58,7 @@ class Add:
     subscriber: _Subscriber  # where its updates go
     priority: int = 0
     cache_salt: str | None = None
+    min_weight_version: int = 0  # held until the weights are at least this version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,20 @@ class Abort:
 @dataclasses.dataclass(frozen=True)
 class AbortAll:
     pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Control:
+    """Run `fn` on the engine thread between steps (a pause, new weights, sleep): its result, or its
+    exception, completes `done`."""
+    fn: Callable[[], object]
+    done: Future
+
+
+# a trainer's controls of an engine, by name (`call`; `Replicas.on_every_replica`)
+CONTROLS = ("pause", "resume", "is_paused", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache",
+            "update_weights_from_path")
+PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: end the requests in flight, let them finish, or hold them
 
 
 class AsyncEngine:
@@ -84,6 +101,13 @@ class AsyncEngine:
         self._closed = False  # set (under _lock) once the loop takes no more commands
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        # pausing ("wait": until the requests in flight finish, then "paused"), or None; the engine
+        # thread's, like what follows
+        self.paused: str | None = None
+        self._held: list[Add] = []  # requests that came while paused, or ask for newer weights
+        self._pausing: list[Future] = []  # pause(mode="wait") calls, until nothing runs
+        self._slept_paused = False  # sleep paused the engine: wake_up resumes it
+        self._clear_on_pause = False  # pause(mode="wait")'s clear_cache
         self.error: BaseException | None = None  # set if the loop died
 
     def start(self) -> None:
@@ -127,12 +151,15 @@ class AsyncEngine:
         self.engine.output.check_constraint(constraint)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
+                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
+                       ) -> AsyncIterator[Update]:
         """Updates of the request's n sequences until all finish; leaving early aborts them. A step that
-        fails raises `StepFailed`."""
+        fails raises `StepFailed`. The request waits while the engine is paused, and until its weights
+        are at least `min_weight_version`."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self.admission.sent(request_id)
-        if not self._send(Add(request_id, list(prompt_token_ids), params, subscriber, priority, cache_salt)):
+        if not self._send(Add(request_id, list(prompt_token_ids), params, subscriber, priority, cache_salt,
+                              min_weight_version)):
             self.admission.arrived(request_id)
             raise RuntimeError("the engine is not running")
         unfinished = params.n
@@ -186,7 +213,64 @@ class AsyncEngine:
         (a stream then ends as usual)."""
         self._send(AbortAll())
 
-    def _send(self, command: Add | Abort | AbortAll) -> bool:
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    async def call(self, method: str, *args) -> object:
+        """One of a trainer's controls (`CONTROLS`) by name: what a replica elsewhere is asked for."""
+        if method not in CONTROLS:
+            raise ValueError(f"unknown control {method!r}: choose from {list(CONTROLS)}")
+        return await getattr(self, method)(*args)
+
+    async def control(self, fn: Callable[[], object]) -> object:
+        """fn() on the engine thread, between steps -> its result (its exception raised here)."""
+        done: Future = Future()
+        if not self._send(Control(fn, done)):
+            raise RuntimeError("the engine is not running")
+        return await asyncio.wrap_future(done)
+
+    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """vLLM's pause_generation: no step runs until `resume`; the requests in flight end ("abort",
+        with what they have), finish first ("wait"), or wait ("keep"), dropping their KV, to recompute
+        it on resume (under the weights then). New requests wait for `resume`. `clear_cache` resets
+        the prefix cache."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r}: choose from {list(PAUSE_MODES)}")
+        drained = await self.control(lambda: self._pause(mode, clear_cache))
+        if drained is not None:
+            await asyncio.wrap_future(drained)
+
+    async def resume(self) -> None:
+        await self.control(self._resume)
+
+    async def is_paused(self) -> bool:
+        return self.paused is not None
+
+    async def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    async def update_weights(self, leaves: list, weight_version: int | None = None) -> int:
+        """`Engine.update_weights` between steps; requests held for these weights start. -> the version."""
+        return await self.control(lambda: self._update_weights(leaves, weight_version))
+
+    async def update_weights_from_path(self, path: str, weight_version: int | None = None) -> int:
+        """`update_weights` from a checkpoint, read off the engine thread (steps go on meanwhile)."""
+        layout = self.engine.weight_layout
+        loaded = await asyncio.to_thread(lambda: layout.leaves(layout.from_checkpoint(resolve_model(path))))
+        return await self.update_weights(loaded, weight_version)
+
+    async def sleep(self, level: int = 1) -> None:
+        """`Engine.sleep`, pausing the engine ("keep") until `wake_up` if it was not paused."""
+        await self.control(lambda: self._sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.control(lambda: self._wake_up(tags))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.control(self.engine.scheduler.allocator.reset_prefix_cache)
+
+    def _send(self, command: Add | Abort | AbortAll | Control) -> bool:
         with self._lock:
             if self._closed or not self._thread.is_alive():
                 return False
@@ -202,7 +286,9 @@ class AsyncEngine:
                 self.engine.warmup(background=True, progress=False)
             while not self._stop.is_set():
                 self._apply_commands()
-                if not self.engine.has_unfinished():
+                if self.paused == "wait" and not self.engine.has_unfinished():
+                    self._hold_all(self._clear_on_pause)
+                if self.paused == "paused" or not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self.engine.runner.keepalive()
@@ -226,6 +312,12 @@ class AsyncEngine:
                 self.engine.abort(request_id)
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, reason)
             self._subscribers.clear()
+            for held in self._held:
+                self.admission.arrived(held.request_id)
+                held.subscriber.loop.call_soon_threadsafe(held.subscriber.queue.put_nowait, reason)
+            self._held.clear()
+            for pausing in self._pausing:
+                pausing.set_exception(reason)
 
     def _fail(self, e: StepFailed) -> None:
         """Tell the failed step's requests why they ended; re-raise (ending the loop) when the engine
@@ -249,13 +341,82 @@ class AsyncEngine:
             if isinstance(command, Add):
                 self._add(command)
             elif isinstance(command, AbortAll):
-                for request_id in list(self._subscribers):
-                    for seq in self.engine.abort(request_id):
-                        self._publish_abort(seq)
+                self._abort_all()
+            elif isinstance(command, Control):
+                self._control(command)
             elif self._subscribers.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
+            else:  # (one still held: it never started)
+                self._held = [held for held in self._held if held.request_id != command.request_id]
+                self.admission.arrived(command.request_id)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._subscribers):
+            for seq in self.engine.abort(request_id):
+                self._publish_abort(seq)
+
+    @staticmethod
+    def _control(command: Control) -> None:
+        try:
+            command.done.set_result(command.fn())
+        except BaseException as e:  # (a refused call: its caller's error)
+            command.done.set_exception(e)
+
+    def _pause(self, mode: str, clear_cache: bool) -> Future | None:
+        """-> a Future that completes once paused, where that waits for the requests in flight ("wait")."""
+        if mode == "abort":
+            self._abort_all()
+        if mode == "wait" and self.engine.has_unfinished() and self.paused != "paused":
+            self.paused, self._clear_on_pause = "wait", clear_cache
+            self._pausing.append(Future())
+            return self._pausing[-1]
+        self._hold_all(clear_cache)
+        return None
+
+    def _hold_all(self, clear_cache: bool) -> None:
+        """Paused: the step in flight finished, the running sequences' KV dropped (they recompute it)."""
+        self.engine.drain(self._publish)
+        self.engine.scheduler.preempt_all()
+        if clear_cache:
+            self.engine.scheduler.allocator.reset_prefix_cache()
+        self.engine.stats = self.engine.scheduler.stats()
+        self.paused = "paused"
+        for pausing in self._pausing:
+            pausing.set_result(None)
+        self._pausing.clear()
+
+    def _resume(self) -> None:
+        if self.engine.is_sleeping:
+            raise ValueError("the engine is asleep: wake_up first (it resumes by itself where sleep paused it)")
+        self.paused, self._slept_paused = None, False
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        for command in held:
+            self._add(command)
+
+    def _update_weights(self, leaves: list, weight_version: int | None) -> int:
+        self.engine.update_weights(leaves, weight_version, self._publish)
+        if self.paused is None:
+            self._release_held()
+        return self.engine.weight_version
+
+    def _sleep(self, level: int) -> None:
+        if self.paused != "paused":
+            self._hold_all(clear_cache=True)
+            self._slept_paused = True
+        self.engine.sleep(level, self._publish)
+
+    def _wake_up(self, tags: list[str] | None) -> None:
+        self.engine.wake_up(tags)
+        if not self.engine.is_sleeping and self._slept_paused:
+            self._resume()
 
     def _add(self, command: Add) -> None:
+        if self.paused is not None or command.min_weight_version > self.engine.weight_version:
+            self._held.append(command)
+            return
         sub = command.subscriber
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
@@ -274,7 +435,7 @@ class AsyncEngine:
         for index in range(seq.index, seq.index + 1 + seq.pending_forks):
             choice = seq if index == seq.index else dataclasses.replace(
                 seq, index=index, token_ids=list(seq.prompt_token_ids), forks=[])
-            self._publish(update_of(choice, "", [], [], [], choice.num_output_tokens))
+            self._publish(update_of(choice, "", [], [], [], choice.num_output_tokens, self.engine.weight_version))
 
     def _publish(self, update: Update) -> None:
         sub = self._subscribers.get(update.request_id)

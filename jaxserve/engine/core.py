@@ -40,9 +40,12 @@ from jaxserve.worker.runner import Runner
 from jaxserve.worker.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.worker.step_fn import LaunchedStep
 from jaxserve.worker.warmup import BucketCompiler
-from jaxserve.worker.weights import load_weights
+from jaxserve.worker.weight_update import WeightLayout
+from jaxserve.worker.weights import load_weights, weight_target
 
 log = logging.getLogger(__name__)
+
+WAKE_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up restores (vLLM's tags)
 
 
 class InFlight(NamedTuple):
@@ -76,6 +79,12 @@ class Engine:
         started = time.monotonic()
         graphdef, state = load_weights(model_dir, model_config, config.dtype, self.mesh, config.quantization)
         log.info("loaded the weights in %.1f s", time.monotonic() - started)
+        self.model_dir = model_dir
+        # the layout of the step's weights, which new weights are brought into (`update_weights`)
+        self.weight_layout = WeightLayout(state, weight_target(model_dir, model_config, config.dtype, self.mesh,
+                                                         config.quantization)[2], config.dtype)
+        self.weight_version = 0  # of the weights the engine runs: each update sets it (by default: one more)
+        self._asleep: dict[str, object] = {}  # what `sleep` freed: "weights" (their host copy, or None), "kv_cache"
         spec = config.speculative
         draft = None
         if spec is not None and spec.model is not None:
@@ -178,6 +187,79 @@ class Engine:
         self.stats = self.scheduler.stats()
         return seqs
 
+    # --- new weights and sleep mode, between steps (the API's engine thread, or `LLM`) ---
+
+    def update_weights(self, leaves: list[jax.Array], weight_version: int | None = None,
+                       on_release: Callable[[Update], None] | None = None) -> list[Update]:
+        """Run on `leaves` (the step's weights, whole: `WeightLayout.leaves`) from the next step on,
+        under `weight_version` (default: one more than now). The step in flight finishes first (its
+        tokens are the old weights'); the running sequences drop their KV, the old weights', and
+        recompute it (preempted); the prefix cache is reset. -> what the step in flight released."""
+        if jax.process_count() > 1:
+            raise ValueError("new weights reach one process's engine only: a multi-host replica keeps its weights")
+        released = self.drain(on_release)
+        self.scheduler.preempt_all()
+        self.runner.weights = leaves  # (one swap: no step runs on half of them)
+        self._asleep.pop("weights", None)
+        self.scheduler.allocator.reset_prefix_cache()
+        self._set_version(self.weight_version + 1 if weight_version is None else weight_version)
+        return released
+
+    def _set_version(self, version: int) -> None:
+        self.weight_version = self.output.weight_version = int(version)
+        self.stats = self.scheduler.stats()
+
+    def drain(self, on_release: Callable[[Update], None] | None = None) -> list[Update]:
+        """Finish the step in flight, if any -> what it released."""
+        if self._in_flight is None:
+            return []
+        try:
+            return self._finish_in_flight(on_release)
+        except Exception as e:
+            raise StepFailed(self._fail(None), e) from e
+
+    def sleep(self, level: int = 1, on_release: Callable[[Update], None] | None = None) -> list[Update]:
+        """vLLM's sleep mode: free the KV cache and, at level 2, the weights too (level 1 keeps a host
+        copy of them). The running sequences wait, to recompute their KV once awake (`wake_up`);
+        the compiled steps stay. -> what the step in flight released."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV cache, keep the weights on the host) or 2 (free "
+                             f"both), not {level}")
+        released = self.drain(on_release)
+        self.scheduler.preempt_all()
+        self.scheduler.allocator.reset_prefix_cache()
+        if "kv_cache" not in self._asleep:
+            self.runner.release_kv()
+            self._asleep["kv_cache"] = None
+        if "weights" not in self._asleep:
+            self._asleep["weights"] = self.weight_layout.to_host(self.runner.weights) if level == 1 else None
+            self.runner.release_weights()
+        self.stats = self.scheduler.stats()
+        return released
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what `sleep` freed (`tags`: "weights", "kv_cache"; default both). Weights freed at
+        level 2 and not replaced since (`update_weights`) reload from the checkpoint, whose version is 0."""
+        tags = set(tags or WAKE_TAGS)
+        if unknown := tags - set(WAKE_TAGS):
+            raise ValueError(f"wake_up tags {sorted(unknown)}: choose from {list(WAKE_TAGS)}")
+        if "weights" in tags and "weights" in self._asleep:
+            host = self._asleep.pop("weights")
+            if host is None:
+                log.warning("waking from sleep level 2: the weights reload from %s (weight version 0)", self.model_dir)
+                self.runner.weights = self.weight_layout.leaves(self.weight_layout.from_checkpoint(self.model_dir))
+                self._set_version(0)
+            else:
+                self.runner.weights = self.weight_layout.from_host(host)
+        if "kv_cache" in tags and "kv_cache" in self._asleep:
+            self.runner.allocate_kv()
+            del self._asleep["kv_cache"]
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether the KV cache or the weights are freed (`sleep`): no step runs until `wake_up`."""
+        return bool(self._asleep)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
@@ -192,6 +274,8 @@ class Engine:
         the next (a grammar's mask) is it finished first."""
         if not self.is_ready:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
+        if self._asleep:
+            raise RuntimeError("the engine is asleep (its KV cache or weights are freed): call wake_up first")
         released, batch = [], None
         try:
             speculate = self.config.speculative is not None and self._speculates()

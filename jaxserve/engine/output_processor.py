@@ -48,6 +48,7 @@ class OutputProcessor:
         # sequences whose grammar refused their last token: possible only where allowed_token_ids or
         # bad_words leave none it allows; they end ("abort") without that token's text
         self._refused: set[int] = set()
+        self.weight_version = 0  # the engine's weights' (`Engine.update_weights`): that of every token released now
 
     @property
     def grammars(self) -> GrammarMatchers:
@@ -144,7 +145,7 @@ class OutputProcessor:
         if seq.is_finished:
             self.forget(seq.seq_id)
         return update_of(seq, seq.text[released:], seq.output_token_ids[first:], seq.logprobs[first:],
-                         seq.entropies[first:], state.num_tokens)
+                         seq.entropies[first:], state.num_tokens, self.weight_version)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         last = seq.output_token_ids[-1]
@@ -158,9 +159,9 @@ class OutputProcessor:
 
 
 def update_of(seq: Sequence, text: str, token_ids: list[int], logprobs: list[TokenLogprobs], entropies: list[float],
-              num_output_tokens: int) -> Update:
+              num_output_tokens: int, weight_version: int) -> Update:
     return Update(request_id=seq.request_id, index=seq.index, text=text, token_ids=token_ids, logprobs=logprobs,
                   num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                   num_output_tokens=num_output_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                   prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
-                  entropies=entropies, cumulative_logprob=seq.cumulative_logprob)
+                  entropies=entropies, cumulative_logprob=seq.cumulative_logprob, weight_version=weight_version)

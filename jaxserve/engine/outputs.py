@@ -32,6 +32,7 @@ class Update:
     # per new token, when asked for (`SamplingParams.return_entropy`): of the model's distribution, in nats
     entropies: list[float] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0  # of the sequence's tokens so far
+    weight_version: int = 0  # of the weights that sampled its tokens (`Engine.update_weights`)
 
     @property
     def finished(self) -> bool:
@@ -60,6 +61,8 @@ class CompletionOutput:
     # jaxserve's, when SamplingParams.return_entropy is set: per token, the entropy in nats of the model's
     # own distribution (the softmax of its raw logits) at that token
     entropies: list[float] | None = None
+    # jaxserve's: the version of the weights that sampled its last token (`LLM.update_weights`)
+    weight_version: int = 0
 
     def finished(self) -> bool:
         """vLLM's: whether the sequence has ended."""
@@ -85,6 +88,7 @@ class RequestOutput:
     kv_transfer_params: None = None
     metrics: None = None
     multi_modal_placeholders: dict = dataclasses.field(default_factory=dict)
+    weight_version: int = 0  # jaxserve's: the newest weights any of its tokens was sampled under
 
 
 def logprob_entries(tokenizer: Tokenizer | None, token_ids: list[int], logprobs: list[TokenLogprobs],
@@ -139,7 +143,8 @@ class OutputCollector:
                                     finish_reason=c.last.finish_reason, stop_reason=c.last.stop_reason,
                                     logprobs=None if params.logprobs is None else
                                     logprob_entries(tokenizer, c.token_ids, c.logprobs, detokenize),
-                                    entropies=c.entropies if params.return_entropy else None)
+                                    entropies=c.entropies if params.return_entropy else None,
+                                    weight_version=c.last.weight_version)
                    for i, c in enumerate(self.choices)]
         first = self.choices[0].last
         prompt_logprobs = None
@@ -148,4 +153,5 @@ class OutputCollector:
                                                       detokenize)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs)
+                             prompt_logprobs=prompt_logprobs,
+                             weight_version=max(c.weight_version for c in outputs))

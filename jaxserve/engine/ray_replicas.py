@@ -92,21 +92,25 @@ class ReplicaActor:
         return self.spec
 
     def snapshot(self) -> tuple:
-        """(stats, queued, compile progress, ready) as of now. An engine whose loop died ends the
+        """(stats, queued, compile progress, ready, weight version) as of now. An engine whose loop died ends the
         actor's process, for Ray to start it again."""
         e = self.engine
         if not e.is_running and e.error is not None:
             log.error("the engine loop failed (%r): ending this replica's process for Ray to restart it", e.error)
             os._exit(1)
-        return e.stats, e.admission.queued, e.compile_progress, e.is_ready and e.is_running
+        return e.stats, e.admission.queued, e.compile_progress, e.is_ready and e.is_running, e.weight_version
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int, cache_salt: str | None) -> AsyncIterator[Update]:
+                       priority: int, cache_salt: str | None, min_weight_version: int = 0) -> AsyncIterator[Update]:
         if params.constraint is not None:  # (compiled here, off the engine's thread, as the API does at home)
             await asyncio.to_thread(self.engine.check_constraint, params.constraint)
         async for update in self.engine.generate(request_id, prompt_token_ids, params, priority=priority,
-                                                 cache_salt=cache_salt):
+                                                 cache_salt=cache_salt, min_weight_version=min_weight_version):
             yield update
+
+    async def call(self, method: str, *args) -> tuple:
+        """(`AsyncEngine.call`'s result, the weight version after it)."""
+        return await self.engine.call(method, *args), self.engine.weight_version
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
                           params: BeamSearchParams) -> BeamSearchOutput:
@@ -137,7 +141,7 @@ class RayReplica:
         self._ray, self.actors, self.rank, self.engine = ray, actors, rank, spec
         self.tokenizer = spec.tokenizer
         self.error: BaseException | None = None
-        self._snapshot: tuple = (IDLE, (0, 0), (0, len(spec.config.step_buckets)), False)
+        self._snapshot: tuple = (IDLE, (0, 0), (0, len(spec.config.step_buckets)), False, 0)
         self.admission = QueueBound(max_queued_requests, max_queued_tokens, lambda: self._snapshot[1])
         self._stop = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"replica-{rank}", daemon=True)
@@ -164,7 +168,7 @@ class RayReplica:
                 if self._snapshot[3]:
                     log.warning("replica %d does not answer (%s); requests go to the others", self.rank,
                                 type(e).__name__)
-                self._snapshot = (*self._snapshot[:3], False)
+                self._snapshot = (*self._snapshot[:3], False, self._snapshot[4])
 
     def shutdown(self, timeout: float = 10.0) -> bool:
         self._stop.set()
@@ -200,14 +204,16 @@ class RayReplica:
         compiled_grammars(self.tokenizer.hf, self.engine.model_config.vocab_size).compiled(constraint)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
+                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
+                       ) -> AsyncIterator[Update]:
         """The actor's updates; ReplicaLost where it dies meanwhile (or is not there). Once sent, the
         request is counted here until figures asked for after that come back (`_poll`)."""
         unfinished = params.n
         try:
             with self._calling(request_id):
                 self.admission.sent(request_id)
-                stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt)
+                stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt,
+                                                    min_weight_version)
                 async for ref in stream:
                     update = await ref
                     unfinished -= update.finish_reason is not None
@@ -243,6 +249,20 @@ class RayReplica:
 
     def abort_all(self) -> None:
         self.actor.abort_all.remote()
+
+    @property
+    def weight_version(self) -> int:
+        """As of the last figures (`_poll`); the actor's own after a control (`call`)."""
+        return self._snapshot[4]
+
+    async def call(self, method: str, *args):
+        """`AsyncEngine.call` on the actor's engine (the error it raises, raised here as itself)."""
+        try:
+            result, version = await self.actor.call.remote(method, *args)
+        except self._ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+        self._snapshot = (*self._snapshot[:4], version)
+        return result
 
 
 def start_ray_replicas(config: EngineConfig, chat_template: str | None, *, hosts: int = 1,

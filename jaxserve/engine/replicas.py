@@ -12,6 +12,7 @@ recent `PREFIX_ENTRIES` of them.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import logging
@@ -194,17 +195,18 @@ class Replicas:
         return self.router.choose(prompt, cache_salt, loads)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[Update]:
+                 priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
+                 ) -> AsyncIterator[Update]:
         """The request's updates from its replica (the one it was admitted to). Where that replica
         goes away before any update came (`ReplicaLost`), from another one, once per replica; after
         an update, ReplicaLost. One replica's stream is its own (no layer between it and the API)."""
         if len(self.replicas) == 1:
             return self.replicas[0].generate(request_id, prompt_token_ids, params, priority=priority,
-                                             cache_salt=cache_salt)
-        return self._generate(request_id, prompt_token_ids, params, priority, cache_salt)
+                                             cache_salt=cache_salt, min_weight_version=min_weight_version)
+        return self._generate(request_id, prompt_token_ids, params, priority, cache_salt, min_weight_version)
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                        cache_salt: str | None) -> AsyncIterator[Update]:
+                        cache_salt: str | None, min_weight_version: int) -> AsyncIterator[Update]:
         route, _ = self._pending.pop(request_id, (None, 0.0))
         lost: set[int] = set()
         try:
@@ -213,8 +215,9 @@ class Replicas:
                 self._active[request_id] = route
                 sent = False
                 try:
-                    async for update in self.replicas[route].generate(request_id, prompt_token_ids, params,
-                                                                      priority=priority, cache_salt=cache_salt):
+                    async for update in self.replicas[route].generate(
+                            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
+                            min_weight_version=min_weight_version):
                         sent = True
                         yield update
                     return
@@ -246,3 +249,27 @@ class Replicas:
     def abort_all(self) -> None:
         for replica in self.replicas:
             replica.abort_all()
+
+    # --- a trainer's controls (docs/rl.md), on every replica at once ---
+
+    @property
+    def weight_version(self) -> int:
+        return max(replica.weight_version for replica in self.replicas)
+
+    async def on_every_replica(self, method: str, *args) -> list:
+        """`method(*args)` of every replica (pause, resume, sleep, wake_up, reset_prefix_cache) -> their results."""
+        return await asyncio.gather(*(replica.call(method, *args) for replica in self.replicas))
+
+    def next_version(self, weight_version: int | None) -> int:
+        """The version new weights take: the one asked for, else one more than the newest now (the same
+        on every replica)."""
+        return self.weight_version + 1 if weight_version is None else int(weight_version)
+
+    def local_engines(self) -> list:
+        """Each replica's `Engine`, where all run in this process (not on Ray): new weights as arrays
+        reach only those."""
+        engines = [getattr(replica, "engine", None) for replica in self.replicas]
+        if not all(hasattr(engine, "weight_layout") for engine in engines):
+            raise ValueError("weights sent as tensors reach replicas of this process only; replicas on Ray load "
+                             "theirs from a path (/update_weights_from_disk)")
+        return engines

@@ -248,6 +248,13 @@ class Scheduler:
                 return
             self._preempt_last(batch)
 
+    def preempt_all(self) -> None:
+        """Preempt every running sequence (none may be in a launched step): they recompute their KV
+        when next scheduled (after a weight update, whose KV the old one's is not)."""
+        batch = ScheduledBatch(rows=[], num_tokens=0, preempted=[])
+        while self.running:
+            self._preempt_last(batch)
+
     def _preempt_last(self, batch: ScheduledBatch) -> Sequence:
         victim = self.running.pop()
         self.allocator.release(victim.page_ids)

@@ -58,7 +58,6 @@ class Runner:
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
-        self.state = state
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
         self.weights, state_treedef = jax.tree.flatten(state)
@@ -169,6 +168,19 @@ class Runner:
         except Exception:
             return False
         return True
+
+    def release_kv(self) -> None:
+        """Free the KV cache (sleep): what steps read of it stays, for compiling, until `allocate_kv`."""
+        kv, self.kv = self.kv, jax.tree.map(_abstract, self.kv)
+        for pages in jax.tree.leaves(kv):
+            pages.delete()
+
+    def allocate_kv(self) -> None:
+        self.kv = allocate_kv_cache(self.model_config, self.config, self.kv_sharding)
+
+    def release_weights(self) -> None:
+        """Drop the weights (sleep): freed unless a trainer that handed them over still holds them."""
+        self.weights = [_abstract(w) for w in self.weights]
 
     def keepalive(self) -> None:
         """Called by an idle process 0: tell the followers it is alive once in a while (a collective

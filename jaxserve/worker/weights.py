@@ -102,18 +102,24 @@ def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
                        sharding=None if mesh is None else sharding, place=place, formats=formats)
 
 
+def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None,
+                  quantization: str | None = None) -> tuple[nnx.GraphDef, nnx.State, ParamTarget]:
+    """The model's graphdef, its abstract state, and what its weights load into (`param_target`:
+    matrices kept as `weight_formats` says, each weight into its sharding on `mesh`)."""
+    formats = weight_formats(model_dir, cfg, quantization)
+    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
+    stacks = {path for path, leaf in _flatten(nnx.to_pure_dict(state)).items()
+              if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
+    return graphdef, state, dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
+
+
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None,
                  quantization: str | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's (graphdef, state) with the weights of `model_dir` (HF safetensors, a GGUF view, or
     Orbax made by `convert_checkpoint`) in `dtype`, matrices kept as `weight_formats` says; with a
     mesh, each weight goes straight into its sharding."""
-    formats = weight_formats(model_dir, cfg, quantization)
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
-    stacks = {path for path, leaf in _flatten(nnx.to_pure_dict(state)).items()
-              if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
-    target = dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
-    params = load_params(model_dir, target, dtype)
-    nnx.replace_by_pure_dict(state, _unflatten(params))
+    graphdef, state, target = weight_target(model_dir, cfg, dtype, mesh, quantization)
+    nnx.replace_by_pure_dict(state, _unflatten(load_params(model_dir, target, dtype)))
     return graphdef, state
 
 

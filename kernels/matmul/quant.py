@@ -68,31 +68,32 @@ def check_quantizable(shape: tuple[int, ...]) -> str | None:
     return None
 
 
-def quantize(w: np.ndarray, fmt: str) -> QuantizedWeight:
-    """A float weight [..., out, in] (numpy, on the host) in `fmt`, rounding to nearest: "int8" with
-    each block's largest magnitude at 127, "int4" with each block's range over 0..15."""
+def quantize(w, fmt: str, xp=np) -> QuantizedWeight:
+    """A float weight [..., out, in] in `fmt`, rounding to nearest: "int8" with each block's largest
+    magnitude at 127, "int4" with each block's range over 0..15. `xp`: numpy on the host (a
+    checkpoint's weights), or jax.numpy on the device (a trainer's; the same values bit for bit)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; choose from {list(FORMATS)}")
     if why := check_quantizable(w.shape):
         raise ValueError(f"cannot quantize a weight of shape {w.shape}: {why}")
     *lead, width = w.shape
-    blocks = np.asarray(w, np.float32).reshape(*lead, width // BLOCK, BLOCK)
+    blocks = xp.asarray(w, xp.float32).reshape(*lead, width // BLOCK, BLOCK)
     if fmt == "int8":
-        scale = (np.abs(blocks).max(-1) / 127).astype(np.float16)
-        q = np.rint(blocks / _nonzero(scale)[..., None]).clip(-127, 127).astype(np.int8)
+        scale = (xp.abs(blocks).max(-1) / 127).astype(xp.float16)
+        q = xp.rint(blocks / _nonzero(scale, xp)[..., None]).clip(-127, 127).astype(xp.int8)
         return QuantizedWeight(q.reshape(*lead, width), scale)
     lo, hi = blocks.min(-1), blocks.max(-1)
-    scale, low = ((hi - lo) / 15).astype(np.float16), lo.astype(np.float16)
-    q = np.rint((blocks - low[..., None]) / _nonzero(scale)[..., None]).clip(0, 15).astype(np.uint8)
+    scale, low = ((hi - lo) / 15).astype(xp.float16), lo.astype(xp.float16)
+    q = xp.rint((blocks - low[..., None]) / _nonzero(scale, xp)[..., None]).clip(0, 15).astype(xp.uint8)
     return QuantizedWeight(pack_int4(q.reshape(*lead, width)), scale, low)
 
 
-def _nonzero(scale: np.ndarray) -> np.ndarray:
+def _nonzero(scale, xp=np):
     """A block of zeros has scale 0 and quantizes to zeros."""
-    return np.where(scale == 0, 1, scale).astype(np.float32)
+    return xp.where(scale == 0, 1, scale).astype(xp.float32)
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
+def pack_int4(q):
     """Values 0..15, uint8 [..., out, in] -> [..., out, in / 2] in GGUF's order (see the top)."""
     *lead, width = q.shape
     blocks = q.reshape(*lead, width // BLOCK, 2, BLOCK // 2)

@@ -1,0 +1,196 @@
+"""A trainer's routes (docs/rl.md), vLLM's names where it has them (SGLang's otherwise): pause and
+resume generation, new weights from a checkpoint path or streamed as tensors, their version,
+sleep and wake, and the prefix cache's reset. They act on every replica at once.
+
+New weights streamed: POST /start_weight_update, then POST /update_weights once or more, each body
+a safetensors file's bytes (any tensors, by Hugging Face name or parameter path; chunked transfer
+is fine, and no body limit applies), then POST /finish_weight_update swaps them all in at once. A
+POST /update_weights with no update started is all three in one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from quart import Blueprint, request
+
+from api.errors import APIError
+from api.state import api_state, json_body
+from checkpoints.stream import SafetensorsStream
+from jaxserve.worker.weight_update import StagedWeights
+
+training = Blueprint("training", __name__)
+# the routes --api-key guards, beside /v1's
+PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
+         "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weights_from_disk",
+         "/get_weight_version", "/get_world_size")
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = request.args.get(name)
+    if value is None:
+        return default
+    if value.lower() not in ("true", "false", "1", "0"):
+        raise APIError(f"'{name}' must be true or false, not {value!r}", param=name)
+    return value.lower() in ("true", "1")
+
+
+async def _on_every_replica(method: str, *args) -> list:
+    """A control of every replica; its refusal (a ValueError) is a 400."""
+    try:
+        return await api_state().engine.on_every_replica(method, *args)
+    except (ValueError, FileNotFoundError) as e:
+        raise APIError(str(e)) from e
+
+
+@training.post("/pause")
+async def pause():
+    """vLLM's: ?mode=abort (default) | wait | keep, ?clear_cache=true (default); its older
+    ?wait_for_inflight_requests=true is mode=wait."""
+    mode = "wait" if _flag("wait_for_inflight_requests", False) else request.args.get("mode", "abort")
+    await _on_every_replica("pause", mode, _flag("clear_cache", True))
+    return {"status": "paused"}
+
+
+@training.post("/resume")
+async def resume():
+    await _on_every_replica("resume")
+    return {"status": "resumed"}
+
+
+@training.get("/is_paused")
+async def is_paused():
+    return {"is_paused": any(await _on_every_replica("is_paused"))}
+
+
+@training.post("/sleep")
+async def sleep():
+    """vLLM's: ?level=1 frees the KV cache and keeps the weights on the host; 2 frees both."""
+    level = request.args.get("level", "1")
+    if level not in ("1", "2"):
+        raise APIError(f"'level' must be 1 or 2, not {level!r}", param="level")
+    await _on_every_replica("sleep", int(level))
+    return {"status": "sleeping", "level": int(level)}
+
+
+@training.post("/wake_up")
+async def wake_up():
+    """vLLM's: ?tags=weights&tags=kv_cache (default: both)."""
+    await _on_every_replica("wake_up", request.args.getlist("tags") or None)
+    return {"status": "awake" if not any(await _on_every_replica("is_sleeping")) else "partly awake"}
+
+
+@training.get("/is_sleeping")
+async def is_sleeping():
+    return {"is_sleeping": any(await _on_every_replica("is_sleeping"))}
+
+
+@training.post("/reset_prefix_cache")
+async def reset_prefix_cache():
+    """vLLM's: forget the prefix cache's pages (false, and nothing forgotten, while requests run)."""
+    return {"success": all(await _on_every_replica("reset_prefix_cache"))}
+
+
+@training.get("/get_weight_version")
+async def get_weight_version():
+    return {"weight_version": api_state().engine.weight_version}
+
+
+@training.get("/get_world_size")
+async def get_world_size():
+    """vLLM's: the devices serving, all replicas' (?include_dp=false: one replica's)."""
+    config = api_state().engine.engine.config
+    replicas = len(api_state().engine.replicas) if _flag("include_dp", True) else 1
+    return {"world_size": config.tensor_parallel_size * replicas}
+
+
+def _version_field(body: dict) -> int | None:
+    version = body.get("weight_version")
+    if version is not None and (not isinstance(version, int) or isinstance(version, bool) or version < 0):
+        raise APIError("'weight_version' must be a non-negative integer", param="weight_version")
+    return version
+
+
+@training.post("/update_weights_from_disk")
+async def update_weights_from_disk():
+    """SGLang's: {"model_path": a checkpoint of the model's architecture and shapes (safetensors
+    directory, Orbax copy, GGUF file), "weight_version": optional}."""
+    body = await json_body()
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise APIError("'model_path' (a checkpoint's path on the server) is required", param="model_path")
+    engine = api_state().engine
+    version = engine.next_version(_version_field(body))
+    await _on_every_replica("update_weights_from_path", path, version)
+    return {"success": True, "message": f"weights loaded from {path}", "weight_version": version}
+
+
+@training.post("/start_weight_update")
+async def start_weight_update():
+    """Begin a streamed update: {"weight_version": optional} (default: one more than now)."""
+    _start(_version_field(await json_body() if await request.get_data() else {}))
+    return {"status": "started"}
+
+
+def _start(version: int | None) -> None:
+    state = api_state()
+    try:
+        engines = state.engine.local_engines()
+    except ValueError as e:
+        raise APIError(str(e)) from e
+    state.staged_weights = [StagedWeights(engine.weight_layout) for engine in engines]
+    state.staged_version = version
+
+
+@training.post("/update_weights")
+async def update_weights():
+    """Tensors of a streamed update: the body is a safetensors file's bytes."""
+    state = api_state()
+    one_shot = state.staged_weights is None
+    if one_shot:  # (?weight_version=N: its version)
+        _start(_int_arg("weight_version"))
+    request.max_content_length = None  # (weights are large: no body limit here)
+    stream, count = SafetensorsStream(), 0
+    try:
+        async for chunk in request.body:
+            for name, array in stream.feed(chunk):
+                await asyncio.to_thread(_put, state.staged_weights, name, array)
+                count += 1
+        stream.finish()
+    except ValueError as e:
+        state.staged_weights = None  # (a broken update is dropped whole)
+        raise APIError(f"the update is dropped: {e}") from e
+    if one_shot:
+        return await finish_weight_update()
+    return {"status": "received", "tensors": count}
+
+
+def _int_arg(name: str) -> int | None:
+    value = request.args.get(name)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise APIError(f"'{name}' must be a non-negative integer", param=name)
+    return int(value)
+
+
+def _put(staged: list[StagedWeights], name: str, array) -> None:
+    for replica in staged:
+        replica.put(name, array)
+
+
+@training.post("/finish_weight_update")
+async def finish_weight_update():
+    """Swap the tensors sent in at once (all of the model's must have come) -> the new version."""
+    state = api_state()
+    staged, state.staged_weights = state.staged_weights, None
+    if staged is None:
+        raise APIError("no weight update is under way: POST /start_weight_update first")
+    try:
+        leaves = [replica.leaves() for replica in staged]
+    except ValueError as e:
+        raise APIError(f"the update is dropped: {e}") from e
+    version = state.engine.next_version(state.staged_version)
+    await asyncio.gather(*(replica.update_weights(each, version)
+                           for replica, each in zip(state.engine.replicas, leaves)))
+    return {"success": True, "weight_version": version}
