@@ -30,7 +30,7 @@ from api.metrics import Metrics
 from api.playground import playground as playground_pages
 from api.responses import responses
 from api.rl import PATHS as TRAINING_PATHS
-from api.rl import training
+from api.rl import UnboundedWeights, training
 from api.server_info import server_info
 from api.state import APIState, api_state
 from api.tokenize import tokenize
@@ -62,6 +62,7 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     (`api/playground.py`)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
+    app.request_class = UnboundedWeights
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
     paths = {} if docs else dict(openapi_path=None, redoc_ui_path=None, scalar_ui_path=None, swagger_ui_path=None)

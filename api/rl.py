@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
-from quart import Blueprint, request
+from quart import Blueprint, Request, request
 
 from api.errors import APIError
 from api.state import api_state, json_body
@@ -24,6 +24,16 @@ training = Blueprint("training", __name__)
 PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
          "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weights_from_disk",
          "/get_weight_version", "/get_world_size")
+
+
+class UnboundedWeights(Request):
+    """Quart's request, with no body limit (--max-request-body-bytes) where weights are streamed in:
+    Quart sets a body's limit as it makes the request, before any route runs."""
+
+    def __init__(self, method: str, scheme: str, path: str, *args, max_content_length: int | None = None, **kwargs):
+        if path == "/update_weights":
+            max_content_length = None
+        super().__init__(method, scheme, path, *args, max_content_length=max_content_length, **kwargs)
 
 
 def _flag(name: str, default: bool) -> bool:
@@ -149,7 +159,6 @@ async def update_weights():
     one_shot = state.staged_weights is None
     if one_shot:  # (?weight_version=N: its version)
         _start(_int_arg("weight_version"))
-    request.max_content_length = None  # (weights are large: no body limit here)
     stream, count = SafetensorsStream(), 0
     try:
         async for chunk in request.body:

@@ -56,7 +56,8 @@ def _parse(body: dict, state: APIState) -> GenerationRequest:
         raise APIError(f"unknown field {unknown[0]!r}", param=unknown[0])
     for name in ("features", "kv_transfer_params"):  # (vLLM's, for multimodal inputs and KV transfer)
         if body.get(name) is not None:
-            raise APIError(f"'{name}' is not supported: this server has no multimodal inputs nor KV transfer", param=name)
+            raise APIError(f"'{name}' is not supported: this server has no multimodal inputs nor KV transfer",
+                           param=name)
     token_ids = body.get("token_ids")
     if not isinstance(token_ids, list) or not token_ids or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in token_ids):

@@ -138,7 +138,7 @@ def train(sampler, model_dir: Path, steps: int, prompts: int = 4, group: int = 8
     rng = np.random.default_rng(seed)
     history = []
     for step in range(steps):
-        batch = [list(rng.integers(ord("a"), ord("z") + 1, size=6)) for _ in range(prompts)]
+        batch = [rng.integers(ord("a"), ord("z") + 1, size=6).tolist() for _ in range(prompts)]
         groups = sampler.rollouts(batch, group, max_tokens, seed=seed * 100_000 + step * 100)
         rewards = np.array([[reward(c) for c in g] for g in groups])
         advantages = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(1, keepdims=True) + 1e-4)

@@ -79,18 +79,27 @@ def quantize(w, fmt: str, xp=np) -> QuantizedWeight:
     *lead, width = w.shape
     blocks = xp.asarray(w, xp.float32).reshape(*lead, width // BLOCK, BLOCK)
     if fmt == "int8":
-        scale = (xp.abs(blocks).max(-1) / 127).astype(xp.float16)
-        q = xp.rint(blocks / _nonzero(scale, xp)[..., None]).clip(-127, 127).astype(xp.int8)
+        scale = _divide(xp.abs(blocks).max(-1), 127, xp).astype(xp.float16)
+        q = xp.rint(_divide(blocks, _nonzero(scale, xp)[..., None], xp)).clip(-127, 127).astype(xp.int8)
         return QuantizedWeight(q.reshape(*lead, width), scale)
     lo, hi = blocks.min(-1), blocks.max(-1)
-    scale, low = ((hi - lo) / 15).astype(xp.float16), lo.astype(xp.float16)
-    q = xp.rint((blocks - low[..., None]) / _nonzero(scale, xp)[..., None]).clip(0, 15).astype(xp.uint8)
+    scale, low = _divide(hi - lo, 15, xp).astype(xp.float16), lo.astype(xp.float16)
+    q = xp.rint(_divide(blocks - low[..., None], _nonzero(scale, xp)[..., None], xp)).clip(0, 15).astype(xp.uint8)
     return QuantizedWeight(pack_int4(q.reshape(*lead, width)), scale, low)
 
 
 def _nonzero(scale, xp=np):
     """A block of zeros has scale 0 and quantizes to zeros."""
     return xp.where(scale == 0, 1, scale).astype(xp.float32)
+
+
+def _divide(a, b, xp=np):
+    """a / b (b broadcast against a), rounded as numpy rounds it. On the device, b goes in as an array
+    of a's shape that XLA cannot see through: it would multiply by the reciprocal of a broadcast or
+    constant divisor instead of dividing, which rounds differently."""
+    if xp is np:
+        return a / b
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
 
 
 def pack_int4(q):
