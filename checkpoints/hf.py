@@ -31,6 +31,19 @@ def hf_to_state_path(name: str, hf_name_map: Mapping[str, str]) -> str | None:
     return None
 
 
+def state_path_of(name: str, target: ParamTarget, source: str) -> str | None:
+    """The parameter path the tensor `name` loads into; None for one the model leaves out (a tied
+    head); ValueError for one it has no place for (`source` names it)."""
+    path = hf_to_state_path(name, target.hf_name_map)
+    if path is None:
+        raise ValueError(f"unexpected tensor {source} for a {target.architecture} checkpoint")
+    if not target.fits(path):
+        if path in target.unused:
+            return None
+        raise ValueError(f"tensor {source} does not fit this {target.architecture} config")
+    return path
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
@@ -59,13 +72,9 @@ def load_hf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> di
             for name in f.keys():
                 if IGNORED.fullmatch(name) or (target.skipped and re.fullmatch(target.skipped, name)):
                     continue
-                path = hf_to_state_path(name, target.hf_name_map)
+                path = state_path_of(name, target, source=f"{name!r} in {file}")
                 if path is None:
-                    raise ValueError(f"unexpected tensor {name!r} in {file} for a {target.architecture} checkpoint")
-                if not target.fits(path):
-                    if path in target.unused:
-                        continue
-                    raise ValueError(f"tensor {name!r} in {file} does not fit this {target.architecture} config")
+                    continue
                 target.put(loaded, path, f.get_tensor(name), dtype, source=f"{name!r} in {file}")
     target.check_complete(loaded, model_dir)
     return loaded

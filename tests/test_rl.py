@@ -143,7 +143,7 @@ def test_update_weights_refuses_what_does_not_fit():
         llm.update_weights({k: v for k, v in params.items() if k != "norm.weight"})
     with pytest.raises(ValueError, match="shape"):
         llm.update_weights({**params, "norm.weight": jnp.zeros(3)})
-    with pytest.raises(ValueError, match="neither|not a tensor"):
+    with pytest.raises(ValueError, match="unexpected tensor"):
         llm.params_from_hf({"model.bogus.weight": jnp.zeros(3)})
     assert llm.weight_version == 0
 

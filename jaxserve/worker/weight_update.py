@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Sharding
 
 from checkpoints import ParamTarget, load_params, quantized_paths
-from checkpoints.hf import hf_to_state_path
+from checkpoints.hf import hf_to_state_path, state_path_of
 from checkpoints.target import SLICE
 from kernels.matmul.grouped import BITS
 from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
@@ -163,13 +163,9 @@ def params_from_hf(named: Mapping[str, jax.Array], target: ParamTarget) -> dict[
     out: dict[str, jax.Array] = {}
     slices: dict[str, dict[int, jax.Array]] = {}
     for name, x in named.items():
-        path = hf_to_state_path(name, target.hf_name_map)
+        path = state_path_of(name, target, source=repr(name))
         if path is None:
-            raise ValueError(f"params_from_hf: {name!r} is not a tensor of a {target.architecture} checkpoint")
-        if not target.fits(path):
-            if path in target.unused:
-                continue
-            raise ValueError(f"params_from_hf: {name!r} does not fit this {target.architecture} config")
+            continue
         if "|" in path:
             paths = path.split("|")
             bounds = np.cumsum([target.logical_shape(p)[0] for p in paths])[:-1]
