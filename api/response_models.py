@@ -234,37 +234,6 @@ class CompletionChunk(Wire):
     weight_version: int = MISSING  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
 
 
-# --- tokens in, tokens out (vLLM's /inference/v1/generate)
-
-class TokenLogprob(Wire):
-    token: str  # "token_id:<id>"
-    logprob: float
-
-
-class GeneratedLogprob(TokenLogprob):
-    top_logprobs: list[TokenLogprob]
-
-
-class GeneratedLogprobs(Wire):
-    content: list[GeneratedLogprob]
-
-
-class GenerateChoice(Wire):
-    index: int
-    token_ids: list[int]  # (in a stream: those new in this chunk)
-    logprobs: GeneratedLogprobs | None = None
-    finish_reason: FinishReason = None
-    stop_reason: StopReason = None
-
-
-class GenerateResponse(Wire):
-    request_id: str
-    choices: list[GenerateChoice]
-    prompt_logprobs: PromptLogprobs | None = None
-    kv_transfer_params: None = None  # vLLM's; no KV transfer here
-    weight_version: int  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
-
-
 # --- models, tokenize
 
 class ModelPermission(Wire):

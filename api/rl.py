@@ -6,6 +6,9 @@ New weights streamed: POST /start_weight_update, then POST /update_weights once 
 a safetensors file's bytes (any tensors, by Hugging Face name or parameter path; chunked transfer
 is fine, and no body limit applies), then POST /finish_weight_update swaps them all in at once. A
 POST /update_weights with no update started is all three in one.
+
+They are left out of /openapi.json (as vLLM shows them only in its development mode): they are a
+trainer's controls of the server, not the API its clients call.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from quart import Blueprint, Request, request
+from quart_schema import hide
 
 from api.errors import APIError
 from api.state import api_state, json_body
@@ -54,6 +58,7 @@ async def _on_every_replica(method: str, *args) -> list:
 
 
 @training.post("/pause")
+@hide
 async def pause():
     """vLLM's: ?mode=abort (default) | wait | keep, ?clear_cache=true (default); its older
     ?wait_for_inflight_requests=true is mode=wait."""
@@ -63,17 +68,20 @@ async def pause():
 
 
 @training.post("/resume")
+@hide
 async def resume():
     await _on_every_replica("resume")
     return {"status": "resumed"}
 
 
 @training.get("/is_paused")
+@hide
 async def is_paused():
     return {"is_paused": any(await _on_every_replica("is_paused"))}
 
 
 @training.post("/sleep")
+@hide
 async def sleep():
     """vLLM's: ?level=1 frees the KV cache and keeps the weights on the host; 2 frees both."""
     level = request.args.get("level", "1")
@@ -84,6 +92,7 @@ async def sleep():
 
 
 @training.post("/wake_up")
+@hide
 async def wake_up():
     """vLLM's: ?tags=weights&tags=kv_cache (default: both)."""
     await _on_every_replica("wake_up", request.args.getlist("tags") or None)
@@ -91,22 +100,26 @@ async def wake_up():
 
 
 @training.get("/is_sleeping")
+@hide
 async def is_sleeping():
     return {"is_sleeping": any(await _on_every_replica("is_sleeping"))}
 
 
 @training.post("/reset_prefix_cache")
+@hide
 async def reset_prefix_cache():
     """vLLM's: forget the prefix cache's pages (false, and nothing forgotten, while requests run)."""
     return {"success": all(await _on_every_replica("reset_prefix_cache"))}
 
 
 @training.get("/get_weight_version")
+@hide
 async def get_weight_version():
     return {"weight_version": api_state().engine.weight_version}
 
 
 @training.get("/get_world_size")
+@hide
 async def get_world_size():
     """vLLM's: the devices serving, all replicas' (?include_dp=false: one replica's)."""
     config = api_state().engine.engine.config
@@ -122,6 +135,7 @@ def _version_field(body: dict) -> int | None:
 
 
 @training.post("/update_weights_from_disk")
+@hide
 async def update_weights_from_disk():
     """SGLang's: {"model_path": a checkpoint of the model's architecture and shapes (safetensors
     directory, Orbax copy, GGUF file), "weight_version": optional}."""
@@ -136,6 +150,7 @@ async def update_weights_from_disk():
 
 
 @training.post("/start_weight_update")
+@hide
 async def start_weight_update():
     """Begin a streamed update: {"weight_version": optional} (default: one more than now)."""
     _start(_version_field(await json_body() if await request.get_data() else {}))
@@ -153,6 +168,7 @@ def _start(version: int | None) -> None:
 
 
 @training.post("/update_weights")
+@hide
 async def update_weights():
     """Tensors of a streamed update: the body is a safetensors file's bytes."""
     state = api_state()
@@ -189,6 +205,7 @@ def _put(staged: list[StagedWeights], name: str, array) -> None:
 
 
 @training.post("/finish_weight_update")
+@hide
 async def finish_weight_update():
     """Swap the tensors sent in at once (all of the model's must have come) -> the new version."""
     state = api_state()

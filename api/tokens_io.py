@@ -15,14 +15,44 @@ from api.errors import APIError
 from api.generation import admit, generation, stream_error_status
 from api.logprobs import LOGPROB_FLOOR, prompt_logprobs
 from api.protocol import GenerationRequest, parse_completion
-from api.response_models import (GenerateChoice, GenerateResponse, GeneratedLogprob, GeneratedLogprobs,
-                                 TokenLogprob)
+from api.response_models import FinishReason, PromptLogprobs, StopReason, Wire
 from api.sse import DONE, new_id, sse
 from api.state import APIState, api_state, json_body
 from jaxserve.engine.outputs import Update
 from jaxserve.sched.sequence import TokenLogprobs
 
 tokens_io = Blueprint("tokens_io", __name__)
+
+
+# vLLM's answer (its GenerateResponse), each token named "token_id:<id>"
+class TokenLogprob(Wire):
+    token: str  # "token_id:<id>"
+    logprob: float
+
+
+class GeneratedLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class GeneratedLogprobs(Wire):
+    content: list[GeneratedLogprob]
+
+
+class GenerateChoice(Wire):
+    index: int
+    token_ids: list[int]  # (in a stream: those new in this chunk)
+    logprobs: GeneratedLogprobs | None = None
+    finish_reason: FinishReason = None
+    stop_reason: StopReason = None
+
+
+class GenerateResponse(Wire):
+    request_id: str
+    choices: list[GenerateChoice]
+    prompt_logprobs: PromptLogprobs | None = None
+    kv_transfer_params: None = None  # vLLM's; no KV transfer here
+    weight_version: int  # jaxserve's: the newest weights its tokens were sampled under (docs/rl.md)
+
 
 FIELDS = ("request_id", "token_ids", "sampling_params", "model", "stream", "stream_options", "cache_salt", "priority",
           "min_weight_version", "features", "kv_transfer_params")

@@ -58,20 +58,26 @@ class SafetensorsStream:
             header = json.loads(bytes(self._buffer[8:8 + size]))
         except ValueError as e:
             raise ValueError(f"safetensors stream: the header is not JSON: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError("safetensors stream: the header is not a JSON object")
         del self._buffer[:8 + size]
         header.pop("__metadata__", None)
-        pending = []
-        for name, info in header.items():
-            if info.get("dtype") not in DTYPES:
-                raise ValueError(f"safetensors stream: tensor {name!r} has dtype {info.get('dtype')!r}; "
-                                 f"supported: {', '.join(DTYPES)}")
-            dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(info["shape"])
-            begin, end = info["data_offsets"]
-            if end - begin != dtype.itemsize * int(np.prod(shape)):
-                raise ValueError(f"safetensors stream: tensor {name!r}'s offsets do not match its shape and dtype")
-            pending.append((name, dtype, shape, begin, end))
+        pending = [self._entry(name, info) for name, info in header.items()]
         self._pending = sorted(pending, key=lambda t: t[3])
         return True
+
+    @staticmethod
+    def _entry(name: str, info) -> tuple[str, np.dtype, tuple, int, int]:
+        """(name, dtype, shape, begin, end) of a tensor the header describes."""
+        try:
+            dtype, shape = np.dtype(DTYPES[info["dtype"]]), tuple(int(n) for n in info["shape"])
+            begin, end = (int(n) for n in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"safetensors stream: tensor {name!r} is not described as safetensors describes one "
+                             f"(dtype one of {', '.join(DTYPES)}, shape, data_offsets): {info!r}"[:500]) from e
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != dtype.itemsize * int(np.prod(shape)):
+            raise ValueError(f"safetensors stream: tensor {name!r}'s offsets do not match its shape and dtype")
+        return name, dtype, shape, begin, end
 
     def finish(self) -> None:
         """ValueError where the stream ended before its last tensor (or before its header)."""

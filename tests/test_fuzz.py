@@ -24,8 +24,9 @@ from schemathesis import GenerationMode
 from server import completion, post
 
 # the token counts a body may ask for, at most: a fuzzed n of 16384 or max_tokens of 2**31 would keep the
-# engine busy for minutes
-CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "min_tokens": 4, "n": 2}
+# engine busy for minutes; and a min_weight_version above the server's holds a request until new weights come
+CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "min_tokens": 4, "n": 2,
+        "min_weight_version": 0}
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 VOCAB = 256  # (jaxserve-tiny's byte tokens)
 

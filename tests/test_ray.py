@@ -66,5 +66,14 @@ def test_a_killed_replica_ends_only_what_it_streamed_and_ray_brings_it_back():
                 if all(moved):
                     break
                 assert time.time() < deadline, moved
+            # a trainer's controls reach both replicas' actors (new weights from a path; not as tensors)
+            assert httpx.post(url + "/pause", params={"mode": "keep"}, timeout=60).status_code == 200
+            assert httpx.get(url + "/is_paused").json() == {"is_paused": True}
+            httpx.post(url + "/resume", timeout=60).raise_for_status()
+            answer = httpx.post(url + "/update_weights_from_disk", json={"model_path": "jaxserve-tiny",
+                                                                        "weight_version": 5}, timeout=120).json()
+            assert answer["weight_version"] == 5 == httpx.get(url + "/get_weight_version").json()["weight_version"]
+            assert httpx.post(url + "/update_weights", content=b"").status_code == 400
+            assert _stream(url, 0)[1] == "length"
     finally:
         ray.shutdown()

@@ -9,6 +9,11 @@ text), and posts each sequence's update onto the requester's asyncio queue with
 `call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
 pages are freed at the next step.
 
+A trainer's controls (`CONTROLS`: pause, resume, new weights, sleep and wake) run on the engine
+thread between steps too (a `Control` command). Paused, the loop steps no more; requests that
+come meanwhile, or that ask for newer weights than the engine's (`min_weight_version`), are held
+and added once it resumes, or once the weights are new enough.
+
 The waiting queue may be bounded (`admission`, a `QueueBound`: the API refuses what would
 overflow it, before any work). A step that raises ends only the requests it computed
 (`StepFailed`); the loop stops (and the server with it) only when the engine cannot step: the KV
@@ -31,6 +36,7 @@ from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.core import Engine
 from jaxserve.engine.output_processor import update_of
+from jaxserve.engine.pausing import CONTROLS, Holding
 from jaxserve.engine.outputs import Logprob, Update, logprob_entries
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.errors import StepFailed, WarmupCancelled
@@ -79,10 +85,6 @@ class Control:
     done: Future
 
 
-# a trainer's controls of an engine, by name (`call`; `Replicas.on_every_replica`)
-CONTROLS = ("pause", "resume", "is_paused", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache",
-            "update_weights_from_path")
-PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: end the requests in flight, let them finish, or hold them
 
 
 class AsyncEngine:
@@ -101,13 +103,7 @@ class AsyncEngine:
         self._closed = False  # set (under _lock) once the loop takes no more commands
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
-        # pausing ("wait": until the requests in flight finish, then "paused"), or None; the engine
-        # thread's, like what follows
-        self.paused: str | None = None
-        self._held: list[Add] = []  # requests that came while paused, or ask for newer weights
-        self._pausing: list[Future] = []  # pause(mode="wait") calls, until nothing runs
-        self._slept_paused = False  # sleep paused the engine: wake_up resumes it
-        self._clear_on_pause = False  # pause(mode="wait")'s clear_cache
+        self.holding = Holding(engine, self._publish)  # paused, asleep, held requests (the engine thread's)
         self.error: BaseException | None = None  # set if the loop died
 
     def start(self) -> None:
@@ -235,17 +231,15 @@ class AsyncEngine:
         with what they have), finish first ("wait"), or wait ("keep"), dropping their KV, to recompute
         it on resume (under the weights then). New requests wait for `resume`. `clear_cache` resets
         the prefix cache."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r}: choose from {list(PAUSE_MODES)}")
         drained = await self.control(lambda: self._pause(mode, clear_cache))
         if drained is not None:
             await asyncio.wrap_future(drained)
 
     async def resume(self) -> None:
-        await self.control(self._resume)
+        await self.control(lambda: self._add_all(self.holding.resume()))
 
     async def is_paused(self) -> bool:
-        return self.paused is not None
+        return self.holding.paused is not None
 
     async def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
@@ -262,10 +256,10 @@ class AsyncEngine:
 
     async def sleep(self, level: int = 1) -> None:
         """`Engine.sleep`, pausing the engine ("keep") until `wake_up` if it was not paused."""
-        await self.control(lambda: self._sleep(level))
+        await self.control(lambda: self.holding.sleep(level))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.control(lambda: self._wake_up(tags))
+        await self.control(lambda: self._add_all(self.holding.wake_up(tags)))
 
     async def reset_prefix_cache(self) -> bool:
         return await self.control(self.engine.scheduler.allocator.reset_prefix_cache)
@@ -286,9 +280,7 @@ class AsyncEngine:
                 self.engine.warmup(background=True, progress=False)
             while not self._stop.is_set():
                 self._apply_commands()
-                if self.paused == "wait" and not self.engine.has_unfinished():
-                    self._hold_all(self._clear_on_pause)
-                if self.paused == "paused" or not self.engine.has_unfinished():
+                if not self.holding.steps or not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self.engine.runner.keepalive()
@@ -312,12 +304,9 @@ class AsyncEngine:
                 self.engine.abort(request_id)
                 sub.loop.call_soon_threadsafe(sub.queue.put_nowait, reason)
             self._subscribers.clear()
-            for held in self._held:
+            for held in self.holding.fail(reason):
                 self.admission.arrived(held.request_id)
                 held.subscriber.loop.call_soon_threadsafe(held.subscriber.queue.put_nowait, reason)
-            self._held.clear()
-            for pausing in self._pausing:
-                pausing.set_exception(reason)
 
     def _fail(self, e: StepFailed) -> None:
         """Tell the failed step's requests why they ended; re-raise (ending the loop) when the engine
@@ -346,8 +335,7 @@ class AsyncEngine:
                 self._control(command)
             elif self._subscribers.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
-            else:  # (one still held: it never started)
-                self._held = [held for held in self._held if held.request_id != command.request_id]
+            elif self.holding.forget(command.request_id):  # (it never started)
                 self.admission.arrived(command.request_id)
 
     def _abort_all(self) -> None:
@@ -362,60 +350,21 @@ class AsyncEngine:
         except BaseException as e:  # (a refused call: its caller's error)
             command.done.set_exception(e)
 
-    def _pause(self, mode: str, clear_cache: bool) -> Future | None:
-        """-> a Future that completes once paused, where that waits for the requests in flight ("wait")."""
-        if mode == "abort":
-            self._abort_all()
-        if mode == "wait" and self.engine.has_unfinished() and self.paused != "paused":
-            self.paused, self._clear_on_pause = "wait", clear_cache
-            self._pausing.append(Future())
-            return self._pausing[-1]
-        self._hold_all(clear_cache)
-        return None
-
-    def _hold_all(self, clear_cache: bool) -> None:
-        """Paused: the step in flight finished, the running sequences' KV dropped (they recompute it)."""
-        self.engine.drain(self._publish)
-        self.engine.scheduler.preempt_all()
-        if clear_cache:
-            self.engine.scheduler.allocator.reset_prefix_cache()
-        self.engine.stats = self.engine.scheduler.stats()
-        self.paused = "paused"
-        for pausing in self._pausing:
-            pausing.set_result(None)
-        self._pausing.clear()
-
-    def _resume(self) -> None:
-        if self.engine.is_sleeping:
-            raise ValueError("the engine is asleep: wake_up first (it resumes by itself where sleep paused it)")
-        self.paused, self._slept_paused = None, False
-        self._release_held()
-
-    def _release_held(self) -> None:
-        held, self._held = self._held, []
-        for command in held:
+    def _add_all(self, commands: list[Add]) -> None:
+        for command in commands:
             self._add(command)
 
+    def _pause(self, mode: str, clear_cache: bool) -> Future | None:
+        if mode == "abort":
+            self._abort_all()
+        return self.holding.pause(mode, clear_cache)
+
     def _update_weights(self, leaves: list, weight_version: int | None) -> int:
-        self.engine.update_weights(leaves, weight_version, self._publish)
-        if self.paused is None:
-            self._release_held()
+        self._add_all(self.holding.update_weights(leaves, weight_version))
         return self.engine.weight_version
 
-    def _sleep(self, level: int) -> None:
-        if self.paused != "paused":
-            self._hold_all(clear_cache=True)
-            self._slept_paused = True
-        self.engine.sleep(level, self._publish)
-
-    def _wake_up(self, tags: list[str] | None) -> None:
-        self.engine.wake_up(tags)
-        if not self.engine.is_sleeping and self._slept_paused:
-            self._resume()
-
     def _add(self, command: Add) -> None:
-        if self.paused is not None or command.min_weight_version > self.engine.weight_version:
-            self._held.append(command)
+        if self.holding.holds(command):
             return
         sub = command.subscriber
         try:

@@ -60,12 +60,12 @@ class Runner:
         self.graphdef = graphdef
         self.kv_sharding = kv_sharding
         self.kv = allocate_kv_cache(model_config, config, kv_sharding)
-        self.weights, state_treedef = jax.tree.flatten(state)
+        self.weights, self._state_treedef = jax.tree.flatten(state)  # (the weights: replaced by an update)
         self.processors = processors  # the engine's logits processors, traced into the step
         self.draft = draft  # speculative decoding's draft model: each step's tokens go through it too
         # (read once: inspect's source lookup is not safe on the threads that compile)
         self._processors_fingerprint = fingerprint(processors.instances)
-        self.step_fn = make_step_fn(graphdef, state_treedef, kv_sharding, replicated, config.logprobs_mode,
+        self.step_fn = make_step_fn(graphdef, self._state_treedef, kv_sharding, replicated, config.logprobs_mode,
                                     processors, config.returns_distributions, config.batch_invariant)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
@@ -75,6 +75,11 @@ class Runner:
         self._previous = place(np.zeros(config.max_num_samples, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
+
+    @property
+    def state(self) -> nnx.State:
+        """The model's state holding the weights the steps run on now."""
+        return jax.tree.unflatten(self._state_treedef, self.weights)
 
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
