@@ -33,6 +33,7 @@ import numpy as np
 import optax
 from safetensors.numpy import load_file, save
 
+CHUNK = 1 << 22  # bytes of the weights sent at a time
 DIGITS = np.arange(ord("0"), ord("9") + 1)  # their ids under jaxserve-tiny's byte-level tokenizer
 
 
@@ -123,8 +124,9 @@ class OverHTTP:
         return out
 
     def update(self, params: dict, version: int) -> None:
-        body = save({name: np.asarray(x) for name, x in params.items()})
-        self.client.post("/update_weights", params={"weight_version": version}, content=body).raise_for_status()
+        body = memoryview(save({name: np.asarray(x) for name, x in params.items()}))
+        pieces = (body[i:i + CHUNK] for i in range(0, len(body), CHUNK))  # (chunked: httpx sends a large bytes slowly)
+        self.client.post("/update_weights", params={"weight_version": version}, content=pieces).raise_for_status()
 
 
 def train(sampler, model_dir: Path, steps: int, prompts: int = 4, group: int = 8, max_tokens: int = 8,
