@@ -152,42 +152,56 @@ async def update_weights_from_disk():
 @training.post("/start_weight_update")
 @hide
 async def start_weight_update():
-    """Begin a streamed update: {"weight_version": optional} (default: one more than now)."""
-    _start(_version_field(await json_body() if await request.get_data() else {}))
+    """Begin a streamed update: {"weight_version": optional} (default: one more than now). One under
+    way is dropped."""
+    version = _version_field(await json_body() if await request.get_data() else {})
+    state = api_state()
+    async with state.weights_lock:
+        state.staged_weights, state.staged_version = _staging(), version
     return {"status": "started"}
 
 
-def _start(version: int | None) -> None:
-    state = api_state()
+def _staging() -> list[StagedWeights]:
+    """An update's tensors so far, one set per replica."""
     try:
-        engines = state.engine.local_engines()
+        engines = api_state().engine.local_engines()
     except ValueError as e:
         raise APIError(str(e)) from e
-    state.staged_weights = [StagedWeights(engine.weight_layout) for engine in engines]
-    state.staged_version = version
+    return [StagedWeights(engine.weight_layout) for engine in engines]
 
 
 @training.post("/update_weights")
 @hide
 async def update_weights():
-    """Tensors of a streamed update: the body is a safetensors file's bytes."""
+    """Tensors of a streamed update (the body is a safetensors file's bytes); with no update under way,
+    a whole update of its own (?weight_version=N: its version)."""
     state = api_state()
-    one_shot = state.staged_weights is None
-    if one_shot:  # (?weight_version=N: its version)
-        _start(_int_arg("weight_version"))
+    async with state.weights_lock:  # (one upload at a time: an update's parts never mix with another's)
+        staged = state.staged_weights
+        if staged is None:
+            version, staged = _int_arg("weight_version"), _staging()
+            await _receive(staged)
+            return await _swap(staged, version)
+        try:
+            count = await _receive(staged)
+        except BaseException:  # (a broken or abandoned part: the update is dropped whole)
+            state.staged_weights = None
+            raise
+        return {"status": "received", "tensors": count}
+
+
+async def _receive(staged: list[StagedWeights]) -> int:
+    """The request body's tensors into `staged` -> how many."""
     stream, count = SafetensorsStream(), 0
     try:
         async for chunk in request.body:
             for name, array in stream.feed(chunk):
-                await asyncio.to_thread(_put, state.staged_weights, name, array)
+                await asyncio.to_thread(_put, staged, name, array)
                 count += 1
         stream.finish()
     except ValueError as e:
-        state.staged_weights = None  # (a broken update is dropped whole)
         raise APIError(f"the update is dropped: {e}") from e
-    if one_shot:
-        return await finish_weight_update()
-    return {"status": "received", "tensors": count}
+    return count
 
 
 def _int_arg(name: str) -> int | None:
@@ -209,14 +223,20 @@ def _put(staged: list[StagedWeights], name: str, array) -> None:
 async def finish_weight_update():
     """Swap the tensors sent in at once (all of the model's must have come) -> the new version."""
     state = api_state()
-    staged, state.staged_weights = state.staged_weights, None
-    if staged is None:
-        raise APIError("no weight update is under way: POST /start_weight_update first")
+    async with state.weights_lock:
+        staged, state.staged_weights = state.staged_weights, None
+        if staged is None:
+            raise APIError("no weight update is under way: POST /start_weight_update first")
+        return await _swap(staged, state.staged_version)
+
+
+async def _swap(staged: list[StagedWeights], version: int | None) -> dict:
+    """Every replica's new weights checked whole, then swapped in on each."""
+    engine = api_state().engine
     try:
         leaves = [replica.leaves() for replica in staged]
     except ValueError as e:
         raise APIError(f"the update is dropped: {e}") from e
-    version = state.engine.next_version(state.staged_version)
-    await asyncio.gather(*(replica.update_weights(each, version)
-                           for replica, each in zip(state.engine.replicas, leaves)))
+    version = engine.next_version(version)
+    await asyncio.gather(*(replica.update_weights(each, version) for replica, each in zip(engine.replicas, leaves)))
     return {"success": True, "weight_version": version}

@@ -45,6 +45,7 @@ class APIState:
     # a streamed weight update under way (`api/rl.py`): each replica's tensors so far, and the version asked for
     staged_weights: list | None = None
     staged_version: int | None = None
+    weights_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one upload at a time
 
     @property
     def tokenizer(self) -> Tokenizer | None:

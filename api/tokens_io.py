@@ -62,15 +62,16 @@ FIELDS = ("request_id", "token_ids", "sampling_params", "model", "stream", "stre
 async def generate():
     state = api_state()
     body = await json_body()
-    request_id = body.get("request_id") or new_id("gen")
-    req = _parse(body, state)
-    req = await admit(state, req, request_id, chat=False)
+    named = body.get("request_id")  # (the answer's; the engine's is the server's own: two may share one)
+    if named is not None and not isinstance(named, str):
+        raise APIError("'request_id' must be a string", param="request_id")
+    request_id = new_id("gen")
+    req = await admit(state, _parse(body, state), request_id, chat=False)
     if req.stream:
-        return Response(_events(state, req, request_id), content_type="text/event-stream",
+        return Response(_events(state, req, request_id, named or request_id), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})
-    choices = [GenerateChoice(index=c, token_ids=[], logprobs=_logprobs(req, [], [])) for c in range(len(req.prompts)
-                                                                                                 * req.params.n)]
-    response = GenerateResponse(request_id=request_id, choices=choices, weight_version=0)
+    choices = [GenerateChoice(index=c, token_ids=[], logprobs=_logprobs(req, [], [])) for c in range(req.params.n)]
+    response = GenerateResponse(request_id=named or request_id, choices=choices, weight_version=0)
     try:
         async for _, update in generation(state, req, request_id):
             _add(response, choices[update.index], update, req)
@@ -134,12 +135,12 @@ def _add(response: GenerateResponse, choice: GenerateChoice, update: Update, req
         response.prompt_logprobs = prompt_logprobs(None, req.prompts[0], update.prompt_logprobs)
 
 
-async def _events(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[str]:
+async def _events(state: APIState, req: GenerationRequest, request_id: str, named: str) -> AsyncIterator[str]:
     """A chunk per update: the choice's new tokens (and their logprobs), its finish at the end."""
     try:
         async for _, update in generation(state, req, request_id):
             choice = GenerateChoice(index=update.index, token_ids=[], logprobs=_logprobs(req, [], []))
-            chunk = GenerateResponse(request_id=request_id, choices=[choice], weight_version=0)
+            chunk = GenerateResponse(request_id=named, choices=[choice], weight_version=0)
             _add(chunk, choice, update, req)
             yield sse(chunk.dump())
     except Exception as e:  # after the 200, an error can only be an event in the stream

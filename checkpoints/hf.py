@@ -33,7 +33,10 @@ def hf_to_state_path(name: str, hf_name_map: Mapping[str, str]) -> str | None:
 
 def state_path_of(name: str, target: ParamTarget, source: str) -> str | None:
     """The parameter path the tensor `name` loads into; None for one the model leaves out (a tied
-    head); ValueError for one it has no place for (`source` names it)."""
+    head, a buffer recomputed, a part read past such as a vision tower); ValueError for one it has no
+    place for (`source` names it)."""
+    if IGNORED.fullmatch(name) or (target.skipped and re.fullmatch(target.skipped, name)):
+        return None
     path = hf_to_state_path(name, target.hf_name_map)
     if path is None:
         raise ValueError(f"unexpected tensor {source} for a {target.architecture} checkpoint")
@@ -70,8 +73,6 @@ def load_hf_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> di
     for file in safetensors_files(model_dir):
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
-                if IGNORED.fullmatch(name) or (target.skipped and re.fullmatch(target.skipped, name)):
-                    continue
                 path = state_path_of(name, target, source=f"{name!r} in {file}")
                 if path is None:
                     continue

@@ -63,7 +63,7 @@ class SafetensorsStream:
         del self._buffer[:8 + size]
         header.pop("__metadata__", None)
         pending = [self._entry(name, info) for name, info in header.items()]
-        self._pending = sorted(pending, key=lambda t: t[3])
+        self._pending = sorted(pending, key=lambda t: (t[3], t[4]))
         return True
 
     @staticmethod

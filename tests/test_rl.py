@@ -131,6 +131,11 @@ def test_sleep_and_wake_compile_nothing():
     assert llm.is_sleeping()  # (the KV cache is not back yet)
     llm.wake_up(["kv_cache"])
     assert outputs(llm) == before and llm.weight_version == 0
+    llm.sleep(2)  # (vLLM's order: the weights woken, replaced, then the KV cache)
+    llm.wake_up(["weights"])
+    llm.update_weights(llm.params_from_hf(perturbed(2)), weight_version=5)
+    llm.wake_up(["kv_cache"])
+    assert outputs(llm) == updated and llm.weight_version == 5
     assert compiled == []
     with pytest.raises(ValueError, match="tags"):
         llm.wake_up(["everything"])
@@ -193,6 +198,8 @@ def test_tokens_in_tokens_out(server):
         assert first["token"] == f"token_id:{choice['token_ids'][0]}" and len(first["top_logprobs"]) == 2
         assert choice["finish_reason"] == "length"
     assert "weight_version" in answer and answer["kv_transfer_params"] is None
+    named = httpx.post(server + "/inference/v1/generate", json={"token_ids": [1, 2], "request_id": "mine"}).json()
+    assert named["request_id"] == "mine"
     events = httpx.post(server + "/inference/v1/generate", json={
         "token_ids": PROMPTS[0], "stream": True, "sampling_params": {"temperature": 0, "max_tokens": 8}},
         timeout=60).text.strip().split("\n\n")
@@ -200,7 +207,8 @@ def test_tokens_in_tokens_out(server):
     streamed = [t for e in events[:-1] for c in json.loads(e[len("data: "):])["choices"] for t in c["token_ids"]]
     assert streamed == generate(server, PROMPTS[0])["choices"][0]["token_ids"]
     for body in ({"token_ids": []}, {"token_ids": [1], "sampling_params": {"stop": ["x"]}},
-                 {"token_ids": [1], "bogus": 1}, {"token_ids": [1], "sampling_params": {"detokenize": True}}):
+                 {"token_ids": [1], "bogus": 1}, {"token_ids": [1], "sampling_params": {"detokenize": True}},
+                 {"token_ids": [1], "request_id": 3}):
         assert httpx.post(server + "/inference/v1/generate", json=body).status_code == 400
 
 
@@ -300,6 +308,16 @@ def test_min_weight_version_waits_for_new_weights(server):
     assert result["answer"]["weight_version"] == version + 1
     assert httpx.post(server + "/pause", params={"mode": "wait"}, timeout=60).status_code == 200
     httpx.post(server + "/resume").raise_for_status()
+    chunks = []
+    running = threading.Thread(target=_stream, args=(server, [9, 9, 9], chunks))
+    running.start()
+    while not chunks:
+        threading.Event().wait(0.01)
+    with pytest.raises(httpx.TimeoutException):  # (a pause whose caller goes away while it waits)
+        httpx.post(server + "/pause", params={"mode": "wait"}, timeout=0.01)
+    httpx.post(server + "/resume").raise_for_status()
+    running.join(120)
+    assert generate(server, PROMPTS[0])["choices"][0]["finish_reason"] == "length"
     assert httpx.post(server + "/pause", params={"mode": "sideways"}).status_code == 400
     assert httpx.post(server + "/pause", params={"mode": "abort"}).status_code == 200
     httpx.post(server + "/resume").raise_for_status()

@@ -85,8 +85,6 @@ class Control:
     done: Future
 
 
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None):
@@ -244,11 +242,11 @@ class AsyncEngine:
     async def is_sleeping(self) -> bool:
         return self.engine.is_sleeping
 
-    async def update_weights(self, leaves: list, weight_version: int | None = None) -> int:
+    async def update_weights(self, leaves: list, weight_version: int) -> int:
         """`Engine.update_weights` between steps; requests held for these weights start. -> the version."""
         return await self.control(lambda: self._update_weights(leaves, weight_version))
 
-    async def update_weights_from_path(self, path: str, weight_version: int | None = None) -> int:
+    async def update_weights_from_path(self, path: str, weight_version: int) -> int:
         """`update_weights` from a checkpoint, read off the engine thread (steps go on meanwhile)."""
         layout = self.engine.weight_layout
         loaded = await asyncio.to_thread(lambda: layout.leaves(layout.from_checkpoint(resolve_model(path))))
@@ -280,7 +278,7 @@ class AsyncEngine:
                 self.engine.warmup(background=True, progress=False)
             while not self._stop.is_set():
                 self._apply_commands()
-                if not self.holding.steps or not self.engine.has_unfinished():
+                if not self.holding.may_step() or not self.engine.has_unfinished():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     self.engine.runner.keepalive()
@@ -343,11 +341,15 @@ class AsyncEngine:
             for seq in self.engine.abort(request_id):
                 self._publish_abort(seq)
 
-    @staticmethod
-    def _control(command: Control) -> None:
+    def _control(self, command: Control) -> None:
+        if not command.done.set_running_or_notify_cancel():
+            return  # (its caller went away first)
         try:
             command.done.set_result(command.fn())
-        except BaseException as e:  # (a refused call: its caller's error)
+        except StepFailed as e:  # (finishing the step in flight failed: its requests hear of it too)
+            command.done.set_exception(e)
+            self._fail(e)
+        except Exception as e:  # (a refused call: its caller's error)
             command.done.set_exception(e)
 
     def _add_all(self, commands: list[Add]) -> None:
@@ -359,7 +361,7 @@ class AsyncEngine:
             self._abort_all()
         return self.holding.pause(mode, clear_cache)
 
-    def _update_weights(self, leaves: list, weight_version: int | None) -> int:
+    def _update_weights(self, leaves: list, weight_version: int) -> int:
         self._add_all(self.holding.update_weights(leaves, weight_version))
         return self.engine.weight_version
 

@@ -85,6 +85,7 @@ class Engine:
                                                          config.quantization)[2], config.dtype)
         self.weight_version = 0  # of the weights the engine runs: each update sets it (by default: one more)
         self._asleep: dict[str, object] = {}  # what `sleep` freed: "weights" (their host copy, or None), "kv_cache"
+        self._reload_weights = False  # woken from level 2 without new weights yet (`wake_up`)
         spec = config.speculative
         draft = None
         if spec is not None and spec.model is not None:
@@ -189,20 +190,22 @@ class Engine:
 
     # --- new weights and sleep mode, between steps (the API's engine thread, or `LLM`) ---
 
-    def update_weights(self, leaves: list[jax.Array], weight_version: int | None = None,
+    def update_weights(self, leaves: list[jax.Array], weight_version: int,
                        on_release: Callable[[Update], None] | None = None) -> list[Update]:
         """Run on `leaves` (the step's weights, whole: `WeightLayout.leaves`) from the next step on,
-        under `weight_version` (default: one more than now). The step in flight finishes first (its
-        tokens are the old weights'); the running sequences drop their KV, the old weights', and
-        recompute it (preempted); the prefix cache is reset. -> what the step in flight released."""
+        under `weight_version`. The step in flight finishes first (its tokens are the old weights');
+        the running sequences drop their KV, the old weights', and recompute it (preempted); the
+        prefix cache is reset. -> what the step in flight released."""
         if jax.process_count() > 1:
             raise ValueError("new weights reach one process's engine only: a multi-host replica keeps its weights")
         released = self.drain(on_release)
         self.scheduler.preempt_all()
         self.runner.weights = leaves  # (one swap: no step runs on half of them)
         self._asleep.pop("weights", None)
-        self.scheduler.allocator.reset_prefix_cache()
-        self._set_version(self.weight_version + 1 if weight_version is None else weight_version)
+        self._reload_weights = False
+        if not self.scheduler.allocator.reset_prefix_cache():  # (nothing runs now: it cannot refuse)
+            raise RuntimeError("the prefix cache kept pages of the old weights")
+        self._set_version(weight_version)
         return released
 
     def _set_version(self, version: int) -> None:
@@ -231,7 +234,7 @@ class Engine:
         if "kv_cache" not in self._asleep:
             self.runner.release_kv()
             self._asleep["kv_cache"] = None
-        if "weights" not in self._asleep:
+        if "weights" not in self._asleep and not self._reload_weights:
             self._asleep["weights"] = self.weight_layout.to_host(self.runner.weights) if level == 1 else None
             self.runner.release_weights()
         self.stats = self.scheduler.stats()
@@ -239,26 +242,31 @@ class Engine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what `sleep` freed (`tags`: "weights", "kv_cache"; default both). Weights freed at
-        level 2 and not replaced since (`update_weights`) reload from the checkpoint, whose version is 0."""
+        level 2 come back as new ones (`update_weights`, woken or not) or, where none came by the time
+        all is awake, reloaded from the checkpoint, whose version is 0."""
         tags = set(tags or WAKE_TAGS)
         if unknown := tags - set(WAKE_TAGS):
             raise ValueError(f"wake_up tags {sorted(unknown)}: choose from {list(WAKE_TAGS)}")
         if "weights" in tags and "weights" in self._asleep:
             host = self._asleep.pop("weights")
             if host is None:
-                log.warning("waking from sleep level 2: the weights reload from %s (weight version 0)", self.model_dir)
-                self.runner.weights = self.weight_layout.leaves(self.weight_layout.from_checkpoint(self.model_dir))
-                self._set_version(0)
+                self._reload_weights = True  # (new weights may come before the cache wakes: vLLM's way)
             else:
                 self.runner.weights = self.weight_layout.from_host(host)
         if "kv_cache" in tags and "kv_cache" in self._asleep:
             self.runner.allocate_kv()
             del self._asleep["kv_cache"]
+        if self._reload_weights and not self._asleep:
+            log.warning("awake after sleep level 2 with no new weights: they reload from %s (weight version 0)",
+                        self.model_dir)
+            self.runner.weights = self.weight_layout.leaves(self.weight_layout.from_checkpoint(self.model_dir))
+            self._reload_weights = False
+            self._set_version(0)
 
     @property
     def is_sleeping(self) -> bool:
         """Whether the KV cache or the weights are freed (`sleep`): no step runs until `wake_up`."""
-        return bool(self._asleep)
+        return bool(self._asleep) or self._reload_weights
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -274,7 +282,7 @@ class Engine:
         the next (a grammar's mask) is it finished first."""
         if not self.is_ready:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
-        if self._asleep:
+        if self.is_sleeping:
             raise RuntimeError("the engine is asleep (its KV cache or weights are freed): call wake_up first")
         released, batch = [], None
         try:

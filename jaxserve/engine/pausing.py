@@ -1,6 +1,6 @@
 """An engine a trainer holds (docs/rl.md): paused, asleep, or about to take new weights, and the
 requests that wait meanwhile. `Holding` is the engine thread's own (`AsyncEngine`'s loop): nothing
-here is touched from another thread.
+here changes on another thread (which may read `paused`, as of now).
 
 Paused, no step runs. Pausing "wait"s for the requests in flight to finish first (new ones wait);
 "keep" (and "abort", once the API has ended them) finishes the step in flight and drops the
@@ -39,9 +39,9 @@ class Holding:
         self._clear_cache = False  # pause(mode="wait")'s
         self._by_sleep = False  # sleep paused the engine: waking resumes it
 
-    @property
-    def steps(self) -> bool:
-        """Whether the loop may step (while pausing "wait", the requests in flight still do)."""
+    def may_step(self) -> bool:
+        """Whether the loop may step (while pausing "wait", the requests in flight still do): pausing
+        completes here once they have finished."""
         if self.paused == "wait" and not self.engine.has_unfinished():
             self._hold_all(self._clear_cache)
         return self.paused != "paused"
@@ -66,8 +66,10 @@ class Holding:
             raise ValueError(f"pause mode {mode!r}: choose from {list(PAUSE_MODES)}")
         if mode == "wait" and self.engine.has_unfinished() and self.paused != "paused":
             self.paused, self._clear_cache = "wait", clear_cache
-            self._pausing.append(Future())
-            return self._pausing[-1]
+            pausing = Future()
+            pausing.set_running_or_notify_cancel()  # (its caller may go away: it completes all the same)
+            self._pausing.append(pausing)
+            return pausing
         self._hold_all(clear_cache)
         return None
 
@@ -79,15 +81,22 @@ class Holding:
             self.engine.scheduler.allocator.reset_prefix_cache()
         self.engine.stats = self.engine.scheduler.stats()
         self.paused = "paused"
+        self._end_pausing(None)
+
+    def _end_pausing(self, error: BaseException | None) -> None:
         for pausing in self._pausing:
-            pausing.set_result(None)
+            if error is None:
+                pausing.set_result(None)
+            else:
+                pausing.set_exception(error)
         self._pausing.clear()
 
     def resume(self) -> list[Held]:
-        """-> the requests held, to add now."""
+        """-> the requests held, to add now. A pause still waiting for the requests in flight fails."""
         if self.engine.is_sleeping:
             raise ValueError("the engine is asleep: wake_up first (it resumes by itself where sleep paused it)")
         self.paused, self._by_sleep = None, False
+        self._end_pausing(ValueError("resumed before the requests in flight finished"))
         return self.released()
 
     def released(self) -> list[Held]:
@@ -95,17 +104,20 @@ class Holding:
         held, self.held = self.held, []
         return held
 
-    def update_weights(self, leaves: list, weight_version: int | None) -> list[Held]:
-        """`Engine.update_weights` -> the requests held, to add now, unless paused."""
+    def update_weights(self, leaves: list, weight_version: int) -> list[Held]:
+        """`Engine.update_weights` -> the requests held, to add now, unless paused (a pause of sleep's
+        ends where the engine is awake again)."""
         self.engine.update_weights(leaves, weight_version, self.publish)
+        if self._by_sleep and not self.engine.is_sleeping:
+            return self.resume()
         return self.released() if self.paused is None else []
 
     def sleep(self, level: int) -> None:
         """`Engine.sleep`, pausing ("keep") until awake if not paused."""
+        self.engine.sleep(level, self.publish)
         if self.paused != "paused":
             self._hold_all(clear_cache=True)
             self._by_sleep = True
-        self.engine.sleep(level, self.publish)
 
     def wake_up(self, tags: list[str] | None) -> list[Held]:
         self.engine.wake_up(tags)
@@ -113,7 +125,5 @@ class Holding:
 
     def fail(self, reason: BaseException) -> list[Held]:
         """The loop ends: pauses under way fail -> the requests held, to fail."""
-        for pausing in self._pausing:
-            pausing.set_exception(reason)
-        self._pausing.clear()
+        self._end_pausing(reason)
         return self.released()

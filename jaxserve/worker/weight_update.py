@@ -17,7 +17,6 @@ Either way the result is a whole set of leaves (`leaves`), swapped in at once be
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from flax import nnx
 from jax.sharding import Sharding
 
 from checkpoints import ParamTarget, load_params, quantized_paths
-from checkpoints.hf import hf_to_state_path, state_path_of
+from checkpoints.hf import state_path_of
 from checkpoints.target import SLICE
 from kernels.matmul.grouped import BITS
 from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
@@ -142,7 +141,8 @@ class WeightLayout:
 
     def float_params(self, leaves: list[jax.Array]) -> dict[str, jax.Array]:
         """The weights as the float model's parameters by path (what `from_arrays` takes): quantized
-        matrices dequantized (float32), bit-kept stacks as bfloat16."""
+        matrices dequantized (float32), bit-kept stacks as bfloat16, the others the engine's own
+        arrays (not copies: a train step that donates its inputs must be given copies)."""
         stored = dict(zip(self.paths, leaves))
         out = {}
         for path in self.param_shapes:
@@ -191,16 +191,11 @@ class StagedWeights:
         self.loaded: dict = {}
 
     def put(self, name: str, array: np.ndarray) -> None:
-        """One tensor, by Hugging Face name or by parameter path."""
+        """One tensor, by parameter path or by Hugging Face name."""
         target = self.layout.target
-        path = hf_to_state_path(name, target.hf_name_map)
-        if path is None and (name in target.shapes or re.sub(r"\[\d+\]$", "", name) in target.shapes):
-            path = name
-        if path is None:
-            raise ValueError(f"tensor {name!r} is neither a {target.architecture} checkpoint's nor a parameter path")
-        if not target.fits(path) and path in target.unused:
-            return
-        target.put(self.loaded, path, array, self.layout.dtype, source=repr(name))
+        path = name if target.fits(name) else state_path_of(name, target, source=repr(name))
+        if path is not None:
+            target.put(self.loaded, path, array, self.layout.dtype, source=repr(name))
 
     def leaves(self) -> list[jax.Array]:
         self.layout.target.check_complete(self.loaded, "the weights sent")

@@ -1,5 +1,6 @@
 """Quantized weights: the two formats a linear layer's weight may be kept in, their jnp reference
-(`dequantize`), and the host-side quantizers that make them from float weights.
+(`dequantize`), and the quantizer that makes them from float weights (on the host, a checkpoint's;
+on the device, a trainer's: the same values).
 
 Both cut the input dimension into blocks of BLOCK values, each with its own float16 scale, as
 GGUF's Q8_0, Q4_0 and Q4_1 do, so those blocks load as they are (`checkpoints.gguf`):
