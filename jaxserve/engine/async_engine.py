@@ -225,10 +225,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """vLLM's pause_generation: no step runs until `resume`; the requests in flight end ("abort",
-        with what they have), finish first ("wait"), or wait ("keep"), dropping their KV, to recompute
-        it on resume (under the weights then). New requests wait for `resume`. `clear_cache` resets
-        the prefix cache."""
+        """vLLM's pause_generation (`Holding.pause`; "abort" ends the requests in flight first)."""
         drained = await self.control(lambda: self._pause(mode, clear_cache))
         if drained is not None:
             await asyncio.wrap_future(drained)

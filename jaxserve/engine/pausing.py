@@ -60,8 +60,10 @@ class Holding:
         return found
 
     def pause(self, mode: str, clear_cache: bool) -> Future | None:
-        """Pause (the requests in flight already ended, for "abort") -> a Future that completes once
-        paused, where that waits for the requests in flight ("wait")."""
+        """vLLM's pause_generation: no step runs until `resume`; the requests in flight have ended
+        ("abort", with what they have), finish first ("wait"), or wait ("keep"), dropping their KV to
+        recompute it on resume (under the weights then). New requests wait for `resume`. `clear_cache`
+        resets the prefix cache. -> a Future that completes once paused, where that waits ("wait")."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r}: choose from {list(PAUSE_MODES)}")
         if mode == "wait" and self.engine.has_unfinished() and self.paused != "paused":
