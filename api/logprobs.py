@@ -14,7 +14,7 @@ from jaxserve.sched.sequence import TokenLogprobs
 LOGPROB_FLOOR = -9999.0  # stands for -inf, which JSON cannot carry
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
@@ -29,8 +29,8 @@ def chat_logprobs(tokenizer: Tokenizer, token_ids: list[int], logprobs: list[Tok
     """`choices[].logprobs.content` entries for the tokens. `bytes` are the token's own
     bytes (part of a character where a token holds only some of its bytes; `token` then shows U+FFFD)."""
     name = token_name(tokenizer, as_ids)
-    return [ChatLogprob(token=name(token), logprob=_finite(lp.logprob), bytes=list(tokenizer.token_bytes(token)),
-                        top_logprobs=[TopLogprob(token=name(t), logprob=_finite(top),
+    return [ChatLogprob(token=name(token), logprob=finite(lp.logprob), bytes=list(tokenizer.token_bytes(token)),
+                        top_logprobs=[TopLogprob(token=name(t), logprob=finite(top),
                                                  bytes=list(tokenizer.token_bytes(t)))
                                       for t, top in zip(lp.top_ids, lp.top_logprobs)])
             for token, lp in zip(token_ids, logprobs)]
@@ -40,7 +40,7 @@ def prompt_logprobs(tokenizer: Tokenizer | None, prompt_ids: list[int], logprobs
                     ) -> PromptLogprobs:
     """vLLM's `prompt_logprobs`: None for the first prompt token, then per token {id: {logprob, rank,
     decoded_token}} for it and the top k (decoded_token None without a tokenizer)."""
-    return [None, *({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+    return [None, *({str(t): PromptLogprob(logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
                      for t, lp in entry.items()}
                     for entry in logprob_entries(tokenizer, prompt_ids[1:], logprobs))]
 
@@ -70,11 +70,11 @@ class CompletionLogprobsWriter:
                 out.top_logprobs.append(None)
             else:
                 logprob = logprobs_of_token.logprob
-                out.token_logprobs.append(_finite(logprob))
+                out.token_logprobs.append(finite(logprob))
                 top: dict[str, float] = {}
                 candidates = zip(logprobs_of_token.top_ids, logprobs_of_token.top_logprobs)
                 for t, lp in [*candidates, (token, logprob)]:  # tokens that decode alike: the likelier
-                    top.setdefault(self.name(t), _finite(lp))
+                    top.setdefault(self.name(t), finite(lp))
                 out.top_logprobs.append(top)
             out.text_offset.append(self.offset)
             self.offset += len(self._chars.decode(self.token_bytes(token)))

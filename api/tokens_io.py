@@ -6,14 +6,13 @@ stop_token_ids end a choice). A trainer's rollouts come this way (docs/rl.md).""
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import AsyncIterator
 
 from quart import Blueprint, Response
 
 from api.errors import APIError
 from api.generation import admit, generation, stream_error_status
-from api.logprobs import LOGPROB_FLOOR, prompt_logprobs
+from api.logprobs import finite, prompt_logprobs
 from api.protocol import GenerationRequest, parse_completion
 from api.response_models import FinishReason, PromptLogprobs, StopReason, Wire
 from api.sse import DONE, new_id, sse
@@ -113,15 +112,11 @@ def _parse(body: dict, state: APIState) -> GenerationRequest:
 def _logprobs(req: GenerationRequest, token_ids: list[int], logprobs: list[TokenLogprobs]) -> GeneratedLogprobs | None:
     if req.params.logprobs is None:
         return None
-    return GeneratedLogprobs(content=[GeneratedLogprob(token=f"token_id:{token}", logprob=_finite(lp.logprob),
+    return GeneratedLogprobs(content=[GeneratedLogprob(token=f"token_id:{token}", logprob=finite(lp.logprob),
                                                        top_logprobs=[TokenLogprob(token=f"token_id:{t}",
-                                                                                  logprob=_finite(v))
+                                                                                  logprob=finite(v))
                                                                      for t, v in zip(lp.top_ids, lp.top_logprobs)])
                                       for token, lp in zip(token_ids, logprobs)])
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 def _add(response: GenerateResponse, choice: GenerateChoice, update: Update, req: GenerationRequest) -> None:

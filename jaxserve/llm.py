@@ -18,7 +18,7 @@ from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.chat_template import template_message
-from jaxserve.engine.core import Engine
+from jaxserve.engine.core import Engine, next_weight_version
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.replicas import Router
@@ -197,7 +197,7 @@ class LLM:
 
     def _update(self, loaded: list[dict], weight_version: int | None) -> int:
         leaves = [engine.weight_layout.leaves(each) for engine, each in zip(self.engines, loaded)]
-        version = self.engine.weight_version + 1 if weight_version is None else int(weight_version)
+        version = next_weight_version(self.engine.weight_version, weight_version)
         for engine, each in zip(self.engines, leaves):
             engine.update_weights(each, version)
         return version

@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up restores (vLLM's tags)
 
 
+def next_weight_version(current: int, asked: int | None) -> int:
+    """The version new weights take: the one asked for, else one more than `current` (the newest)."""
+    return current + 1 if asked is None else int(asked)
+
+
 class InFlight(NamedTuple):
     """A step launched and not yet finished: its plan, and its outputs still on the device."""
 
@@ -83,7 +88,7 @@ class Engine:
         # the layout of the step's weights, which new weights are brought into (`update_weights`)
         self.weight_layout = WeightLayout(state, weight_target(model_dir, model_config, config.dtype, self.mesh,
                                                          config.quantization)[2], config.dtype)
-        self.weight_version = 0  # of the weights the engine runs: each update sets it (by default: one more)
+        self.weight_version = 0  # of the weights the engine runs (0: the checkpoint's; each update sets it)
         self._asleep: dict[str, object] = {}  # what `sleep` freed: "weights" (their host copy, or None), "kv_cache"
         self._reload_weights = False  # woken from level 2 without new weights yet (`wake_up`)
         spec = config.speculative
@@ -209,7 +214,7 @@ class Engine:
         return released
 
     def _set_version(self, version: int) -> None:
-        self.weight_version = self.output.weight_version = int(version)
+        self.weight_version = int(version)
         self.stats = self.scheduler.stats()
 
     def drain(self, on_release: Callable[[Update], None] | None = None) -> list[Update]:
@@ -364,7 +369,8 @@ class Engine:
         changed = self.scheduler.update(in_flight.batch, self.runner.collect(in_flight.batch, in_flight.launched))
         self._in_flight = None  # (not before: a step that fails here fails its requests, `_fail`)
         self.output.advance_grammars(changed)
-        released = self.output.process(changed)  # a stop string found here drops the sequence's row
+        # (a stop string found here drops the sequence's row; an update of the weights waits for this step)
+        released = self.output.process(changed, self.weight_version)
         self.stats = self.scheduler.stats()  # before any release: whoever hears of a finish sees it counted
         for out in released if on_release else ():  # in the step already launched
             on_release(out)

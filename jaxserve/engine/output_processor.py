@@ -48,7 +48,6 @@ class OutputProcessor:
         # sequences whose grammar refused their last token: possible only where allowed_token_ids or
         # bad_words leave none it allows; they end ("abort") without that token's text
         self._refused: set[int] = set()
-        self.weight_version = 0  # the engine's weights' (`Engine.update_weights`): that of every token released now
 
     @property
     def grammars(self) -> GrammarMatchers:
@@ -95,10 +94,11 @@ class OutputProcessor:
                 if verdict is not None and not seq.is_finished:
                     self.scheduler.finish(seq.seq_id, "stop" if verdict == "done" else "abort")
 
-    def process(self, seqs: list[Sequence]) -> list[Update]:
-        return [self._process(seq) for seq in seqs]
+    def process(self, seqs: list[Sequence], weight_version: int) -> list[Update]:
+        """Each sequence's update, its new tokens sampled under the weights of `weight_version`."""
+        return [self._process(seq, weight_version) for seq in seqs]
 
-    def _process(self, seq: Sequence) -> Update:
+    def _process(self, seq: Sequence, weight_version: int) -> Update:
         state = self._states.get(seq.seq_id)
         if state is None:
             detokenizer = None
@@ -145,7 +145,7 @@ class OutputProcessor:
         if seq.is_finished:
             self.forget(seq.seq_id)
         return update_of(seq, seq.text[released:], seq.output_token_ids[first:], seq.logprobs[first:],
-                         seq.entropies[first:], state.num_tokens, self.weight_version)
+                         seq.entropies[first:], state.num_tokens, weight_version)
 
     def _ended_by_token(self, seq: Sequence) -> bool:
         last = seq.output_token_ids[-1]

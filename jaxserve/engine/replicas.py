@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from jaxserve.engine.admission import RESERVATION_SECONDS
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
+from jaxserve.engine.core import next_weight_version
 from jaxserve.engine.outputs import Update
 from jaxserve.errors import QueueFull, ReplicaLost
 from jaxserve.sample.params import SamplingParams
@@ -263,7 +264,7 @@ class Replicas:
     def next_version(self, weight_version: int | None) -> int:
         """The version new weights take: the one asked for, else one more than the newest now (the same
         on every replica)."""
-        return self.weight_version + 1 if weight_version is None else int(weight_version)
+        return next_weight_version(self.weight_version, weight_version)
 
     def local_engines(self) -> list:
         """Each replica's `Engine`, where all run in this process (not on Ray): new weights as arrays

@@ -30,6 +30,7 @@ from checkpoints import ParamTarget, load_params, quantized_paths
 from checkpoints.hf import state_path_of
 from checkpoints.target import SLICE
 from kernels.matmul.grouped import BITS
+from jaxserve.worker.weights import flatten
 from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
 
@@ -37,18 +38,6 @@ def leaf_paths(state: nnx.State) -> list[str]:
     """Each leaf's parameter path ("layers.0.mlp.up_proj.weight"), in `jax.tree.flatten(state)`'s order."""
     keyed, _ = jax.tree_util.tree_flatten_with_path(state)
     return [".".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)) for path, _ in keyed]
-
-
-def flat_params(params: Mapping) -> dict[str, object]:
-    """A pytree of parameters by path: nested dicts ({"layers": {0: {...}}}, as `nnx.to_pure_dict`
-    gives them) or already flat ({"layers.0.mlp.up_proj.weight": ...}) -> flat."""
-    out = {}
-    for key, value in params.items():
-        if isinstance(value, Mapping):
-            out.update({f"{key}.{path}": leaf for path, leaf in flat_params(value).items()})
-        else:
-            out[str(key)] = value
-    return out
 
 
 def _sharding_of(x) -> Sharding | None:
@@ -70,11 +59,11 @@ class WeightLayout:
         self._converters: dict[tuple, jax.stages.Wrapped] = {}
 
     def from_arrays(self, params: Mapping) -> dict[str, jax.Array]:
-        """A trainer's parameters (any pytree `flat_params` reads; jax or numpy arrays of the float
+        """A trainer's parameters (by path, flat or nested as `nnx.to_pure_dict` gives them; jax or numpy arrays of the float
         model's shapes, `param_shapes`) -> the engine's leaves by path, on its devices: cast to its
         dtype and quantized where it keeps a matrix quantized (on the device: the same values as
         quantizing on the host), moved or resharded device to device."""
-        params = flat_params(params)
+        params = flatten(params)
         self._check_names(params)
         out = {}
         for path, x in params.items():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -24,20 +25,21 @@ from kernels.matmul.quant import check_quantizable
 log = logging.getLogger(__name__)
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
-    """{"layers": {0: {"mlp": ...}}} -> {"layers.0.mlp...": leaf}: NNX's pure dict by parameter path."""
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, object]:
+    """{"layers": {0: {"mlp": ...}}} -> {"layers.0.mlp...": leaf}: NNX's pure dict by parameter path
+    (a dict already flat stays as it is)."""
     out = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, path + "."))
+        if isinstance(value, Mapping):
+            out.update(flatten(value, path + "."))
         else:
             out[path] = value
     return out
 
 
 def _unflatten(flat: dict[str, object]) -> dict:
-    """The inverse of `_flatten` (a list's indices back to ints)."""
+    """The inverse of `flatten` (a list's indices back to ints)."""
     tree: dict = {}
     for path, value in flat.items():
         node = tree
@@ -88,7 +90,7 @@ def param_target(cfg: ModelConfig, state: nnx.State, mesh: Mesh | None = None,
     the mesh)."""
     family = MODEL_REGISTRY[cfg.architecture]
     formats = formats or {}
-    shapes = {path: tuple(leaf.shape) for path, leaf in _flatten(nnx.to_pure_dict(state)).items()}
+    shapes = {path: tuple(leaf.shape) for path, leaf in flatten(nnx.to_pure_dict(state)).items()}
     matrix_of = {part: path for path in formats for part in quantized_paths(path)}
 
     def sharding(path: str):
@@ -108,7 +110,7 @@ def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mes
     matrices kept as `weight_formats` says, each weight into its sharding on `mesh`)."""
     formats = weight_formats(model_dir, cfg, quantization)
     graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
-    stacks = {path for path, leaf in _flatten(nnx.to_pure_dict(state)).items()
+    stacks = {path for path, leaf in flatten(nnx.to_pure_dict(state)).items()
               if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
     return graphdef, state, dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
 
