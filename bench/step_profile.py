@@ -2,6 +2,7 @@
 
     python bench/step_profile.py --dtype float32 --rows 32      # a decode step of 32 sequences
     python bench/step_profile.py --dtype float32 --prefill 512  # a 512-token prefill chunk
+    python bench/step_profile.py --model default --rows 1       # the default model, one stream
 
 Each sequence has a 128-token prompt. For decode, the prompts are prefilled first; then the
 profiler records `--steps` steps and the table lists, per operation (the CPU kernels by their
@@ -10,7 +11,8 @@ threads that ran it: one that runs on both threads for 1 ms counts 2 ms. A custo
 wall time on the thread that called it: the helper threads its work items run on are not in the
 profile (in a 54 ms decode step the products count 44 ms, not twice that). The wall time per
 step, unprofiled, comes first, with the page faults per step (memory the step maps anew each time
-costs one per 4 KB).
+costs one per 4 KB). "calls" counts the operations the step ran (XLA's fusions and thunks and the
+custom calls, each once per step): what a step pays per call, times this.
 """
 
 from __future__ import annotations
@@ -51,21 +53,25 @@ def custom_call_targets(llm: LLM, shapes: set) -> dict[str, str]:
     return targets
 
 
-def per_op(trace_dir: str, targets: dict[str, str], steps: int) -> collections.Counter:
-    """Microseconds per step, per operation, from the trace JAX's profiler wrote."""
+def per_op(trace_dir: str, targets: dict[str, str], steps: int) -> tuple[collections.Counter, collections.Counter]:
+    """Microseconds per step and calls per step, per operation, from the trace JAX's profiler wrote."""
     path = next(Path(trace_dir).rglob("*.trace.json.gz"))
-    times = collections.Counter()
+    times, calls = collections.Counter(), collections.Counter()
     for event in json.load(gzip.open(path))["traceEvents"]:
         name = event.get("name", "")
         if event.get("ph") != "X" or "dur" not in event or name.startswith("$") or "::" in name or "(" in name:
             continue  # (Python frames and runtime internals)
-        times[targets.get(name, re.sub(r"[._]\d+$", "", name))] += event["dur"] / steps
-    return times
+        op = targets.get(name, re.sub(r"[._]\d+$", "", name))
+        times[op] += event["dur"] / steps
+        calls[op] += 1 / steps
+    return times, calls
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--model", default=None, help="a model path or name, 'default' for the served default "
+                    "(default: bench-125m)")
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--rows", type=int, default=32, help="decode: sequences per step")
@@ -74,11 +80,13 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
 
-    model_dir = make(DEFAULT_DIR)
-    if args.dtype == "bfloat16":
-        model_dir = model_dir.with_name(model_dir.name + "-bf16")
+    if args.model is None:
+        model = make(DEFAULT_DIR)
+        if args.dtype == "bfloat16":
+            model = model.with_name(model.name + "-bf16")
+    model = None if args.model == "default" else str(args.model or model)
     tokens = args.prefill or 512
-    llm = LLM(str(model_dir), dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
+    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
               max_num_batched_tokens=tokens)
     engine = llm.engine
     rng = np.random.default_rng(0)
@@ -104,16 +112,17 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         jax.profiler.stop_trace()
-        times = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
+        times, calls = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
 
     kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
     cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
-    print(f"# bench-125m {args.dtype}{cache}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
+    print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
           f"{faults:.0f} page faults per step (fresh memory the step touched)\n")
-    print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) |\n| --- | --- |")
+    print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) | calls per step |\n"
+          "| --- | --- | --- |")
     for name, us in times.most_common(args.top):
-        print(f"| {name} | {us / 1e3:.2f} |")
-    print(f"| (all) | {sum(times.values()) / 1e3:.2f} |")
+        print(f"| {name} | {us / 1e3:.2f} | {calls[name]:.0f} |")
+    print(f"| (all) | {sum(times.values()) / 1e3:.2f} | {sum(calls.values()):.0f} |")
 
 
 if __name__ == "__main__":
