@@ -26,6 +26,9 @@ from api.cors import CorsPolicy
 from api.errors import APIError
 from api.generation import RETRY_AFTER
 from api.limits import Limits
+from api.messages import PATH as MESSAGES_PATH
+from api.messages import error_body as anthropic_error_body
+from api.messages import messages
 from api.metrics import Metrics
 from api.playground import playground as playground_pages
 from api.responses import responses
@@ -81,18 +84,19 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
-    for blueprint in (server_info, completions, chat, responses, tokenize, training, tokens_io,
+    for blueprint in (server_info, completions, chat, responses, messages, tokenize, training, tokens_io,
                       *([playground_pages] if playground else [])):
         app.register_blueprint(blueprint)
     return app
 
 
 async def _check_key():
-    """--api-key: a 401 on the guarded routes without `Authorization: Bearer KEY`."""
+    """--api-key: a 401 on the guarded routes without `Authorization: Bearer KEY` (or Anthropic's
+    `x-api-key: KEY`)."""
     api_key = api_state().api_key
     if api_key and request.path.startswith(KEYED_PATHS):
         header = request.headers.get("Authorization", "")
-        given = header[len("Bearer "):] if header.startswith("Bearer ") else ""
+        given = header[len("Bearer "):] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
             raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
                            type="authentication_error", code="invalid_api_key")
@@ -107,6 +111,9 @@ async def _check_draining():
 
 def _error_response(e: APIError):
     api_state().metrics.error(e.status)
+    if request.path.startswith(MESSAGES_PATH):  # (Anthropic's clients read Anthropic's envelope)
+        body, status = anthropic_error_body(e)
+        return body, status, e.headers
     return e.body(), e.status, e.headers
 
 

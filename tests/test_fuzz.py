@@ -59,7 +59,7 @@ def bounded(body, path: str, data, negative: bool) -> None:
         return
     if data.draw(st.booleans(), label="no model"):
         body.pop("model", None)
-    if path == "/v1/chat/completions" and data.draw(st.booleans(), label="plain messages"):
+    if path in ("/v1/chat/completions", "/v1/messages") and data.draw(st.booleans(), label="plain messages"):
         body["messages"] = [{"role": "user", "content": data.draw(st.text(max_size=20))}]
     if path == "/v1/completions" and data.draw(st.booleans(), label="plain prompt"):
         body["prompt"] = data.draw(st.text(min_size=1, max_size=20) |

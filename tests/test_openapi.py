@@ -39,6 +39,11 @@ def test_openapi_json_has_the_chat_completions_and_responses_request_schemas(ser
                for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses")}
     assert answers["/v1/chat/completions"]["properties"]["object"]["const"] == "chat.completion"
     assert answers["/v1/responses"]["properties"]["object"]["const"] == "response"
+    messages = request_schema(document, "/v1/messages")  # Anthropic's
+    assert messages["title"] == "MessagesRequest" and set(messages["required"]) == {"max_tokens", "messages"}
+    answer = document["paths"]["/v1/messages"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
+    assert answer["properties"]["type"]["const"] == "message"
+    assert request_schema(document, "/v1/messages/count_tokens")["required"] == ["messages"]
     docs = httpx.get(served[0].url + "/docs")
     assert docs.status_code == 200 and "swagger-ui" in docs.text and "/openapi.json" in docs.text
 
