@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import anthropic
 import httpx
 import pytest
 import trustme
@@ -435,6 +436,12 @@ def test_every_server_flag_through_main_does_what_it_says(tmp_path):
         assert message["role"] == "bot"  # --response-role
         assert message["reasoning"] and not message["content"]  # deepseek_r1: all thinking until </think>
         assert answer["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        # Anthropic's SDK: the same thinking as a thinking block, under the name asked for
+        claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        reply = claude.messages.create(model="second", max_tokens=3, messages=[{"role": "user", "content": "hi"}],
+                                       thinking={"type": "enabled", "budget_tokens": 2})
+        assert [block.type for block in reply.content] == ["thinking"] and reply.content[0].thinking
+        assert reply.model == "second" and reply.stop_reason == "max_tokens"
         tokens = httpx.post(url + "/tokenize", json={"messages": chat}).json()["tokens"]
         assert bytes(tokens).decode() == "<user>hi|<assistant>"
         # a request's own template, trusted, and bounded in time
