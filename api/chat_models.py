@@ -116,7 +116,7 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: MaxTokens = None
     temperature: documented(Temperature) = None
     top_p: documented(TopP) = None
-    top_logprobs: documented(TopLogprobs) = None
+    top_logprobs: TopLogprobs = None  # (checked here: passed on only with `include`)
     include: described({"type": "array", "items": {"enum": ["message.output_text.logprobs"]}}) = None
     tools: described({"type": "array", "items": OBJECT}, "function tools") = None
     tool_choice: described({"anyOf": [{"enum": ["none", "auto", "required"]}, OBJECT]}) = None

@@ -85,7 +85,9 @@ def checked(field_type, check: Callable[[str, object], object], schema: dict, na
 
 def described(schema: dict, description: str | None = None):
     """A field read where its turn comes, after the others (`FieldCheck`, `api/tools.py`): any JSON
-    here, `schema` in the OpenAPI document."""
+    here, `schema` in the OpenAPI document, or null (taken as absent, as every optional field)."""
+    if {"type": "null"} not in schema.get("anyOf", []):
+        schema = {"anyOf": [schema, {"type": "null"}]}
     return Annotated[JsonValue, WithJsonSchema({**schema, **({"description": description} if description else {})})]
 
 
