@@ -112,6 +112,7 @@ def bf16_checkpoint(gguf_file: Path) -> Path:
               "           if not (tied and k == 'lm_head.weight')}\n"
               "config = m.config.to_dict()\n"
               "config.pop('quantization_config', None)\n"
+              "config['architectures'] = [type(m).__name__]\n"
               "open(out + '/config.json', 'w').write(json.dumps(config, indent=2))\n"
               "safetensors.torch.save_file(weights, out + '/model.safetensors', metadata={'format': 'pt'})\n"
               "transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)\n")

@@ -45,9 +45,12 @@ def jaxserve_cmd(model: Path | str, dtype: str, port: int, *more: str) -> list[s
 
 
 def llama_cmd(model: Path, port: int) -> list[str]:
+    # On a CPU with AMX, llama.cpp's AMX kernels died of SIGILL (its `tilezero` on a worker thread, a
+    # 2-vCPU VM): --no-repack leaves its extra buffer types, AMX among them, unused
+    amx = ["--no-repack"] if "amx_tile" in Path("/proc/cpuinfo").read_text() else []
     return [str(llama_server()), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "--parallel", "32",
             "--threads", str(THREADS), "--threads-batch", str(THREADS), "--ctx-size", str(32 * 512), "--cont-batching",
-            "--alias", "bench", "--log-disable"]
+            "--alias", "bench", "--log-disable", *amx]
 
 
 def vllm_cmd(model: Path, port: int) -> list[str]:
@@ -56,7 +59,7 @@ def vllm_cmd(model: Path, port: int) -> list[str]:
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--dtype", "bfloat16", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench",
             "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
-            "--disable-log-requests"]
+            "--no-enable-log-requests"]
 
 
 TRANSFORMERS_SCRIPT = """
