@@ -4,7 +4,7 @@ the request's sequences (their pages are freed at the next step)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from pydantic import MISSING
 from quart import Response
@@ -33,6 +33,21 @@ async def answer(state: APIState, req: GenerationRequest, request_id: str, chat:
     except ValueError as e:
         raise APIError(str(e)) from e
     return choices.chat_completion(request_id, created) if chat else choices.completion(request_id, created)
+
+
+async def streamed_or_whole(req: GenerationRequest, stream: Callable[[], AsyncIterator[str]],
+                            events: Callable[[], AsyncIterator[str]], whole: Callable[[], object]):
+    """The answer of an API whose response grows from its events (Responses, Messages): where the
+    request streams, `stream()` as server-sent events (errors among them); else `events()` run to
+    their end (a ValueError is a 400), then `whole()`."""
+    if req.stream:
+        return Response(stream(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        async for _ in events():
+            pass
+    except ValueError as e:
+        raise APIError(str(e)) from e
+    return whole()
 
 
 class ChunkStream:

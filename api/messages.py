@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
 from pydantic import MISSING, BaseModel, ConfigDict, ValidationError
-from quart import Blueprint, Response
+from quart import Blueprint
 from quart_schema import document_request, document_response
 
+from api.answer import streamed_or_whole
 from api.choices import Choices
 from api.errors import APIError
 from api.generation import admit, generation, stream_error_status
@@ -341,15 +342,8 @@ async def create_message():
     shown = not (isinstance(thinking, dict) and thinking.get("display") == "omitted")
     builder = MessageBuilder(new_id("msg", "_"), req.model, len(req.prompts[0]), show_thinking=shown)
     req = await admit(state, req, builder.message.id, chat=True)
-    if req.stream:
-        return Response(_events_or_error(state, req, builder), content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"})
-    try:
-        async for _ in _events(state, req, builder):
-            pass
-    except ValueError as e:
-        raise APIError(str(e)) from e
-    return builder.message
+    return await streamed_or_whole(req, lambda: _events_or_error(state, req, builder),
+                                   lambda: _events(state, req, builder), lambda: builder.message)
 
 
 @messages.post(PATH + "/count_tokens")

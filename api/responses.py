@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 
 from pydantic import MISSING
 from pydantic_core import to_jsonable_python
-from quart import Blueprint, Response
+from quart import Blueprint
 from quart_schema import document_request, document_response
 
+from api.answer import streamed_or_whole
 from api.chat_models import ResponsesRequest
 from api.choices import Choices
 from api.errors import APIError
@@ -314,15 +315,8 @@ async def create_response():
     builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                               req.params.top_p, logprobs=req.params.logprobs is not None)
     req = await admit(state, req, builder.state.id, chat=True)
-    if req.stream:
-        return Response(_events_or_failure(state, req, builder), content_type="text/event-stream",
-                        headers={"Cache-Control": "no-cache"})
-    try:
-        async for _ in _events(state, req, builder):
-            pass
-    except ValueError as e:
-        raise APIError(str(e)) from e
-    return builder.state
+    return await streamed_or_whole(req, lambda: _events_or_failure(state, req, builder),
+                                   lambda: _events(state, req, builder), lambda: builder.state)
 
 
 async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
