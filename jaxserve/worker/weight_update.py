@@ -29,8 +29,8 @@ from jax.sharding import Sharding
 from checkpoints import ParamTarget, load_params, quantized_paths
 from checkpoints.hf import state_path_of
 from checkpoints.target import SLICE
-from kernels.matmul.grouped import BITS
 from jaxserve.worker.weights import flatten
+from kernels.matmul.grouped import BITS
 from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
 
@@ -59,10 +59,10 @@ class WeightLayout:
         self._converters: dict[tuple, jax.stages.Wrapped] = {}
 
     def from_arrays(self, params: Mapping) -> dict[str, jax.Array]:
-        """A trainer's parameters (by path, flat or nested as `nnx.to_pure_dict` gives them; jax or numpy arrays of the float
-        model's shapes, `param_shapes`) -> the engine's leaves by path, on its devices: cast to its
-        dtype and quantized where it keeps a matrix quantized (on the device: the same values as
-        quantizing on the host), moved or resharded device to device."""
+        """A trainer's parameters (by path, flat or nested as `nnx.to_pure_dict` gives them; jax or numpy
+        arrays of the float model's shapes, `param_shapes`) -> the engine's leaves by path, on its
+        devices: cast to its dtype and quantized where it keeps a matrix quantized (on the device: the
+        same values as quantizing on the host), moved or resharded device to device."""
         params = flatten(params)
         self._check_names(params)
         out = {}
