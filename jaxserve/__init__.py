@@ -19,6 +19,7 @@ _EXPORTS = {
     "TextPrompt": "jaxserve.engine.inputs",
     "TokensPrompt": "jaxserve.engine.inputs",
     "SamplingParams": "jaxserve.sample.params",
+    "LoRARequest": "jaxserve.config.lora",
     "RequestOutputKind": "jaxserve.sample.params",
     "BeamSearchParams": "jaxserve.engine.beam_search",
     "LogitsProcessor": "jaxserve.sample.logits_processors",

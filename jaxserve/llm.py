@@ -14,6 +14,7 @@ from tqdm import tqdm
 from checkpoints import resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
+from jaxserve.config.lora import LoRARequest
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.build import build_engines
@@ -67,14 +68,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, lora_request=None, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those;
         a dict may hold a `cache_salt` (vLLM's: only prompts with the same salt share prefix-cache pages).
         Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come.
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
-        vLLM's). vLLM's `lora_request` is taken at None."""
-        _check_unsupported(lora_request=lora_request)
+        vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
+        None) per prompt; the LLM must be made with `enable_lora=True`."""
         if self.is_sleeping():
             raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
         prompts = prompt_list(prompts)
@@ -85,19 +86,22 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         collectors: dict[str, OutputCollector] = {}
         added: list[tuple[Engine, str]] = []
         loads = [0] * len(self.engines)  # (the prompts of this call each replica runs)
         try:
-            for prompt, p, rank in zip(prompts, params, priority):
+            for prompt, p, rank, lora in zip(prompts, params, priority, loras):
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
                 replica = self._router.choose(ids, salt, loads)
                 loads[replica] += 1
                 seq = self.engines[replica].add_request(str(next(self._request_ids)), ids, p, priority=rank,
-                                                        cache_salt=salt)
+                                                        cache_salt=salt, lora_request=lora)
                 added.append((self.engines[replica], seq.request_id))
-                collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p)
+                collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p, lora)
             with tqdm(total=len(collectors), desc="generating", disable=not use_tqdm) as bar:
                 _run([e for e in self.engines if e.has_unfinished()], collectors, bar)
         except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
@@ -111,7 +115,7 @@ class LLM:
              use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
-             lora_request=None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
         rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
         server render them (`template_message`: text parts joined, or kept as parts where the
@@ -119,7 +123,6 @@ class LLM:
         assistant's turn opened, or the last message continued (`continue_final_message`); `tools`
         (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The reply is
         text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
-        _check_unsupported(lora_request=lora_request)
         if self.tokenizer is None:
             raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "
                              "runs without a tokenizer (skip_tokenizer_init=True): generate from token ids")
@@ -134,14 +137,16 @@ class LLM:
                 template_kwargs=chat_template_kwargs)
             # The template already holds the special tokens it wants.
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
-                    use_tqdm: bool = False, lora_request=None) -> list[BeamSearchOutput]:
+                    use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: the `params.beam_width` best sequences of each prompt, best
-        first (see `jaxserve.engine.beam_search`). Prompts and `lora_request` as for `generate`."""
-        _check_unsupported(lora_request=lora_request)
-        return beam_search(self, prompt_list(prompts), params, use_tqdm)
+        first (see `jaxserve.engine.beam_search`). Prompts as for `generate`; `lora_request`: one
+        adapter for all of them."""
+        if isinstance(lora_request, (list, tuple)):
+            raise ValueError("beam_search takes one lora_request for all its prompts, not a list")
+        return beam_search(self, prompt_list(prompts), params, use_tqdm, lora_request)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model; ValueError without one (skip_tokenizer_init), as vLLM's."""
@@ -246,11 +251,6 @@ def _run(engines: list[Engine], collectors: dict[str, OutputCollector], bar: tqd
         f.result()  # (a step's exception, raised here)
 
 
-def _check_unsupported(lora_request=None) -> None:
-    if lora_request is not None:
-        raise ValueError("LoRA adapters are not supported: lora_request must be None")
-
-
 def _signature() -> inspect.Signature:
     """`LLM.__init__`'s signature as help() shows it: made from EngineConfig's fields."""
     keyword = inspect.Parameter.KEYWORD_ONLY
@@ -268,7 +268,7 @@ LLM.__init__.__signature__ = _signature()
 
 
 def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
     """`search` with each round run by `LLM.generate`; a beam's text is that of all its tokens,
     prompt included (as vLLM's `LLM.beam_search`)."""
     engine = llm.engine
@@ -279,7 +279,7 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
         try:
             beams = next(run)
             while True:
-                outputs = llm.generate(beams, step, use_tqdm=False)
+                outputs = llm.generate(beams, step, use_tqdm=False, lora_request=lora_request)
                 bar.update()
                 beams = run.send([out.outputs[0].logprobs[0] for out in outputs])
         except StopIteration as done:

@@ -157,6 +157,16 @@ class EngineConfig:
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\': '
         "pages stored and evicted, and cache resets, as msgpack KVEventBatch messages over ZMQ, replica r on the "
         "endpoint's port + r (docs/deploy.md)", type=json_object)
+    enable_lora: bool = setting(
+        False, "serve LoRA adapters (PEFT directories or GGUF adapter files) over the model: each request may name "
+        "one (HTTP: its name as `model`; LLM: lora_request), and rows of different adapters share steps "
+        "(docs/lora.md)", compiled=True)
+    max_loras: int = setting(1, "LoRA adapters on the device at once (slots): requests of more adapters wait for a "
+                             "slot", compiled=True)
+    max_lora_rank: int = setting(16, "the largest LoRA rank served (every slot holds this rank)", compiled=True)
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters kept in host memory, read again from their files past it (default and at least: "
+        "max-loras)", type=int)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -199,6 +209,11 @@ class EngineConfig:
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
             raise ValueError(f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
                              f"got {self.data_parallel_backend!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError("enable_lora with batch_invariant is not supported: drop one of them")
         if self.speculative is not None and self.batch_invariant:
             raise ValueError("speculative decoding with batch_invariant is not supported: drop one of them")
 
@@ -209,6 +224,11 @@ class EngineConfig:
     @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    @property
+    def cpu_loras(self) -> int:
+        """LoRA adapters kept in host memory (`max_cpu_loras`, at least max_loras)."""
+        return max(self.max_loras, self.max_cpu_loras or 0)
 
     @property
     def max_num_samples(self) -> int:

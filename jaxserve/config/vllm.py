@@ -36,9 +36,6 @@ _TEXT_ONLY = "the models take text only"
 _GENERATE_ONLY = "jaxserve generates text only"
 
 
-_NO_LORA = "LoRA adapters are not supported"
-
-
 VLLM_OPTIONS = {
     "enforce_eager": VllmOption("there are no CUDA graphs to turn off: steps run step shapes XLA compiled ahead",
                                 cli=_SWITCH),
@@ -57,8 +54,6 @@ VLLM_OPTIONS = {
     "async_scheduling": VllmOption("the next step is always launched before the previous step's tokens are "
                                    "processed", cli=_SWITCH),
     "allowed_local_media_path": VllmOption(_TEXT_ONLY, cli=_TEXT),
-    "max_loras": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
-    "max_lora_rank": VllmOption(f"{_NO_LORA} (enable_lora)", cli=_INT),
     "trust_remote_code": VllmOption("jaxserve runs no code from a checkpoint either way", cli=_SWITCH, default=False),
     "revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
     "tokenizer_revision": VllmOption(_NO_REVISIONS, (None, "main"), _TEXT),
@@ -69,7 +64,6 @@ VLLM_OPTIONS = {
     "hf_overrides": VllmOption("the model's config.json is read as it is", (None, {}), _JSON),
     "pipeline_parallel_size": VllmOption("pipeline parallelism is not supported (tensor_parallel_size splits the "
                                          "model)", (1,), _INT, ("-pp",)),
-    "enable_lora": VllmOption(_NO_LORA, (False,), _SWITCH),
     "cpu_offload_gb": VllmOption("weights are not offloaded to host memory", (0,), _FLOAT),
     "kv_cache_memory_bytes": VllmOption("size the KV cache with num_pages or gpu_memory_utilization", (None,), _INT),
     "kv_transfer_config": VllmOption("KV cache transfer is not supported", (None,), _JSON),

@@ -21,6 +21,7 @@ import numpy as np
 
 from checkpoints import resolve_model
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.checks import RequestChecks, engine_processors
 from jaxserve.engine.kv_events import KVEventPublisher
 from jaxserve.engine.output_processor import OutputProcessor
@@ -36,6 +37,7 @@ from jaxserve.sched.sequence import Sequence, SequenceStatus
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import compilation_cache
+from jaxserve.worker.lora import AdapterSlots, AdapterStore, adaptable_shapes
 from jaxserve.worker.runner import Runner
 from jaxserve.worker.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.worker.step_fn import LaunchedStep
@@ -99,8 +101,16 @@ class Engine:
             draft_dir = resolve_model(spec.model)
             draft = DraftModel(draft_dir, ModelConfig.from_hf(draft_dir), config, model_config, self.mesh,
                                executable_cache)
+        adapters = None
+        if config.enable_lora:
+            if jax.process_count() > 1:
+                raise ValueError("enable_lora: LoRA adapters are served by one host's replicas only")
+            store = AdapterStore(model_config, adaptable_shapes(model_config, config.dtype), config.max_lora_rank,
+                                 config.cpu_loras)
+            adapters = AdapterSlots(model_config, config.max_loras, config.max_lora_rank, config.dtype, self.mesh,
+                                    store)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh), executable_cache, self.processors, draft)
+                             replicated(self.mesh), executable_cache, self.processors, draft, adapters)
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         # the prefix cache's events, for external routers (--kv-events-config): one publisher per replica
         rank = replica if data_parallel_rank is None else data_parallel_rank
@@ -159,14 +169,17 @@ class Engine:
             self.kv_events.close()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    priority: int = 0, cache_salt: str | None = None) -> Sequence:
+                    priority: int = 0, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> Sequence:
         """Queue a request: one sequence, which forks params.n - 1 siblings once its prompt is cached
         (`seq.forks`). ValueError for an empty, out-of-vocabulary or too long prompt (`check_request`)
         or a constraint that does not compile. `priority` (lower first) orders it under the priority
         scheduling policy; `cache_salt` keeps its prefix-cache pages apart from those of requests with
-        another salt, or none (vLLM's)."""
+        another salt, or none (vLLM's). `lora_request`: the LoRA adapter it runs with (read from
+        its files on first use: ValueError where it cannot be served, `check_adapter`)."""
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        self.check_adapter(lora_request)
         sampling = RequestSampling.of(params, self.checks.encode,
                                       self.model_config.vocab_size, self.processors)
         if params.constraint is not None:
@@ -174,7 +187,7 @@ class Engine:
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, sampling=sampling, seed=seed, max_tokens=max_tokens, priority=priority,
-                       hash_seed=salt_seed(cache_salt))
+                       hash_seed=salt_seed(cache_salt, lora_request and lora_request.lora_int_id), lora=lora_request)
         self.scheduler.add(seq)
         self.stats = self.scheduler.stats()
         return seq
@@ -183,6 +196,16 @@ class Engine:
                       cache_salt: str | None = None) -> int:
         """`RequestChecks.check_request`: the request's max_tokens, or ValueError."""
         return self.checks.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+
+    def check_adapter(self, lora_request: LoRARequest | None) -> None:
+        """ValueError unless the adapter (if any) can be served: LoRA is on, and its files read
+        (kept in host memory from then on, `AdapterStore`). Any thread may call it."""
+        if lora_request is None:
+            return
+        if self.runner.adapters is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine serves no adapters (start it "
+                             "with enable_lora)")
+        self.runner.adapters.store.get(lora_request)
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
         """End the request's unfinished sequences now (finish reason `reason`) -> them."""

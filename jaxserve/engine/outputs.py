@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.sequence import TokenLogprobs
@@ -57,7 +58,7 @@ class CompletionOutput:
     # per token, when SamplingParams.logprobs is set: {token id: Logprob} for the sampled token and the top k
     # (-1: every token of the vocabulary), in the engine's logprobs_mode (the `*_logits` modes: logits)
     logprobs: list[dict[int, Logprob]] | None = None
-    lora_request: None = None  # vLLM's; no LoRA adapters here
+    lora_request: LoRARequest | None = None  # the adapter it ran with
     # jaxserve's, when SamplingParams.return_entropy is set: per token, the entropy in nats of the model's
     # own distribution (the softmax of its raw logits) at that token
     entropies: list[float] | None = None
@@ -80,9 +81,9 @@ class RequestOutput:
     # when SamplingParams.prompt_logprobs is set: None for the first prompt token, then per prompt token
     # {token id: Logprob} for it and the top k, under the model's distribution
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    # vLLM's fields for what jaxserve does not have: LoRA adapters, encoder-decoder models, KV
-    # transfer, multimodal inputs; and `metrics`, which vLLM's LLM leaves None too (its stats are off)
-    lora_request: None = None
+    lora_request: LoRARequest | None = None  # the LoRA adapter it ran with
+    # vLLM's fields for what jaxserve does not have: encoder-decoder models, KV transfer, multimodal
+    # inputs; and `metrics`, which vLLM's LLM leaves None too (its stats are off)
     encoder_prompt: None = None
     encoder_prompt_token_ids: None = None
     kv_transfer_params: None = None
@@ -120,8 +121,10 @@ class _Choice:
 class OutputCollector:
     """A request's updates joined into its `RequestOutput` (the offline `LLM`'s; the API streams them)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 lora_request: LoRARequest | None = None):
         self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
+        self.lora_request = lora_request
         self.choices = [_Choice() for _ in range(params.n)]
 
     def add(self, update: Update) -> None:
@@ -144,7 +147,7 @@ class OutputCollector:
                                     logprobs=None if params.logprobs is None else
                                     logprob_entries(tokenizer, c.token_ids, c.logprobs, detokenize),
                                     entropies=c.entropies if params.return_entropy else None,
-                                    weight_version=c.last.weight_version)
+                                    weight_version=c.last.weight_version, lora_request=self.lora_request)
                    for i, c in enumerate(self.choices)]
         first = self.choices[0].last
         prompt_logprobs = None
@@ -153,5 +156,5 @@ class OutputCollector:
                                                       detokenize)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs,
+                             prompt_logprobs=prompt_logprobs, lora_request=self.lora_request,
                              weight_version=max(c.weight_version for c in outputs))

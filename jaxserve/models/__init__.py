@@ -10,6 +10,7 @@ sampling or HTTP. docs/adding_a_model.md walks through adding a family.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from jaxserve.models import gemma, invariant, llama, moe, phi3
-from jaxserve.models.layers import KVCache, ModelInputs, Quantizable
+from jaxserve.models.layers import KVCache, Linear, LoraRows, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
@@ -113,13 +114,33 @@ def quantizable_modules(model: nnx.Module) -> dict[str, Quantizable]:
     return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, Quantizable)}
 
 
+# the layers a LoRA adapter may adapt (module paths): the attention's and the dense MLP's projections
+ADAPTABLE = re.compile(r"layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj")
+
+
+def adaptable_modules(model: nnx.Module) -> dict[str, Linear]:
+    """Module path -> every linear layer that takes a LoRA adapter (ADAPTABLE)."""
+    return {path: module for path, module in quantizable_modules(model).items()
+            if isinstance(module, Linear) and ADAPTABLE.fullmatch(path)}
+
+
+def attach_adapters(model: nnx.Module, adapters: Mapping[str, tuple[jax.Array, jax.Array]]) -> None:
+    """Give the layers of `adapters` (module path -> the slots' (A, B) stacks) their stacks, on a
+    model merged for one trace: each then adds its rows' products (`layers.lora_delta`)."""
+    modules = adaptable_modules(model)
+    for path, stacks in adapters.items():
+        modules[path].lora = stacks
+
+
 def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
-            batch_invariant: bool = False):
+            batch_invariant: bool = False, adapters: Mapping[str, tuple[jax.Array, jax.Array]] | None = None):
     """Pure form of the model for use under jit: (state, cache, inputs) -> (cache, f32[B, vocab]
     logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`).
     `batch_invariant`: computed in tiles of a fixed number of rows (`invariant.py`), so that no
-    row's numbers depend on the others'."""
+    row's numbers depend on the others'. `adapters`: the LoRA slots' stacks (`attach_adapters`),
+    which the rows of `inputs.lora` use."""
     model = nnx.merge(graphdef, state)
+    attach_adapters(model, adapters or {})
     if not batch_invariant:
         kv, hidden = model(kv, inputs)
         return kv, model.logits(hidden[inputs.logits_indices]), hidden
@@ -132,5 +153,5 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
     return nnx.merge(graphdef, state).logits(hidden)
 
 
-__all__ = ["MODEL_REGISTRY", "KVCache", "ModelFamily", "ModelInputs", "ModelOptions", "abstract_model", "forward",
+__all__ = ["ADAPTABLE", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs", "ModelOptions", "abstract_model", "adaptable_modules", "attach_adapters", "forward",
            "head_logits", "quantizable_modules", "rope_table"]

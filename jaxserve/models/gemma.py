@@ -177,7 +177,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
         x = x + self.post_attention_layernorm(h)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), inputs.lora))
         return x, k_pages, v_pages
 
 

@@ -9,6 +9,11 @@ A linear layer's or an embedding's matrix may be kept quantized (`Quantizable`, 
 `kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
 the weights' formats for their quantized parameters before any weight is loaded.
 
+LoRA adapters (`LoraRows`, `Linear.lora`): the step's rows each name an adapter slot, and every
+adapted layer adds its slots' low-rank products for all rows at once, in grouped products over the
+rows sorted by slot (`lora_delta`). The adapters' stacks are step arguments, not parameters
+(`jaxserve.worker.lora`): attached to the layers for one trace (`attach_adapters`).
+
 A family's model is a `Decoder` of its own layers. Nothing here knows a family's names or options:
 those live in the family's own file.
 """
@@ -24,7 +29,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
-from kernels import AXIS, matmul_t, paged_attention, write_kv
+from kernels import AXIS, grouped_matmul_t, matmul_t, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
@@ -40,6 +45,28 @@ class KVCache:
 
 
 @flax.struct.dataclass
+class LoraRows:
+    """Which adapter slot each token row of a step runs with, as the grouped products take it:
+    S = slots (`--max-loras`); rows with no adapter sort after every slot's (no product)."""
+
+    order: jax.Array  # i32[T] the rows sorted by slot
+    inverse: jax.Array  # i32[T] the place of each row in `order`
+    sizes: jax.Array  # i32[S] rows per slot
+
+    @staticmethod
+    def of(slots, num_slots: int) -> dict:
+        """The fields (host arrays) for i32[T] slots of the rows, -1: no adapter."""
+        import numpy as np
+
+        key = np.where(slots < 0, num_slots, slots)
+        order = np.argsort(key, kind="stable").astype(np.int32)
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order), dtype=np.int32)
+        sizes = np.bincount(key, minlength=num_slots + 1)[:num_slots].astype(np.int32)
+        return dict(order=order, inverse=inverse, sizes=sizes)
+
+
+@flax.struct.dataclass
 class ModelInputs:
     """Device view of one step. T = padded tokens, B = padded sequences, P = pages per sequence."""
 
@@ -52,6 +79,7 @@ class ModelInputs:
     query_start: jax.Array  # i32[B + 1] first token row of each sequence; padding repeats the total
     num_seqs: jax.Array  # i32[] real sequences
     logits_indices: jax.Array  # i32[B] row of each sequence's last token
+    lora: LoraRows | None = None  # the rows' adapter slots; None: the engine serves no adapters
 
 
 # Partition rules of the shared layers (parameter path pattern, partition spec, the ModelConfig
@@ -117,17 +145,35 @@ class Quantizable(nnx.Module):
         return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
 
 
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows) -> jax.Array:
+    """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
+    slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. Two grouped products
+    over the rows sorted by slot (`kernels.grouped_matmul_t`: one pass for all slots); a step with no
+    adapted row skips them."""
+
+    def delta(x):
+        sorted_rows = x[rows.order]
+        return grouped_matmul_t(grouped_matmul_t(sorted_rows, a, rows.sizes), b, rows.sizes)[rows.inverse]
+
+    return jax.lax.cond(rows.sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
+
+
 class Linear(Quantizable):
     """y = x W^T + b. The product accumulates in float32 and returns the input dtype
-    (`kernels.matmul_t`, which picks the backend's implementation)."""
+    (`kernels.matmul_t`, which picks the backend's implementation). With adapters attached
+    (`attach_adapters`) and the step's `LoraRows`, each row adds its adapter's product."""
+
+    lora: tuple[jax.Array, jax.Array] | None = None  # the slots' (A, B) stacks (`lora_delta`), for one trace
 
     def __init__(self, d_in: int, d_out: int, bias: bool, dtype, rngs: nnx.Rngs):
         self.weight = nnx.Param(nnx.initializers.lecun_normal(in_axis=1, out_axis=0)(rngs.params(), (d_out, d_in),
                                                                                      dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-    def __call__(self, x):
+    def __call__(self, x, adapters: LoraRows | None = None):
         y = matmul_t(x, self.matrix())
+        if adapters is not None and self.lora is not None:
+            y = y + lora_delta(x, *self.lora, adapters)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -160,8 +206,9 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(intermediate, d, bias, dtype, rngs)
         self.activation = activation
 
-    def __call__(self, x):
-        return self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, adapters: LoraRows | None = None):
+        h = self.activation(self.gate_proj(x, adapters)) * self.up_proj(x, adapters)
+        return self.down_proj(h, adapters)
 
 
 def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sm_scale: float | None = None,
@@ -197,16 +244,16 @@ class Attention(nnx.Module):
 
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, inputs.lora).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, inputs.lora).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, inputs.lora).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rope = inputs.rope[self.rope_index]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim)), k_pages, v_pages
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), inputs.lora), k_pages, v_pages
 
 
 class Decoder(nnx.Module):

@@ -82,7 +82,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 
 

@@ -183,7 +183,9 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert = GatedMLP(d, shared, False, dtype, rngs) if shared else None
         self.shared_expert_gate = Router(d, 1, dtype, rngs) if shared else None
 
-    def __call__(self, x):
+    def __call__(self, x, adapters=None):
+        """(`adapters`: the step's LoRA rows, which no layer here takes: only attention and dense
+        MLPs are adapted, `models.ADAPTABLE`)"""
         weights, experts = route(self.gate(x), self.top_k, self.normalize)
         matrices = (self.experts.gate_proj.matrix(), self.experts.up_proj.matrix(), self.experts.down_proj.matrix())
         mesh = jax.sharding.get_abstract_mesh()
@@ -216,7 +218,7 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 
 

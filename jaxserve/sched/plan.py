@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxserve.config.lora import LoRARequest
 from jaxserve.sample.params import RequestSampling, SamplingParams
 from jaxserve.sample.tensors import PromptLogprobs, needs_distribution
 from jaxserve.sched.sequence import Sequence, TokenLogprobs
@@ -34,6 +35,7 @@ class ScheduledSeq:
     # the sampler's row of the sample after its first draft (those after the others follow); the
     # sample after its last known token is in its own row, as for every row
     draft_slot: int = -1
+    lora: LoRARequest | None = None  # the sequence's adapter
 
     def set_drafts(self, drafts: list[int]) -> None:
         """Replace its drafts' tokens (placeholders the scheduler planned for a draft model's)."""
@@ -66,7 +68,7 @@ class ScheduledSeq:
                    page_ids=list(seq.page_ids), sample=sample, params=seq.params, sampling=seq.sampling,
                    seed=seq.seed, all_token_ids=seq.token_ids, num_prompt_tokens=seq.num_prompt_tokens,
                    prompt_logprobs=seq.owes_prompt_logprobs and start < seq.num_prompt_tokens - 1,
-                   carried=seq.carried)
+                   carried=seq.carried, lora=seq.lora)
 
 
 @dataclasses.dataclass
@@ -161,6 +163,8 @@ class SchedulerStats:
     num_draft_tokens: int = 0  # draft tokens checked
     num_accepted_tokens: int = 0  # ... and kept
     accepted_per_position: tuple[int, ...] = ()  # drafts kept, by their place in the row's drafts
+    running_loras: tuple[str, ...] = ()  # the names of the LoRA adapters of running sequences
+    waiting_loras: tuple[str, ...] = ()  # ... and of waiting ones
 
     @property
     def kv_cache_usage(self) -> float:

@@ -155,7 +155,8 @@ class Scheduler:
             num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts),
             num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens, accepted_per_position=tuple(self.accepted_per_position))
+            num_accepted_tokens=self.num_accepted_tokens, accepted_per_position=tuple(self.accepted_per_position),
+            running_loras=_adapter_names(self.running), waiting_loras=_adapter_names(self.waiting))
 
     def schedule(self, token_budget: int | None = None, drafts: dict[int, list[int]] | None = None
                  ) -> ScheduledBatch:
@@ -183,9 +184,12 @@ class Scheduler:
             batch.rows.append(ScheduledSeq.take(seq, n, len(batch.rows)))
             budget -= n
         budget -= self._add_drafts(batch, drafts or {}, budget)
+        adapters = {seq.lora.lora_int_id for seq in self.running if seq.lora is not None}
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self._next_waiting(adapters)
+            if seq is None:
+                break
             if seq.seq_id in batch.preempted[:made_room]:
                 break  # (its result from the step in flight is still to be dropped)
             matched = self.config.enable_prefix_caching and self.allocator.match_prefix(seq)
@@ -195,8 +199,10 @@ class Scheduler:
                     self.allocator.release(seq.page_ids)
                     seq.page_hashes, seq.num_computed_tokens = [], 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._count_queued(seq, -1)
+            if seq.lora is not None:
+                adapters.add(seq.lora.lora_int_id)
             if self.config.enable_prefix_caching and seq.reads_prefix_cache and not seq.num_preemptions:
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
@@ -212,6 +218,13 @@ class Scheduler:
         for row in batch.rows:
             row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
         return batch
+
+    def _next_waiting(self, adapters: set[int]) -> Sequence | None:
+        """The first waiting sequence whose LoRA adapter, if any, can have a slot: one of `adapters`
+        (the running sequences'), or a new one while they are fewer than max_loras. Those of other
+        adapters wait (as in vLLM), and the ones after them go first."""
+        return next((seq for seq in self.waiting if seq.lora is None or seq.lora.lora_int_id in adapters
+                     or len(adapters) < self.config.max_loras), None)
 
     def _add_drafts(self, batch: ScheduledBatch, drafts: dict[int, list[int]], budget: int) -> int:
         """Give the rows that compute one token and sample their drafts (`schedule`), within `budget`
@@ -383,3 +396,7 @@ class Scheduler:
         self.finish_counts[reason] += 1
         self.allocator.release(seq.page_ids)
         del self.seqs[seq.seq_id]
+
+
+def _adapter_names(seqs) -> tuple[str, ...]:
+    return tuple(sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None}))

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from jaxserve.config.lora import LoRARequest
 from jaxserve.sample.params import RequestSampling, SamplingParams
 
 FORK_SEED_STRIDE = 0x9E3779B97F4A7C15  # sibling k samples with seed + k * stride (mod 2**64)
@@ -58,6 +59,7 @@ class Sequence:
     # the prefix cache key of its first page's predecessor: None, or its request's cache_salt hashed
     # (only requests with the same salt share pages)
     hash_seed: bytes | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (--enable-lora)
     pending_forks: int = 0  # siblings to fork once all of the prompt but its last token is cached
     forks: list[Sequence] = dataclasses.field(default_factory=list)  # the siblings forked from this one
     # per generated token, when params.logprobs is set
@@ -121,7 +123,7 @@ class Sequence:
                         max_tokens=self.max_tokens, page_ids=list(self.page_ids), page_hashes=list(self.page_hashes),
                         num_computed_tokens=self.num_computed_tokens, status=self.status, index=self.index + k,
                         num_cached_tokens=self.num_cached_tokens, priority=self.priority, arrival=self.arrival,
-                        hash_seed=self.hash_seed, prompt_logprobs=self.prompt_logprobs)
+                        hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs)
 
     def drop_tokens_after(self, num_output_tokens: int) -> int:
         """End at output token `num_output_tokens`, dropping the tokens its last step gave it past that

@@ -114,7 +114,7 @@ class DraftModel:
     def compile_mirror(self, shape: tuple[int, int, int], args: tuple) -> None:
         """The mirror of step bucket `shape`, whose target step takes `args` (abstract)."""
         if ("mirror", shape) not in self.executables:
-            _, _, plan, previous = args
+            _, _, plan, previous = args[:4]
             draft_args = (self._abstract(self.weights), self._abstract(self.kv), plan, previous)
             self.executables["mirror", shape] = self.executable_cache.compile(
                 self._mirror, draft_args, self._description("mirror", shape), self.devices)

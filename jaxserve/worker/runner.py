@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from jaxserve.config.engine import MAX_LOGPROBS, EngineConfig
 from jaxserve.config.fields import compiled_fields
-from jaxserve.models import ModelInputs, rope_table
+from jaxserve.models import LoraRows, ModelInputs, rope_table
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.logits_processors import Processors, fingerprint
 from jaxserve.sample.tensors import Padding, SampleOutput, SamplingRow, SamplingTensors, needs_distribution
@@ -34,6 +34,7 @@ from jaxserve.sched.plan import ScheduledBatch, StepOutput, prompt_targets
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import ExecutableCache
 from jaxserve.worker.kv_cache import allocate_kv_cache
+from jaxserve.worker.lora import AdapterSlots
 from jaxserve.worker.sharding import broadcast_plan, is_leader, place
 from jaxserve.worker.step_fn import LaunchedStep, PackedPlan, StepInputs, make_step_fn
 
@@ -54,7 +55,7 @@ def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
 class Runner:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, graphdef: nnx.GraphDef, state: nnx.State,
                  kv_sharding: NamedSharding, replicated: NamedSharding, executable_cache: ExecutableCache,
-                 processors: Processors, draft: DraftModel | None = None):
+                 processors: Processors, draft: DraftModel | None = None, adapters: AdapterSlots | None = None):
         self.model_config = model_config
         self.config = config
         self.graphdef = graphdef
@@ -63,6 +64,7 @@ class Runner:
         self.weights, self._state_treedef = jax.tree.flatten(state)  # (the weights: replaced by an update)
         self.processors = processors  # the engine's logits processors, traced into the step
         self.draft = draft  # speculative decoding's draft model: each step's tokens go through it too
+        self.adapters = adapters  # the LoRA slots (--enable-lora): each row runs with its sequence's adapter
         # (read once: inspect's source lookup is not safe on the threads that compile)
         self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, self._state_treedef, kv_sharding, replicated, config.logprobs_mode,
@@ -84,7 +86,8 @@ class Runner:
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
         shape = self.shape(batch)
-        return self._run(shape, self.prepare(batch, shape))
+        slots = {} if self.adapters is None else self.adapters.assign(row.lora for row in batch.rows if row.lora)
+        return self._run(shape, self.prepare(batch, shape, slots))
 
     def _run(self, shape: tuple[int, int, int], inputs: StepInputs) -> LaunchedStep:
         if self._leads:  # the other processes run the same step on the same inputs
@@ -93,7 +96,7 @@ class Runner:
         args = self._args(inputs, shape)
         self.kv, launched, self._previous = self._executable(shape, args)(*args)
         if self.draft is not None:
-            self.draft.mirror(shape, *args[2:])
+            self.draft.mirror(shape, *args[2:4])
         return launched
 
     def _args(self, inputs: StepInputs, shape: tuple[int, int, int]) -> tuple:
@@ -114,7 +117,7 @@ class Runner:
         placed = dict(zip(fresh, placed))
         large = tuple(placed[i] if i in placed else self.padding_on_device(leaf) for i, leaf in enumerate(large))
         plan = PackedPlan(words=words, large=large, layout=layout, treedef=treedef)
-        return self.weights, self.kv, plan, self._previous
+        return self.weights, self.kv, plan, self._previous, None if self.adapters is None else self.adapters.stacks
 
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use
@@ -243,9 +246,11 @@ class Runner:
         (`EngineConfig.spanning_buckets`), which fits any plan of that many tokens."""
         return max((b[0] for b in self.config.spanning_buckets if b in self.executables), default=0)
 
-    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None,
+                slots: dict[int, int] | None = None) -> StepInputs:
         """The step's inputs as host arrays, padded to the batch's buckets (or to `shape`, see
-        `shape`); an input no row uses is a `Padding`."""
+        `shape`); an input no row uses is a `Padding`. `slots`: adapter id -> its LoRA slot, for the
+        rows that run with one (`AdapterSlots.assign`)."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -256,6 +261,7 @@ class Runner:
         query_start = np.zeros(num_rows + 1, np.int32)
         logits_indices = np.zeros(num_rows, np.int32)
         pending = np.full(num_tokens, -1, np.int32)
+        lora_slots = np.full(num_tokens, -1, np.int32)
         prompt_rows = np.zeros(num_tokens, np.int32)
         targets = np.full(num_tokens, -1, np.int32)
         asked = 0
@@ -265,6 +271,8 @@ class Runner:
             pos = np.arange(row.start_position, row.start_position + n)
             pages = np.asarray(row.page_ids, np.int32)
             token_ids[start:start + n] = row.token_ids
+            if row.lora is not None:
+                lora_slots[start:start + n] = slots[row.lora.lora_int_id]
             positions[start:start + n] = pos
             kv_write_index[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
             next_tokens = prompt_targets(row)
@@ -284,7 +292,9 @@ class Runner:
         model = ModelInputs(token_ids=token_ids, positions=positions, rope=rope_table(self.model_config, positions),
                              kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
-                             num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices)
+                             num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices,
+                             lora=None if self.adapters is None else LoraRows(**LoraRows.of(
+                                 lora_slots, self.adapters.num_slots)))
         rows = [SamplingRow(params=r.params, seed=r.seed,
                             position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
                             token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,

@@ -94,7 +94,8 @@ class PackedPlan:
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
                  logprobs_mode: str, processors: Processors, distributions: bool = False,
                  batch_invariant: bool = False):
-    """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens) -> (cache, the
+    """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens, the LoRA slots'
+    stacks or None: `jaxserve.worker.lora`) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
     A token the inputs mark pending (`pending` >= 0: a row of the step before) is read from
@@ -108,7 +109,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
 
     chunking = dict(chunk=ROWS, fixed=True) if batch_invariant else {}  # of the prompt logprobs
 
-    def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array
+    def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array, adapters: dict | None
              ) -> tuple[KVCache, LaunchedStep, jax.Array]:
         inputs = plan.unpack()
         pending, model = inputs.pending, inputs.model
@@ -121,7 +122,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
         kv = copy_pages(kv, inputs.page_copies)
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant)
+            kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant, adapters)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets, **chunking)
 
