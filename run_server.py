@@ -42,6 +42,7 @@ from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config import fields
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import json_object, json_strings
+from jaxserve.config.lora import lora_module
 from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments, check_vllm_options
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.build import build_engines
@@ -139,6 +140,13 @@ def _add_api_arguments(p) -> None:
     p.add_argument("--response-role", default="assistant", help="the role of chat answers (default: assistant)")
     p.add_argument("--enable-force-include-usage", action="store_true",
                    help="every stream ends with a usage chunk, asked for or not (vLLM's)")
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served from the start (with --enable-lora), each name=path (a PEFT directory "
+                        "or a GGUF adapter file) or vLLM's JSON form "
+                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests name one as their model')
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on where vLLM's "
+                        f"{RUNTIME_LORA_ENV} is true)")
     p.add_argument("--disable-fastapi-docs", action="store_true",
                    help="vLLM's: serve no /openapi.json and no API docs pages (/docs, /redocs, /scalar)")
     p.add_argument("--disable-playground", "--no-webui", action="store_true",
@@ -204,6 +212,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--data-parallel-backend ray")
     if args.shutdown_timeout < 0:
         p.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    args.allow_runtime_lora_updating |= os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true")
+    if (args.lora_modules or args.allow_runtime_lora_updating) and not args.engine.enable_lora:
+        p.error("--lora-modules and run-time LoRA updates need --enable-lora")
     return args
 
 
@@ -215,6 +226,7 @@ VLLM_SERVER_NO_EFFECT = {
     "disable_frontend_multiprocessing": "the API and the engine share one process",
 }
 CLI_REFERENCE = Path(__file__).resolve().parent / "docs" / "cli.md"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def cli_reference() -> str:
@@ -348,7 +360,9 @@ def main(argv: list[str] | None = None) -> None:
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
-                     max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground)
+                     max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
+                     runtime_lora_updating=args.allow_runtime_lora_updating)
+    add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()
     front.start()
     try:
@@ -373,6 +387,19 @@ def start_replicas(args: argparse.Namespace) -> tuple[Replicas, list]:
                                            bundle=args.ray_bundle, address=args.ray_address, **bounds)), []
     engines, tokenizer = build_engines(args.engine, chat_template=chat_template, warmup=False)
     return Replicas([AsyncEngine(engine, tokenizer, **bounds) for engine in engines]), engines
+
+
+def add_lora_modules(limits: Limits, modules: list, engines: list) -> None:
+    """The --lora-modules adapters, named from the start; each is read (checked) by this process's
+    engines now, so that one that cannot be served stops the server with why."""
+    for module in modules:
+        request = limits.adapters.new(module.name, module.path, module.base_model_name)
+        try:
+            for engine in engines:
+                engine.check_adapter(request)
+        except ValueError as e:
+            raise SystemExit(f"jaxserve: --lora-modules: {e}") from None
+        limits.adapters.put(request)
 
 
 def freeze_heap() -> None:

@@ -26,6 +26,7 @@ from api.cors import CorsPolicy
 from api.errors import APIError
 from api.generation import RETRY_AFTER
 from api.limits import Limits
+from api.lora import lora
 from api.messages import PATH as MESSAGES_PATH
 from api.messages import error_body as anthropic_error_body
 from api.messages import messages
@@ -52,7 +53,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
                reasoning_parser: str | None = None, docs: bool = True,
-               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True) -> Quart:
+               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True,
+               runtime_lora_updating: bool = False) -> Quart:
     """The app over `engine`'s data-parallel replicas (or one); `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
@@ -62,7 +64,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     --disable-fastapi-docs, none of them. A request body over `max_request_body_bytes` is a 413: Quart
     refuses it from its Content-Length before reading any of it, and a chunked one as soon as what has
     come exceeds the limit (the rest is not kept). `playground`: serve the browser playground at GET /
-    (`api/playground.py`)."""
+    (`api/playground.py`). `runtime_lora_updating`: serve vLLM's routes that load and unload LoRA
+    adapters (`api/lora.py`)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
     app.request_class = UnboundedWeights
@@ -85,7 +88,7 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
     for blueprint in (server_info, completions, chat, responses, messages, tokenize, training, tokens_io,
-                      *([playground_pages] if playground else [])):
+                      *([playground_pages] if playground else []), *([lora] if runtime_lora_updating else [])):
         app.register_blueprint(blueprint)
     return app
 

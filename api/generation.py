@@ -17,6 +17,7 @@ from api.errors import APIError
 from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
 from api.state import APIState
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.outputs import Logprob, Update
 from jaxserve.errors import QueueFull, ReplicaLost, RequestError, StepFailed
@@ -33,7 +34,9 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
     compiled on the tokenizing thread, not the event loop, before the request reaches the engine);
     then 503 where the bounded waiting queue has no room for it (`Replicas.admit`: last, so a
     refused request holds no place in it). A chat request's constraint waits for the thinking
-    (--reasoning-parser). -> the request as it runs."""
+    (--reasoning-parser). The adapter its `model` names (if any) is taken now: one unloaded later
+    serves the requests admitted before. -> the request as it runs."""
+    req = dataclasses.replace(req, lora=state.limits.adapters.get(req.model))
     if chat and state.reasoning_parser:
         if req.echo:
             raise APIError("'echo' is not supported with --reasoning-parser", param="echo")
@@ -90,21 +93,22 @@ def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[A
     if state.log_requests:
         log.info("request %s: prompt tokens %s, %s", request_id, [len(ids) for ids in req.prompts],
                  req.beam or req.params)
-    return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs)
+    return [state.metrics.timed(_beam_search(state, f"{request_id}-{i}", ids, req.beam, req.params.logprobs, req.lora)
                                 if req.beam is not None else
                                 state.engine.generate(f"{request_id}-{i}", ids, req.params, priority=req.priority,
                                                       cache_salt=req.cache_salt,
-                                                      min_weight_version=req.min_weight_version),
+                                                      min_weight_version=req.min_weight_version,
+                                                      lora_request=req.lora),
                                 req.params.n)
             for i, ids in enumerate(req.prompts)]
 
 
 async def _beam_search(state: APIState, request_id: str, ids: list[int], params: BeamSearchParams,
-                       logprobs: int | None) -> AsyncIterator[Update]:
+                       logprobs: int | None, lora_request: LoRARequest | None) -> AsyncIterator[Update]:
     """The best beams, best first, as the n choices' one update each (once the search is over).
     With `logprobs` k, each token's are those of the round that chose it: its logprob and rank,
     and the top k of the 2 x n candidates the round weighed (as vLLM's, at most 2 x n)."""
-    result = await state.engine.beam_search(request_id, ids, params)
+    result = await state.engine.beam_search(request_id, ids, params, lora_request)
     for index, beam in enumerate(result.sequences):
         tokens = beam.tokens[len(ids):]
         yield Update(request_id=request_id, index=index, text=beam.text, token_ids=tokens, num_prompt_tokens=len(ids),

@@ -4,9 +4,39 @@ vocabulary and sampling defaults, and the server's options that shape requests a
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from api.errors import APIError
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.chat_template import CHAT_TEMPLATE_TIMEOUT_S
+
+
+class Adapters:
+    """Adapter name -> its `LoRARequest`: each load gets an id of its own (an adapter loaded again
+    under the same name shares no cached prefix with the one before)."""
+
+    def __init__(self):
+        self._by_name: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __iter__(self):
+        return iter(list(self._by_name.values()))
+
+    def get(self, name: str | None) -> LoRARequest | None:
+        return self._by_name.get(name)
+
+    def new(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """A request for these files under a new id (named once `put`)."""
+        return LoRARequest(name, next(self._ids), path, base_model_name)
+
+    def put(self, request: LoRARequest) -> None:
+        self._by_name[request.lora_name] = request
+
+    def remove(self, name: str) -> None:
+        del self._by_name[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +56,8 @@ class Limits:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: usage ends every stream
     processor_args: frozenset[str] = frozenset()  # the logits processors' argument names (top-level fields too)
     chat_template_timeout: float = CHAT_TEMPLATE_TIMEOUT_S  # seconds a conversation may take to render
+    # the LoRA adapters requests may name as their model (--lora-modules, and those loaded at run time)
+    adapters: Adapters = dataclasses.field(default_factory=Adapters)
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -33,10 +65,11 @@ class Limits:
 
 
 def check_model(model, limits: Limits) -> str:
-    """404 unless `model` names a served model (or is None) -> the name the answer carries: its own,
-    as vLLM answers, or the first served name."""
-    if model is not None and model not in limits.model_names:
+    """404 unless `model` names a served model or LoRA adapter (or is None) -> the name the answer
+    carries: its own, as vLLM answers, or the first served name."""
+    if model is not None and model not in limits.model_names and model not in limits.adapters:
+        names = [*limits.model_names, *(adapter.lora_name for adapter in limits.adapters)]
         raise APIError(f"The model '{model}' does not exist; this server serves "
-                       f"{', '.join(repr(name) for name in limits.model_names)}",
-                       status=404, param="model", code="model_not_found")
+                       f"{', '.join(repr(name) for name in names)}", status=404, param="model",
+                       code="model_not_found")
     return limits.served_model_name if model is None else model

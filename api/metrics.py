@@ -56,7 +56,20 @@ class _EngineCollector:
                                                             labels=[*labels, "position"])
                     for position, accepted in enumerate(stats.accepted_per_position):
                         metrics[name].add_metric([*labels.values(), str(position)], accepted)
+                if front.engine.config.enable_lora:
+                    self._lora_info(metrics, prefix, labels, stats, front.engine.config.max_loras)
             yield from metrics.values()
+
+    @staticmethod
+    def _lora_info(metrics: dict, prefix: str, labels: dict, stats: SchedulerStats, max_loras: int) -> None:
+        """vLLM's `lora_requests_info`: the LoRA adapters of the running and the waiting sequences as
+        labels (names joined by commas), the time now as the value."""
+        name = "lora_requests_info"
+        keys = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
+        if name not in metrics:
+            metrics[name] = GaugeMetricFamily(prefix + name, "Running stats on LoRA requests.", labels=[*labels, *keys])
+        metrics[name].add_metric([*labels.values(), str(max_loras), ",".join(stats.waiting_loras),
+                                  ",".join(stats.running_loras)], time.time())
 
 
 def _figures(stats: SchedulerStats, compile_progress: tuple[int, int], queued: tuple[int, int]) -> list[tuple]:

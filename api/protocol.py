@@ -18,6 +18,7 @@ from api.fields import validated, whole
 from api.limits import Limits, check_model
 from api.request_models import CompletionRequest
 from api.tools import ToolRequest
+from jaxserve.config.lora import LoRARequest
 from jaxserve.config.engine import MAX_LOGPROBS
 from jaxserve.engine.beam_search import BeamSearchParams
 from jaxserve.engine.chat_template import message_text, template_message
@@ -49,6 +50,7 @@ class GenerationRequest:
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache pages
     min_weight_version: int = 0  # jaxserve's: wait for weights of at least this version (docs/rl.md)
+    lora: LoRARequest | None = None  # the LoRA adapter `model` names (`api.generation.admit`)
 
 
 def as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[list[int], SamplingParams]:

@@ -12,6 +12,7 @@ from api.limits import Limits, check_model
 from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
 from api.sse import new_id, now
 from api.state import api_state
+from jaxserve.config.lora import LoRARequest
 
 server_info = Blueprint("server_info", __name__)
 
@@ -49,17 +50,26 @@ def model_card(name: str, limits: Limits) -> ModelCard:
                      permission=[ModelPermission(id=new_id("modelperm"), created=created)])
 
 
+def adapter_card(adapter: LoRARequest, limits: Limits) -> ModelCard:
+    """A LoRA adapter's card, as vLLM's: `root` its files, `parent` the model it adapts."""
+    card = model_card(adapter.lora_name, limits)
+    return card.model_copy(update=dict(root=adapter.lora_path,
+                                       parent=adapter.base_model_name or limits.served_model_name))
+
+
 @server_info.get("/v1/models")
 async def models():
     limits = api_state().limits
-    return ModelList(data=[model_card(name, limits) for name in limits.model_names])
+    cards = [model_card(name, limits) for name in limits.model_names]
+    return ModelList(data=cards + [adapter_card(adapter, limits) for adapter in limits.adapters])
 
 
 @server_info.get("/v1/models/<path:model>")
 async def model(model: str):
     limits = api_state().limits
     check_model(model, limits)
-    return model_card(model, limits)
+    adapter = limits.adapters.get(model)
+    return model_card(model, limits) if adapter is None else adapter_card(adapter, limits)
 
 
 @server_info.get("/version")

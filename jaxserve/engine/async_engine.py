@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
 from checkpoints import resolve_model
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.core import Engine
@@ -65,6 +66,7 @@ class Add:
     priority: int = 0
     cache_salt: str | None = None
     min_weight_version: int = 0  # held until the weights are at least this version
+    lora_request: LoRARequest | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,15 +147,15 @@ class AsyncEngine:
         self.engine.output.check_constraint(constraint)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
-                       ) -> AsyncIterator[Update]:
+                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Update]:
         """Updates of the request's n sequences until all finish; leaving early aborts them. A step that
         fails raises `StepFailed`. The request waits while the engine is paused, and until its weights
-        are at least `min_weight_version`."""
+        are at least `min_weight_version`. `lora_request`: the LoRA adapter it runs with."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self.admission.sent(request_id)
         if not self._send(Add(request_id, list(prompt_token_ids), params, subscriber, priority, cache_salt,
-                              min_weight_version)):
+                              min_weight_version, lora_request)):
             self.admission.arrived(request_id)
             raise RuntimeError("the engine is not running")
         unfinished = params.n
@@ -169,7 +171,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
-                          params: BeamSearchParams) -> BeamSearchOutput:
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         """vLLM's server-side beam search: `beam_search.search`, each round's beams run side by side
         as requests of one token (so they share steps and the prefix cache). A beam's text is that
         of its generated tokens, as in vLLM's server."""
@@ -181,18 +183,19 @@ class AsyncEngine:
             beams = next(run)
             for r in itertools.count():
                 beams = run.send(await asyncio.gather(*(
-                    self._candidates(f"{request_id}-{r}-{b}", tokens, step) for b, tokens in enumerate(beams))))
+                    self._candidates(f"{request_id}-{r}-{b}", tokens, step, lora_request)
+                    for b, tokens in enumerate(beams))))
         except StopIteration as done:
             (result,) = done.value
         for beam in result.sequences:
             beam.text = "" if self.tokenizer is None else self.tokenizer.decode(beam.tokens[len(prompt_token_ids):])
         return result
 
-    async def _candidates(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                          ) -> dict[int, Logprob]:
+    async def _candidates(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          lora_request: LoRARequest | None) -> dict[int, Logprob]:
         """The next-token candidates of one beam (its one token's logprobs entry)."""
         tokens, logprobs = [], []
-        async for update in self.generate(request_id, prompt_token_ids, params):
+        async for update in self.generate(request_id, prompt_token_ids, params, lora_request=lora_request):
             if update.finish_reason == "abort":
                 raise RuntimeError("the beam search was aborted: the server is shutting down")
             tokens += update.token_ids
@@ -248,6 +251,10 @@ class AsyncEngine:
         layout = self.engine.weight_layout
         loaded = await asyncio.to_thread(lambda: layout.leaves(layout.from_checkpoint(resolve_model(path))))
         return await self.update_weights(loaded, weight_version)
+
+    async def check_adapter(self, lora_request: LoRARequest) -> None:
+        """`Engine.check_adapter`, its files read off the engine thread (steps go on meanwhile)."""
+        await asyncio.to_thread(self.engine.check_adapter, lora_request)
 
     async def sleep(self, level: int = 1) -> None:
         """`Engine.sleep`, pausing the engine ("keep") until `wake_up` if it was not paused."""
@@ -368,7 +375,8 @@ class AsyncEngine:
         sub = command.subscriber
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
-                                    priority=command.priority, cache_salt=command.cache_salt)
+                                    priority=command.priority, cache_salt=command.cache_salt,
+                                    lora_request=command.lora_request)
         except Exception as e:  # (refused: a ValueError, the request's 400; else a bug, its 500)
             if not isinstance(e, ValueError):
                 log.exception("adding request %s failed", command.request_id)

@@ -21,7 +21,7 @@ from jaxserve.engine.outputs import Update
 PAUSE_MODES = ("abort", "wait", "keep")  # vLLM's: end the requests in flight, let them finish, or hold them
 # a trainer's controls of an engine, by name (`AsyncEngine.call`, `Replicas.on_every_replica`)
 CONTROLS = ("pause", "resume", "is_paused", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache",
-            "update_weights_from_path")
+            "update_weights_from_path", "check_adapter")
 
 
 class Held(Protocol):

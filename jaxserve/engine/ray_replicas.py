@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
+from jaxserve.config.lora import LoRARequest
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.async_engine import AsyncEngine
@@ -101,11 +102,13 @@ class ReplicaActor:
         return e.stats, e.admission.queued, e.compile_progress, e.is_ready and e.is_running, e.weight_version
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int, cache_salt: str | None, min_weight_version: int = 0) -> AsyncIterator[Update]:
+                       priority: int, cache_salt: str | None, min_weight_version: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Update]:
         if params.constraint is not None:  # (compiled here, off the engine's thread, as the API does at home)
             await asyncio.to_thread(self.engine.check_constraint, params.constraint)
         async for update in self.engine.generate(request_id, prompt_token_ids, params, priority=priority,
-                                                 cache_salt=cache_salt, min_weight_version=min_weight_version):
+                                                 cache_salt=cache_salt, min_weight_version=min_weight_version,
+                                                 lora_request=lora_request):
             yield update
 
     async def call(self, method: str, *args) -> tuple:
@@ -113,8 +116,8 @@ class ReplicaActor:
         return await self.engine.call(method, *args), self.engine.weight_version
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
-                          params: BeamSearchParams) -> BeamSearchOutput:
-        return await self.engine.beam_search(request_id, prompt_token_ids, params)
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
+        return await self.engine.beam_search(request_id, prompt_token_ids, params, lora_request)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -204,8 +207,8 @@ class RayReplica:
         compiled_grammars(self.tokenizer.hf, self.engine.model_config.vocab_size).compiled(constraint)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
-                       ) -> AsyncIterator[Update]:
+                       priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[Update]:
         """The actor's updates; ReplicaLost where it dies meanwhile (or is not there). Once sent, the
         request is counted here until figures asked for after that come back (`_poll`)."""
         unfinished = params.n
@@ -213,7 +216,7 @@ class RayReplica:
             with self._calling(request_id):
                 self.admission.sent(request_id)
                 stream = self.actor.generate.remote(request_id, prompt_token_ids, params, priority, cache_salt,
-                                                    min_weight_version)
+                                                    min_weight_version, lora_request)
                 async for ref in stream:
                     update = await ref
                     unfinished -= update.finish_reason is not None
@@ -225,9 +228,9 @@ class RayReplica:
                 self.abort(request_id)
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
-                          params: BeamSearchParams) -> BeamSearchOutput:
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         with self._calling(request_id):
-            search = self.actor.beam_search.remote(request_id, prompt_token_ids, params)
+            search = self.actor.beam_search.remote(request_id, prompt_token_ids, params, lora_request)
             self.admission.arrived(request_id)  # (its rounds are requests of their own, counted there)
             return await search
 

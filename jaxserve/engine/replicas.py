@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Sequence
 
+from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import RESERVATION_SECONDS
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
@@ -80,8 +81,11 @@ def load_of(replica: AsyncEngine) -> float:
 
 
 def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' figures added up (the per-position acceptance counts position by position)."""
+    """The replicas' figures added up (the per-position acceptance counts position by position; the
+    names of LoRA adapters, those of any replica)."""
     def add(values):
+        if any(isinstance(v, tuple) and any(isinstance(name, str) for name in v) for v in values):
+            return tuple(sorted(set().union(*values)))
         if isinstance(values[0], dict):
             return dict(sum((collections.Counter(v) for v in values), collections.Counter()))
         if isinstance(values[0], tuple):
@@ -196,18 +200,21 @@ class Replicas:
         return self.router.choose(prompt, cache_salt, loads)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0
-                 ) -> AsyncIterator[Update]:
+                 priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[Update]:
         """The request's updates from its replica (the one it was admitted to). Where that replica
         goes away before any update came (`ReplicaLost`), from another one, once per replica; after
         an update, ReplicaLost. One replica's stream is its own (no layer between it and the API)."""
         if len(self.replicas) == 1:
             return self.replicas[0].generate(request_id, prompt_token_ids, params, priority=priority,
-                                             cache_salt=cache_salt, min_weight_version=min_weight_version)
-        return self._generate(request_id, prompt_token_ids, params, priority, cache_salt, min_weight_version)
+                                             cache_salt=cache_salt, min_weight_version=min_weight_version,
+                                             lora_request=lora_request)
+        return self._generate(request_id, prompt_token_ids, params, priority, cache_salt, min_weight_version,
+                              lora_request)
 
     async def _generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                        cache_salt: str | None, min_weight_version: int) -> AsyncIterator[Update]:
+                        cache_salt: str | None, min_weight_version: int, lora_request: LoRARequest | None
+                        ) -> AsyncIterator[Update]:
         route, _ = self._pending.pop(request_id, (None, 0.0))
         lost: set[int] = set()
         try:
@@ -218,7 +225,7 @@ class Replicas:
                 try:
                     async for update in self.replicas[route].generate(
                             request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt,
-                            min_weight_version=min_weight_version):
+                            min_weight_version=min_weight_version, lora_request=lora_request):
                         sent = True
                         yield update
                     return
@@ -233,12 +240,12 @@ class Replicas:
             self._active.pop(request_id, None)
 
     async def beam_search(self, request_id: str, prompt_token_ids: list[int],
-                          params: BeamSearchParams) -> BeamSearchOutput:
+                          params: BeamSearchParams, lora_request: LoRARequest | None = None) -> BeamSearchOutput:
         route, _ = self._pending.pop(request_id, (None, 0.0))
         route = self._choose(prompt_token_ids, None) if route is None else route
         self._active[request_id] = route
         try:
-            return await self.replicas[route].beam_search(request_id, prompt_token_ids, params)
+            return await self.replicas[route].beam_search(request_id, prompt_token_ids, params, lora_request)
         finally:
             self._active.pop(request_id, None)
 

@@ -129,7 +129,7 @@ def attach_adapters(model: nnx.Module, adapters: Mapping[str, tuple[jax.Array, j
     model merged for one trace: each then adds its rows' products (`layers.lora_delta`)."""
     modules = adaptable_modules(model)
     for path, stacks in adapters.items():
-        modules[path].lora = stacks
+        modules[path].lora = nnx.data(stacks)
 
 
 def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,

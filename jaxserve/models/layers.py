@@ -151,11 +151,13 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows) -> jax.
     over the rows sorted by slot (`kernels.grouped_matmul_t`: one pass for all slots); a step with no
     adapted row skips them."""
 
+    sizes = jnp.asarray(rows.sizes)
+
     def delta(x):
         sorted_rows = x[rows.order]
-        return grouped_matmul_t(grouped_matmul_t(sorted_rows, a, rows.sizes), b, rows.sizes)[rows.inverse]
+        return grouped_matmul_t(grouped_matmul_t(sorted_rows, a, sizes), b, sizes)[rows.inverse]
 
-    return jax.lax.cond(rows.sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
+    return jax.lax.cond(sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
 
 
 class Linear(Quantizable):

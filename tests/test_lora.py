@@ -1,0 +1,268 @@
+"""LoRA adapters: many at once over one base model, against PEFT's merged models.
+
+Invariants: one step mixing three adapters and the base model gives each row the logits of its
+adapter merged into the weights by PEFT (float32, within 1e-4); greedy generation through the whole
+engine, with more adapters than slots, equals the merged models' `generate`; llama.cpp's GGUF form of
+an adapter reads as its PEFT form; over HTTP an adapter is a model (vLLM's names and answers), loaded
+and unloaded at run time under load without a single compilation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import SMALL_ENGINE
+from hf_models import build_hf_model, save_hf_model
+from lora_adapters import ADAPTERS, make_adapter, merged, write_gguf_adapter
+from server import Server, free_port, serving
+from test_compile import CompileCounter
+
+from checkpoints.lora import read_adapter
+from jaxserve import LLM, LoRARequest, SamplingParams
+from jaxserve.config.engine import EngineConfig
+from jaxserve.models import LoraRows, ModelInputs, forward, head_logits, rope_table
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import HF_NAME_MAP
+from jaxserve.worker.kv_cache import allocate_kv_cache
+from jaxserve.worker.lora import AdapterSlots, AdapterStore, adaptable_shapes
+from jaxserve.worker.sharding import make_mesh
+from jaxserve.worker.weights import load_weights
+
+PROMPTS = ["the quick brown fox", "lora adapters", "one base model, many fine-tunes", "hello"]
+
+
+@pytest.fixture(scope="module")
+def adapted(tmp_path_factory):
+    """arch -> (base torch model, its checkpoint, {adapter name: (PEFT model, its directory)})."""
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            base = build_hf_model(arch)
+            peft = {name: (make_adapter(base, root / name, rank, targets, rslora, seed=i + 1), root / name)
+                    for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items())}
+            cache[arch] = base, save_hf_model(base, root / "base"), peft
+        return cache[arch]
+
+    return get
+
+
+def requests_of(peft: dict) -> list[LoRARequest]:
+    return [LoRARequest(name, i + 1, str(directory)) for i, (name, (_, directory)) in enumerate(peft.items())]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_one_step_of_three_adapters_and_the_base_equals_peft_merged(arch, adapted):
+    base, model_dir, peft = adapted(arch)
+    cfg = ModelConfig.from_hf(model_dir).for_context(128)
+    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=32, dtype="float32").resolve(cfg)
+    graphdef, state = load_weights(model_dir, cfg, "float32")
+    kv = allocate_kv_cache(cfg, engine_cfg)
+    shapes = adaptable_shapes(cfg, "float32")
+    slots = AdapterSlots(cfg, 3, 16, "float32", make_mesh(1), AdapterStore(cfg, shapes, 16, 3))
+    requests = requests_of(peft)
+    slot_of = slots.assign(requests)
+    rng = np.random.default_rng(2)
+    ids = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (9, 14, 6, 11)]
+    adapters = [*requests, None]  # row b runs with adapters[b]
+    tokens = np.concatenate(ids).astype(np.int32)
+    starts = np.cumsum([0, *map(len, ids)]).astype(np.int32)
+    positions = np.concatenate([np.arange(len(i)) for i in ids]).astype(np.int32)
+    pages = np.arange(1, 5, dtype=np.int32)[:, None]  # one page per sequence
+    row_of = np.repeat(np.arange(4), list(map(len, ids)))
+    token_slots = np.array([-1 if adapters[b] is None else slot_of[adapters[b].lora_int_id] for b in row_of], np.int32)
+    inputs = ModelInputs(token_ids=tokens, positions=positions, rope=rope_table(cfg, positions),
+                         kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
+                         kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
+                         num_seqs=np.asarray(4, np.int32), logits_indices=np.arange(len(tokens), dtype=np.int32)[:4],
+                         lora=LoraRows(**LoraRows.of(token_slots, 3)))
+    _, _, hidden = forward(graphdef, state, kv, inputs, adapters=slots.stacks)
+    got = np.asarray(head_logits(graphdef, state, hidden))
+    for b, (prompt, adapter) in enumerate(zip(ids, adapters)):
+        reference = base if adapter is None else merged(peft[adapter.lora_name][0])
+        with torch.no_grad():
+            want = reference(torch.tensor([prompt])).logits[0].numpy()
+        np.testing.assert_allclose(got[starts[b]:starts[b + 1]], want, atol=1e-4, rtol=0)
+    with torch.no_grad():  # (the adapters change the logits: the comparison tells them apart)
+        plain = base(torch.tensor([ids[0]])).logits[0].numpy()
+    assert np.abs(plain - got[:starts[1]]).max() > 0.1
+
+
+def test_greedy_generation_with_more_adapters_than_slots_equals_the_merged_models(adapted):
+    """Eight prompts over three adapters and the base in two slots: each runs when its adapter has a
+    slot (the others wait, then take the slots of the adapters no longer running), and each equals
+    its merged model's greedy `generate`; outputs carry their LoRARequest."""
+    base, model_dir, peft = adapted("llama")
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **SMALL_ENGINE)
+    requests = requests_of(peft)
+    prompts = PROMPTS * 2
+    loras = [requests[0], requests[1], requests[2], None, requests[2], None, requests[1], requests[0]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0), lora_request=loras)
+    for out, lora in zip(outputs, loras):
+        reference = base if lora is None else merged(peft[lora.lora_name][0])
+        with torch.no_grad():
+            want = reference.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=10, do_sample=False)
+        assert out.outputs[0].token_ids == want[0, len(out.prompt_token_ids):].tolist(), lora
+        assert out.lora_request == lora and out.outputs[0].lora_request == lora
+    # the same new prompt under two adapters shares no prefix-cache page; under the first again, it does
+    fresh = "a prompt of its own, over two pages long"
+    cached = [llm.generate(fresh, SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)[0].num_cached_tokens
+              for lora in (requests[0], requests[1], requests[0])]
+    assert cached == [0, 0, 32]
+
+
+def test_adapter_errors_are_clear():
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig(enable_lora=True, batch_invariant=True)
+    with pytest.raises(ValueError, match="positive"):
+        LoRARequest("a", 0, "/x")
+
+
+def test_gguf_adapter_reads_as_its_peft_form(adapted, tmp_path):
+    """llama.cpp's layout of an adapter (B's q and k rows interleaved by head, alpha in the metadata)
+    gives the same products as the PEFT directory it came from."""
+    _, model_dir, peft = adapted("llama")
+    cfg = ModelConfig.from_hf(model_dir)
+    shapes = adaptable_shapes(cfg, "float32")
+    heads = (cfg.num_heads, cfg.num_kv_heads)
+    for name in ("mlp8", "all16"):
+        rank, _, rslora = ADAPTERS[name]
+        scale = 2 * rank / (rank ** 0.5 if rslora else rank)  # (lora_alpha is 2 r)
+        # (llama.cpp scales by alpha / rank: an rslora adapter converts with alpha = scale * rank)
+        path = write_gguf_adapter(peft[name][0], tmp_path / f"{name}.gguf", heads, alpha=scale * rank)
+        got = read_adapter(path, HF_NAME_MAP, shapes, heads)
+        want = read_adapter(peft[name][1], HF_NAME_MAP, shapes)
+        assert got.rank == want.rank == rank and set(got.layers) == set(want.layers)
+        for layer, (a, b) in want.layers.items():
+            np.testing.assert_allclose(got.layers[layer][0], a, rtol=1e-6)
+            np.testing.assert_allclose(got.layers[layer][1], b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="not a LoRA adapter|no LoRA adapter"):
+        read_adapter(model_dir, HF_NAME_MAP, shapes)
+
+
+@pytest.fixture(scope="module")
+def lora_server(adapted):
+    """(url, AsyncEngine, {name: merged torch model}) of a server over the tiny Llama with two slots,
+    run-time updates on, and adapter qv4 from the start (as --lora-modules gives it)."""
+    from api.app import create_app
+    from api.limits import Limits
+    from jaxserve.engine.async_engine import AsyncEngine
+    from jaxserve.engine.build import build_engine
+    from run_server import add_lora_modules
+    from jaxserve.config.lora import LoraModule
+
+    base, model_dir, peft = adapted("llama")
+    engine, tokenizer = build_engine(EngineConfig(model=str(model_dir), enable_lora=True, max_loras=2,
+                                                  **SMALL_ENGINE))
+    async_engine = AsyncEngine(engine, tokenizer)
+    async_engine.start()
+    limits = Limits("base", 128, engine.model_config.vocab_size)
+    add_lora_modules(limits, [LoraModule("qv4", str(peft["qv4"][1]))], [engine])
+    server = Server(create_app(async_engine, limits, runtime_lora_updating=True), free_port())
+    references = {"base": base, **{name: merged(model) for name, (model, _) in peft.items()}}
+    yield server.url, async_engine, references, {name: str(directory) for name, (_, directory) in peft.items()}
+    server.stop()
+    async_engine.shutdown()
+
+
+def _greedy(reference, prompt_ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        return reference.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)[0, len(prompt_ids):
+                                                                                                  ].tolist()
+
+
+def test_an_adapter_is_a_model_over_http(lora_server):
+    url, _, references, paths = lora_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"base", "qv4"}
+    assert cards["qv4"].parent == "base" and cards["qv4"].root == paths["qv4"]
+    assert client.models.retrieve("qv4").parent == "base"
+    answer = client.completions.create(model="qv4", prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert answer.model == "qv4"
+    choice = answer.choices[0]
+    assert choice.token_ids == _greedy(references["qv4"], choice.prompt_token_ids, 8)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    # vLLM's run-time routes: loaded, then served; the same name twice is a 400 unless in place
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all16", "lora_path": paths["all16"]})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'all16' added successfully."
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all16", "lora_path": paths["all16"]})
+    assert r.status_code == 400 and "already been loaded" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/no/such/adapter"})
+    assert r.status_code == 400 and "/no/such/adapter" in r.json()["error"]["message"]
+    r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "x"})
+    assert r.status_code == 400
+    chat = client.chat.completions.create(model="all16", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.model == "all16"
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all16"})
+    assert r.status_code == 200 and r.text == "Success: LoRA adapter 'all16' removed successfully."
+    r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "all16"})
+    assert r.status_code == 404 and "cannot be found" in r.json()["error"]["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="all16", prompt="x", max_tokens=1)
+
+
+def test_adapters_of_concurrent_requests_share_steps_and_report_in_metrics(lora_server):
+    """Three adapters and the base at once through two slots, each answer its merged model's; while
+    they run, vLLM's lora_requests_info gauge names the running and the waiting adapters."""
+    url, _, references, paths = lora_server
+    for name in ("all16", "mlp8"):
+        httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": paths[name],
+                                                        "load_inplace": True}).raise_for_status()
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    models = ["qv4", "all16", "base", "mlp8"] * 2
+    seen = []
+
+    async def scrape():
+        async with httpx.AsyncClient() as http:
+            for _ in range(40):
+                text = (await http.get(url + "/metrics")).text
+                seen.extend(re.findall(r"vllm:lora_requests_info\{[^}]*\}", text))
+                await asyncio.sleep(0.01)
+
+    async def run():
+        calls = [client.completions.create(model=m, prompt=p, max_tokens=12, temperature=0,
+                                           extra_body={"return_token_ids": True})
+                 for m, p in zip(models, PROMPTS * 2)]
+        return await asyncio.gather(*calls, scrape())
+
+    *answers, _ = asyncio.run(run())
+    for model, answer in zip(models, answers):
+        assert answer.choices[0].token_ids == _greedy(references[model], answer.choices[0].prompt_token_ids, 12), model
+    assert seen and all('max_lora="2"' in s for s in seen)
+    assert any(re.search(r'running_lora_adapters="[a-z0-9,]+"', s) for s in seen)
+
+
+def test_load_and_unload_under_load_compiles_nothing(lora_server):
+    """50 cycles of loading an adapter (the three in turn, through two slots), sending a request for
+    it, unloading it while it streams: each such request still finishes, a new one is a 404, and no
+    step compiles."""
+    url, engine, references, paths = lora_server
+    names = list(paths)
+    with CompileCounter(thread=engine._thread) as counter, httpx.Client(base_url=url, timeout=60) as http:
+        for cycle in range(50):
+            name = names[cycle % 3]
+            http.post("/v1/load_lora_adapter", json={"lora_name": "cycle", "lora_path": paths[name]}
+                      ).raise_for_status()
+            with http.stream("POST", "/v1/completions", json={"model": "cycle", "prompt": PROMPTS[cycle % 4],
+                                                               "max_tokens": 6, "temperature": 0, "stream": True,
+                                                               "return_token_ids": True}) as stream:
+                lines = stream.iter_lines()
+                first = next(line for line in lines if line.startswith("data: "))
+                http.post("/v1/unload_lora_adapter", json={"lora_name": "cycle"}).raise_for_status()
+                rest = [line for line in lines if line.startswith("data: ")]
+            assert rest[-1] == "data: [DONE]", rest
+            assert http.post("/v1/completions", json={"model": "cycle", "prompt": "x"}).status_code == 404
+            assert first
+    assert counter.count == 0
