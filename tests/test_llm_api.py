@@ -327,7 +327,8 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
     with pytest.raises(ValueError, match="more than max_logprobs"):
         llm.generate("hello", SamplingParams(logprobs=4))
     for options, match in ((dict(quantization="awq"), "quantization='awq' is not supported"),
-                           (dict(enable_lora=True), "LoRA"), (dict(pipeline_parallel_size=2), "pipeline"),
+                           (dict(enable_lora=True, batch_invariant=True), "LoRA|lora"),
+                           (dict(pipeline_parallel_size=2), "pipeline"),
                            (dict(task="embed"), "text only"), (dict(max_logprobs=-2), "max_logprobs"),
                            (dict(override_generation_config={"do_sample": True}), "do_sample")):
         with pytest.raises(ValueError, match=match):

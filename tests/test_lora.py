@@ -59,41 +59,66 @@ def requests_of(peft: dict) -> list[LoRARequest]:
     return [LoRARequest(name, i + 1, str(directory)) for i, (name, (_, directory)) in enumerate(peft.items())]
 
 
+def mixed_step_logits(model_dir, requests: list[LoRARequest | None], ids: list[list[int]],
+                      quantization: str | None = None) -> list[np.ndarray]:
+    """The logits at every position of each prompt, all in one step, prompt b with adapter
+    requests[b] (None: the base model), through three slots."""
+    cfg = ModelConfig.from_hf(model_dir).for_context(128)
+    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=32, dtype="float32").resolve(cfg)
+    graphdef, state = load_weights(model_dir, cfg, "float32", quantization=quantization)
+    kv = allocate_kv_cache(cfg, engine_cfg)
+    slots = AdapterSlots(cfg, 3, 16, "float32", make_mesh(1),
+                         AdapterStore(cfg, adaptable_shapes(cfg, "float32"), 16, 3))
+    slot_of = slots.assign(r for r in requests if r is not None)
+    starts = np.cumsum([0, *map(len, ids)]).astype(np.int32)
+    positions = np.concatenate([np.arange(len(i)) for i in ids]).astype(np.int32)
+    row_of = np.repeat(np.arange(len(ids)), list(map(len, ids)))
+    pages = np.arange(1, len(ids) + 1, dtype=np.int32)[:, None]  # one page per prompt
+    token_slots = np.array([-1 if requests[b] is None else slot_of[requests[b].lora_int_id] for b in row_of], np.int32)
+    inputs = ModelInputs(token_ids=np.concatenate(ids).astype(np.int32), positions=positions,
+                         rope=rope_table(cfg, positions), kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
+                         kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
+                         num_seqs=np.asarray(len(ids), np.int32), logits_indices=starts[1:] - 1,
+                         lora=LoraRows(**LoraRows.of(token_slots, 3)))
+    _, _, hidden = forward(graphdef, state, kv, inputs, adapters=slots.stacks)
+    logits = np.asarray(head_logits(graphdef, state, hidden))
+    return [logits[starts[b]:starts[b + 1]] for b in range(len(ids))]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_one_step_of_three_adapters_and_the_base_equals_peft_merged(arch, adapted):
     base, model_dir, peft = adapted(arch)
-    cfg = ModelConfig.from_hf(model_dir).for_context(128)
-    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=32, dtype="float32").resolve(cfg)
-    graphdef, state = load_weights(model_dir, cfg, "float32")
-    kv = allocate_kv_cache(cfg, engine_cfg)
-    shapes = adaptable_shapes(cfg, "float32")
-    slots = AdapterSlots(cfg, 3, 16, "float32", make_mesh(1), AdapterStore(cfg, shapes, 16, 3))
-    requests = requests_of(peft)
-    slot_of = slots.assign(requests)
     rng = np.random.default_rng(2)
-    ids = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (9, 14, 6, 11)]
-    adapters = [*requests, None]  # row b runs with adapters[b]
-    tokens = np.concatenate(ids).astype(np.int32)
-    starts = np.cumsum([0, *map(len, ids)]).astype(np.int32)
-    positions = np.concatenate([np.arange(len(i)) for i in ids]).astype(np.int32)
-    pages = np.arange(1, 5, dtype=np.int32)[:, None]  # one page per sequence
-    row_of = np.repeat(np.arange(4), list(map(len, ids)))
-    token_slots = np.array([-1 if adapters[b] is None else slot_of[adapters[b].lora_int_id] for b in row_of], np.int32)
-    inputs = ModelInputs(token_ids=tokens, positions=positions, rope=rope_table(cfg, positions),
-                         kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
-                         kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
-                         num_seqs=np.asarray(4, np.int32), logits_indices=np.arange(len(tokens), dtype=np.int32)[:4],
-                         lora=LoraRows(**LoraRows.of(token_slots, 3)))
-    _, _, hidden = forward(graphdef, state, kv, inputs, adapters=slots.stacks)
-    got = np.asarray(head_logits(graphdef, state, hidden))
-    for b, (prompt, adapter) in enumerate(zip(ids, adapters)):
+    ids = [rng.integers(0, base.config.vocab_size, size=n).tolist() for n in (9, 14, 6, 11)]
+    adapters = [*requests_of(peft), None]  # prompt b runs with adapters[b]
+    got = mixed_step_logits(model_dir, adapters, ids)
+    for prompt, adapter, logits in zip(ids, adapters, got):
         reference = base if adapter is None else merged(peft[adapter.lora_name][0])
         with torch.no_grad():
             want = reference(torch.tensor([prompt])).logits[0].numpy()
-        np.testing.assert_allclose(got[starts[b]:starts[b + 1]], want, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(logits, want, atol=1e-4, rtol=0)
     with torch.no_grad():  # (the adapters change the logits: the comparison tells them apart)
         plain = base(torch.tensor([ids[0]])).logits[0].numpy()
-    assert np.abs(plain - got[:starts[1]]).max() > 0.1
+    assert np.abs(plain - got[0]).max() > 0.1
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_adapters_over_quantized_weights_match_them_over_the_dequantized_ones(quantization, adapted, tmp_path):
+    """The adapter's products stay in floats over a quantized base: the same adapters over the
+    checkpoint whose quantized matrices hold their dequantized values agree as test_quantization's
+    models do (top-1 and KL divergence)."""
+    from test_gguf import MAX_KL, MIN_TOP1, TIE, agreement
+    from test_quantization import dequantized_twin
+
+    base, model_dir, peft = adapted("llama")
+    twin = dequantized_twin(model_dir, quantization, tmp_path / "twin")
+    rng = np.random.default_rng(3)
+    ids = [rng.integers(0, base.config.vocab_size, size=30).tolist() for _ in range(4)]
+    adapters = [*requests_of(peft), None]
+    got = np.concatenate(mixed_step_logits(model_dir, adapters, ids, quantization))
+    want = np.concatenate(mixed_step_logits(twin, adapters, ids))
+    top1, kl = agreement(got, want, TIE)
+    assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
 
 
 def test_greedy_generation_with_more_adapters_than_slots_equals_the_merged_models(adapted):
@@ -266,3 +291,28 @@ def test_load_and_unload_under_load_compiles_nothing(lora_server):
             assert http.post("/v1/completions", json={"model": "cycle", "prompt": "x"}).status_code == 404
             assert first
     assert counter.count == 0
+
+
+def test_adapters_under_tensor_parallelism_split_like_their_layers(adapted):
+    """Sizes 1, 2 and 4 on virtual CPU devices give the same greedy tokens for rows of three adapters
+    and the base; q's B is split over its outputs, o's A over its inputs."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, model_dir, peft = adapted("llama")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(here.parent), os.environ.get("PYTHONPATH")]))}
+    args = [sys.executable, str(here / "lora_tp_worker.py"), str(model_dir), "1,2,4",
+            *(str(directory) for _, directory in peft.values())]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900, cwd=here.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+    for tp, result in results.items():
+        assert result["tokens"] == results[1]["tokens"], tp
+        (q_a, q_b), (o_a, o_b) = result["stacks"].values()
+        assert q_a == [2, 16, 64] and q_b == [2, 64 // tp, 16]  # (4 heads of 16)
+        assert o_a == [2, 16, 64 // tp] and o_b == [2, 64, 16]

@@ -35,6 +35,7 @@ from checkpoints import resolve_model
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
+from jaxserve.engine.commands import Abort, AbortAll, Add, Control, Subscriber
 from jaxserve.engine.core import Engine
 from jaxserve.engine.output_processor import update_of
 from jaxserve.engine.pausing import CONTROLS, Holding
@@ -49,44 +50,6 @@ from jaxserve.structured_output.grammar import Constraint
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Subscriber:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    unfinished: int  # sequences of the request still running
-
-
-# The commands coroutines hand the engine thread (applied between steps, in order).
-@dataclasses.dataclass(frozen=True)
-class Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    subscriber: _Subscriber  # where its updates go
-    priority: int = 0
-    cache_salt: str | None = None
-    min_weight_version: int = 0  # held until the weights are at least this version
-    lora_request: LoRARequest | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Abort:
-    request_id: str
-
-
-@dataclasses.dataclass(frozen=True)
-class AbortAll:
-    pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Control:
-    """Run `fn` on the engine thread between steps (a pause, new weights, sleep): its result, or its
-    exception, completes `done`."""
-    fn: Callable[[], object]
-    done: Future
-
-
 class AsyncEngine:
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None):
@@ -97,7 +60,7 @@ class AsyncEngine:
                                     lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._subscribers: dict[str, _Subscriber] = {}  # engine thread only
+        self._subscribers: dict[str, Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._closed = False  # set (under _lock) once the loop takes no more commands
@@ -152,7 +115,7 @@ class AsyncEngine:
         """Updates of the request's n sequences until all finish; leaving early aborts them. A step that
         fails raises `StepFailed`. The request waits while the engine is paused, and until its weights
         are at least `min_weight_version`. `lora_request`: the LoRA adapter it runs with."""
-        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
+        subscriber = Subscriber(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         self.admission.sent(request_id)
         if not self._send(Add(request_id, list(prompt_token_ids), params, subscriber, priority, cache_salt,
                               min_weight_version, lora_request)):

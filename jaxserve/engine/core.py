@@ -37,7 +37,7 @@ from jaxserve.sched.sequence import Sequence, SequenceStatus
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import compilation_cache
-from jaxserve.worker.lora import AdapterSlots, AdapterStore, adaptable_shapes
+from jaxserve.worker.lora import adapter_slots
 from jaxserve.worker.runner import Runner
 from jaxserve.worker.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.worker.step_fn import LaunchedStep
@@ -101,16 +101,9 @@ class Engine:
             draft_dir = resolve_model(spec.model)
             draft = DraftModel(draft_dir, ModelConfig.from_hf(draft_dir), config, model_config, self.mesh,
                                executable_cache)
-        adapters = None
-        if config.enable_lora:
-            if jax.process_count() > 1:
-                raise ValueError("enable_lora: LoRA adapters are served by one host's replicas only")
-            store = AdapterStore(model_config, adaptable_shapes(model_config, config.dtype), config.max_lora_rank,
-                                 config.cpu_loras)
-            adapters = AdapterSlots(model_config, config.max_loras, config.max_lora_rank, config.dtype, self.mesh,
-                                    store)
         self.runner = Runner(model_config, config, graphdef, state, kv_sharding(self.mesh, model_config),
-                             replicated(self.mesh), executable_cache, self.processors, draft, adapters)
+                             replicated(self.mesh), executable_cache, self.processors, draft,
+                             adapter_slots(model_config, config, self.mesh))
         self.scheduler = Scheduler(config, model_config.eos_token_ids)
         # the prefix cache's events, for external routers (--kv-events-config): one publisher per replica
         rank = replica if data_parallel_rank is None else data_parallel_rank

@@ -58,7 +58,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.sched.pages import PageAllocator
 from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, prompt_targets,
                                  record_prompt_logprobs, token_logprobs)
-from jaxserve.sched.sequence import Sequence, SequenceStatus
+from jaxserve.sched.sequence import Sequence, SequenceStatus, adapter_names
 
 
 class Scheduler:
@@ -156,7 +156,7 @@ class Scheduler:
             num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens, accepted_per_position=tuple(self.accepted_per_position),
-            running_loras=_adapter_names(self.running), waiting_loras=_adapter_names(self.waiting))
+            running_loras=adapter_names(self.running), waiting_loras=adapter_names(self.waiting))
 
     def schedule(self, token_budget: int | None = None, drafts: dict[int, list[int]] | None = None
                  ) -> ScheduledBatch:
@@ -220,9 +220,8 @@ class Scheduler:
         return batch
 
     def _next_waiting(self, adapters: set[int]) -> Sequence | None:
-        """The first waiting sequence whose LoRA adapter, if any, can have a slot: one of `adapters`
-        (the running sequences'), or a new one while they are fewer than max_loras. Those of other
-        adapters wait (as in vLLM), and the ones after them go first."""
+        """The first waiting sequence whose LoRA adapter, if any, is one of `adapters` (the running's)
+        or finds a slot (max_loras); those of other adapters wait, and those behind them go first (vLLM's)."""
         return next((seq for seq in self.waiting if seq.lora is None or seq.lora.lora_int_id in adapters
                      or len(adapters) < self.config.max_loras), None)
 
@@ -396,7 +395,3 @@ class Scheduler:
         self.finish_counts[reason] += 1
         self.allocator.release(seq.page_ids)
         del self.seqs[seq.seq_id]
-
-
-def _adapter_names(seqs) -> tuple[str, ...]:
-    return tuple(sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None}))

@@ -29,6 +29,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+def adapter_names(seqs) -> tuple[str, ...]:
+    """The names of the LoRA adapters of `seqs`, sorted."""
+    return tuple(sorted({seq.lora.lora_name for seq in seqs if seq.lora is not None}))
+
+
 @dataclasses.dataclass(eq=False)
 class Sequence:
     seq_id: int

@@ -79,6 +79,16 @@ class AdapterStore:
         return weights
 
 
+def adapter_slots(cfg: ModelConfig, config, mesh: Mesh) -> AdapterSlots | None:
+    """The slots an engine of `config` (an `EngineConfig`) serves adapters from; None without enable_lora."""
+    if not config.enable_lora:
+        return None
+    if jax.process_count() > 1:
+        raise ValueError("enable_lora: LoRA adapters are served by one host's replicas only")
+    store = AdapterStore(cfg, adaptable_shapes(cfg, config.dtype), config.max_lora_rank, config.cpu_loras)
+    return AdapterSlots(cfg, config.max_loras, config.max_lora_rank, config.dtype, mesh, store)
+
+
 def _write_slot(stacks: dict, slot: jax.Array, new: dict) -> dict:
     return {path: (a.at[slot].set(new[path][0].astype(a.dtype)), b.at[slot].set(new[path][1].astype(b.dtype)))
             for path, (a, b) in stacks.items()}
@@ -141,4 +151,4 @@ class AdapterSlots:
         return list(self._slot_of)
 
 
-__all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes"]
+__all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes", "adapter_slots"]

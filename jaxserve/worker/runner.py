@@ -261,7 +261,6 @@ class Runner:
         query_start = np.zeros(num_rows + 1, np.int32)
         logits_indices = np.zeros(num_rows, np.int32)
         pending = np.full(num_tokens, -1, np.int32)
-        lora_slots = np.full(num_tokens, -1, np.int32)
         prompt_rows = np.zeros(num_tokens, np.int32)
         targets = np.full(num_tokens, -1, np.int32)
         asked = 0
@@ -271,8 +270,6 @@ class Runner:
             pos = np.arange(row.start_position, row.start_position + n)
             pages = np.asarray(row.page_ids, np.int32)
             token_ids[start:start + n] = row.token_ids
-            if row.lora is not None:
-                lora_slots[start:start + n] = slots[row.lora.lora_int_id]
             positions[start:start + n] = pos
             kv_write_index[start:start + n] = pages[pos // cfg.page_size] * cfg.page_size + pos % cfg.page_size
             next_tokens = prompt_targets(row)
@@ -293,8 +290,7 @@ class Runner:
                              kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices,
-                             lora=None if self.adapters is None else LoraRows(**LoraRows.of(
-                                 lora_slots, self.adapters.num_slots)))
+                             lora=self._lora_rows(batch, slots or {}, num_tokens))
         rows = [SamplingRow(params=r.params, seed=r.seed,
                             position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
                             token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,
@@ -309,6 +305,18 @@ class Runner:
             copies[c] = src, dst
         return StepInputs(page_copies=copies, pending=pending, model=model, sampling=sampling, prompt_rows=prompt_rows,
                           prompt_targets=targets)
+
+    def _lora_rows(self, batch: ScheduledBatch, slots: dict[int, int], num_tokens: int) -> LoraRows | None:
+        """Each token row's LoRA slot (-1: none), as the step takes them; None without adapters."""
+        if self.adapters is None:
+            return None
+        token_slots = np.full(num_tokens, -1, np.int32)
+        start = 0
+        for row in batch.rows:
+            if row.lora is not None:
+                token_slots[start:start + len(row.token_ids)] = slots[row.lora.lora_int_id]
+            start += len(row.token_ids)
+        return LoraRows(**LoraRows.of(token_slots, self.adapters.num_slots))
 
     def padding_on_device(self, padding: Padding) -> jax.Array:
         """The device copy of `padding`, placed on first use (keyed by its value: the same contents)."""
