@@ -64,7 +64,7 @@ def _read_peft(path: Path, hf_name_map: Mapping[str, str], adaptable: Collection
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{path}: peft_type {config['peft_type']!r} is not a LoRA adapter")
     for key, off in (("modules_to_save", None), ("bias", "none"), ("use_dora", False)):
-        if config.get(key) not in (off, [], None if off is None else off):
+        if config.get(key) not in (None, off, []):
             raise ValueError(f"{path}: {key}={config[key]!r} is not supported (only the low-rank products are served)")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise ValueError(f"{path}: per-layer ranks or alphas (rank_pattern, alpha_pattern) are not supported")

@@ -14,6 +14,7 @@ import re
 import threading
 
 import httpx
+import jax
 import numpy as np
 import openai
 import pytest
@@ -85,7 +86,7 @@ def mixed_step_logits(model_dir, requests: list[LoRARequest | None], ids: list[l
     return [logits[starts[b]:starts[b + 1]] for b in range(len(ids))]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_one_step_of_three_adapters_and_the_base_equals_peft_merged(arch, adapted):
     base, model_dir, peft = adapted(arch)
     rng = np.random.default_rng(2)
@@ -100,6 +101,33 @@ def test_one_step_of_three_adapters_and_the_base_equals_peft_merged(arch, adapte
     with torch.no_grad():  # (the adapters change the logits: the comparison tells them apart)
         plain = base(torch.tensor([ids[0]])).logits[0].numpy()
     assert np.abs(plain - got[0]).max() > 0.1
+
+
+def test_a_mixture_of_experts_takes_adapters_of_its_attention_only(tmp_path):
+    """Qwen3-MoE: an adapter of q and v equals PEFT's merged model; one of an expert's projection is
+    refused, naming the layer."""
+    from safetensors.numpy import save_file
+
+    base = build_hf_model("qwen3-moe")
+    model_dir = save_hf_model(base, tmp_path / "base")
+    rank, targets, rslora = ADAPTERS["qv4"]
+    peft = make_adapter(base, tmp_path / "qv4", rank, targets, rslora, seed=5)
+    ids = [np.random.default_rng(4).integers(0, base.config.vocab_size, size=12).tolist()]
+    (got,) = mixed_step_logits(model_dir, [LoRARequest("qv4", 1, str(tmp_path / "qv4"))], ids)
+    with torch.no_grad():
+        want = merged(peft)(torch.tensor(ids)).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 2, "lora_alpha": 2}')
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": np.ones((2, 64), np.float32),
+               f"{prefix}.lora_B.weight": np.ones((64, 2), np.float32)}, str(experts / "adapter_model.safetensors"))
+    cfg = ModelConfig.from_hf(model_dir)
+    from jaxserve.models import MODEL_REGISTRY
+
+    with pytest.raises(ValueError, match="experts.0.gate_proj"):
+        read_adapter(experts, MODEL_REGISTRY[cfg.architecture].hf_name_map, adaptable_shapes(cfg, "float32"))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -121,12 +149,14 @@ def test_adapters_over_quantized_weights_match_them_over_the_dequantized_ones(qu
     assert top1 >= MIN_TOP1 and kl <= MAX_KL, (top1, kl)
 
 
-def test_greedy_generation_with_more_adapters_than_slots_equals_the_merged_models(adapted):
-    """Eight prompts over three adapters and the base in two slots: each runs when its adapter has a
-    slot (the others wait, then take the slots of the adapters no longer running), and each equals
-    its merged model's greedy `generate`; outputs carry their LoRARequest."""
-    base, model_dir, peft = adapted("llama")
-    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=16, **SMALL_ENGINE)
+@pytest.mark.parametrize(("arch", "slots"), [("llama", 2), ("qwen3", 3)])
+def test_greedy_generation_equals_the_merged_models(arch, slots, adapted):
+    """Eight prompts over three adapters and the base: with three slots they all decode in the same
+    steps; with two, each runs when its adapter has a slot (the others wait, then take the slots of
+    the adapters no longer running). Each equals its merged model's greedy `generate`; outputs carry
+    their LoRARequest."""
+    base, model_dir, peft = adapted(arch)
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=slots, max_lora_rank=16, **SMALL_ENGINE)
     requests = requests_of(peft)
     prompts = PROMPTS * 2
     loras = [requests[0], requests[1], requests[2], None, requests[2], None, requests[1], requests[0]]
@@ -137,11 +167,48 @@ def test_greedy_generation_with_more_adapters_than_slots_equals_the_merged_model
             want = reference.generate(torch.tensor([out.prompt_token_ids]), max_new_tokens=10, do_sample=False)
         assert out.outputs[0].token_ids == want[0, len(out.prompt_token_ids):].tolist(), lora
         assert out.lora_request == lora and out.outputs[0].lora_request == lora
+    if slots == 3:
+        return
     # the same new prompt under two adapters shares no prefix-cache page; under the first again, it does
     fresh = "a prompt of its own, over two pages long"
     cached = [llm.generate(fresh, SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)[0].num_cached_tokens
               for lora in (requests[0], requests[1], requests[0])]
     assert cached == [0, 0, 32]
+
+
+@pytest.mark.parametrize("impl", ["chunked", "ragged"])
+def test_lora_delta_against_float64_numpy(impl, monkeypatch):
+    """Both forms of the adapters' products (CPU's masked one, TPU's and GPU's grouped one) against
+    float64 numpy, rows of every slot and of none interleaved; the grouped one lowers for TPU and GPU."""
+    from jaxserve.models import layers
+
+    monkeypatch.setattr(layers, "grouped_implementation", lambda: impl)
+    rng = np.random.default_rng(6)
+    x, a, b = rng.normal(size=(13, 24)), rng.normal(size=(3, 4, 24)), rng.normal(size=(3, 20, 4))
+    slots = np.array([2, -1, 0, 0, 1, -1, 2, 2, 1, 0, -1, 1, 2], np.int32)
+    rows = LoraRows(**LoraRows.of(slots, 3))
+    f = jax.jit(layers.lora_delta)
+    got = f(*(np.asarray(v, np.float32) for v in (x, a, b)), rows)
+    want = np.stack([np.zeros(20) if s < 0 else (x[i] @ a[s].T) @ b[s].T for i, s in enumerate(slots)])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4, rtol=1e-5)
+    none = LoraRows(**LoraRows.of(np.full(13, -1, np.int32), 3))
+    assert not np.asarray(f(*(np.asarray(v, np.float32) for v in (x, a, b)), none)).any()
+    if impl == "ragged":
+        for platform in ("tpu", "cuda"):
+            f.trace(*(np.asarray(v, np.float32) for v in (x, a, b)), rows).lower(lowering_platforms=(platform,))
+
+
+def test_host_memory_keeps_the_most_recently_used_adapters(adapted):
+    _, model_dir, peft = adapted("llama")
+    cfg = ModelConfig.from_hf(model_dir)
+    store = AdapterStore(cfg, adaptable_shapes(cfg, "float32"), 16, capacity=2)
+    first, second, third = requests_of(peft)
+    held = store.get(first)
+    assert store.get(first) is held  # (kept: not read again)
+    store.get(second), store.get(third)
+    assert store.get(first) is not held  # (dropped for the third, then read again)
+    with pytest.raises(ValueError, match="rank 16, past --max-lora-rank 8"):
+        AdapterStore(cfg, adaptable_shapes(cfg, "float32"), 8, capacity=2).get(second)
 
 
 def test_adapter_errors_are_clear():
@@ -316,3 +383,31 @@ def test_adapters_under_tensor_parallelism_split_like_their_layers(adapted):
         (q_a, q_b), (o_a, o_b) = result["stacks"].values()
         assert q_a == [2, 16, 64] and q_b == [2, 64 // tp, 16]  # (4 heads of 16)
         assert o_a == [2, 16, 64 // tp] and o_b == [2, 64, 16]
+
+
+def test_run_server_serves_lora_modules_under_vllms_switch(adapted):
+    """`python run_server.py --enable-lora --lora-modules` in both of vLLM's forms, with vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING turning on the run-time routes; --lora-modules without
+    --enable-lora, or an adapter that cannot be served, stops it with why."""
+    import json
+
+    import run_server
+
+    base, model_dir, peft = adapted("llama")
+    with pytest.raises(SystemExit):
+        run_server.parse_args(["--model", str(model_dir), "--lora-modules", f"qv4={peft['qv4'][1]}"])
+    module = json.dumps({"name": "mlp8", "path": str(peft["mlp8"][1]), "base_model_name": "tiny-llama"})
+    port = free_port()
+    with serving(port, "--model", str(model_dir), "--enable-lora", "--max-loras", "2", "--max-model-len", "128",
+                 "--max-num-batched-tokens", "32", "--lora-modules", f"qv4={peft['qv4'][1]}", module,
+                 env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}):
+        url = f"http://127.0.0.1:{port}"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert {m.id: m.parent for m in client.models.list().data} == {
+            str(model_dir): None, "qv4": str(model_dir), "mlp8": "tiny-llama"}
+        answer = client.completions.create(model="mlp8", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        choice = answer.choices[0]
+        assert choice.token_ids == _greedy(merged(peft["mlp8"][0]), choice.prompt_token_ids, 6)
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "all16", "lora_path": str(peft["all16"][1])})
+        assert r.status_code == 200, r.text

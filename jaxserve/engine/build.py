@@ -22,6 +22,7 @@ from jaxserve.models import abstract_model
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import SamplingParams
+from jaxserve.worker.lora import adapter_bytes
 from jaxserve.worker.weights import weight_formats
 from kernels import implementation as attention_implementation
 
@@ -30,11 +31,13 @@ log = logging.getLogger(__name__)
 
 def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tensor_parallel_size: int,
                     formats: dict[str, str] | None = None,
-                    draft: tuple[ModelConfig, dict[str, str]] | None = None, replicas: int = 1) -> int:
+                    draft: tuple[ModelConfig, dict[str, str]] | None = None, replicas: int = 1,
+                    lora: tuple[int, int] | None = None) -> int:
     """Bytes of KV cache (as one logical array) that fit in `fraction` of memory next to the weights
     (matrices kept quantized as `formats` says, see `weights.weight_formats`). With a `draft` model
     (its config and formats: speculative decoding), next to its weights too, and sharing the bytes
-    with its cache, which has as many pages (`jaxserve/worker/draft.py`): the target's part.
+    with its cache, which has as many pages (`jaxserve/worker/draft.py`): the target's part. With
+    `lora` (slots, rank), next to the LoRA adapters' stacks too (`jaxserve/worker/lora.py`).
 
     On accelerators each of the tp devices gives `fraction` of its memory and holds 1/tp of the
     weights; the cache is split over them, or copied to each when its KV heads do not divide.
@@ -44,6 +47,7 @@ def kv_cache_budget(model_config: ModelConfig, dtype: str, fraction: float, tens
     models = [(model_config, formats), *([draft] if draft is not None else [])]
     weights = sum(x.size * x.dtype.itemsize for cfg, fmts in models for x in jax.tree.leaves(
         nnx.state(abstract_model(cfg, jnp.dtype(dtype), fmts))))
+    weights += adapter_bytes(model_config, dtype, *lora) if lora else 0
     copies = 1 if model_config.num_kv_heads % tp == 0 else tp  # devices holding a whole copy of the cache
     stats = jax.devices()[0].memory_stats() or {}
     if jax.default_backend() == "cpu" or "bytes_limit" not in stats:
@@ -145,5 +149,7 @@ def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig
             draft = draft_config, weight_formats(draft_dir, draft_config, None)
         given["kv_cache_bytes"] = kv_cache_budget(model_config, given["dtype"], config.kv_cache_memory_fraction,
                                                   config.tensor_parallel_size, formats, draft,
-                                                  config.data_parallel_size)
+                                                  config.data_parallel_size,
+                                                  (config.max_loras, config.max_lora_rank) if config.enable_lora
+                                                  else None)
     return given

@@ -6,7 +6,7 @@ is vLLM's KVEventBatch in msgpack: an array [timestamp (s), [event, ...], data-p
 each event a map tagged by its "type" (as vLLM writes them since it moved from arrays to maps):
 
     {"type": "BlockStored", "block_hashes": [h, ...], "parent_block_hash": h | None,
-     "token_ids": [...], "block_size": page_size, "lora_id": None, "medium": "GPU", "lora_name": None}
+     "token_ids": [...], "block_size": page_size, "lora_id": id | None, "medium": "GPU", "lora_name": name | None}
     {"type": "BlockRemoved", "block_hashes": [h, ...], "medium": "GPU"}
     {"type": "AllBlocksCleared"}
 
@@ -43,10 +43,11 @@ def event_map(event: tuple, page_size: int) -> dict:
     """One of the allocator's events (`PageAllocator.events`) as vLLM's event map."""
     kind = event[0]
     if kind == "stored":
-        _, parent, keys, tokens = event
+        _, parent, keys, tokens, lora = event
         return {"type": "BlockStored", "block_hashes": [block_hash(k) for k in keys],
                 "parent_block_hash": None if parent is None else block_hash(parent), "token_ids": tokens,
-                "block_size": page_size, "lora_id": None, "medium": MEDIUM, "lora_name": None}
+                "block_size": page_size, "lora_id": lora and lora.lora_int_id, "medium": MEDIUM,
+                "lora_name": lora and lora.lora_name}
     if kind == "removed":
         return {"type": "BlockRemoved", "block_hashes": [block_hash(k) for k in event[1]], "medium": MEDIUM}
     return {"type": "AllBlocksCleared"}

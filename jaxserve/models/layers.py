@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
 from kernels import AXIS, grouped_matmul_t, matmul_t, paged_attention, write_kv
+from kernels.matmul.grouped import implementation as grouped_implementation
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
@@ -46,24 +48,24 @@ class KVCache:
 
 @flax.struct.dataclass
 class LoraRows:
-    """Which adapter slot each token row of a step runs with, as the grouped products take it:
-    S = slots (`--max-loras`); rows with no adapter sort after every slot's (no product)."""
+    """Which adapter slot each token row of a step runs with (S = slots, `--max-loras`), and the same
+    as the grouped products take it: the rows sorted by slot, those with no adapter after every
+    slot's (no product)."""
 
+    slots: jax.Array  # i32[T] each row's slot; -1: no adapter
     order: jax.Array  # i32[T] the rows sorted by slot
     inverse: jax.Array  # i32[T] the place of each row in `order`
     sizes: jax.Array  # i32[S] rows per slot
 
     @staticmethod
-    def of(slots, num_slots: int) -> dict:
-        """The fields (host arrays) for i32[T] slots of the rows, -1: no adapter."""
-        import numpy as np
-
+    def of(slots: np.ndarray, num_slots: int) -> dict:
+        """The fields (host arrays) for i32[T] slots of the rows."""
         key = np.where(slots < 0, num_slots, slots)
         order = np.argsort(key, kind="stable").astype(np.int32)
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order), dtype=np.int32)
         sizes = np.bincount(key, minlength=num_slots + 1)[:num_slots].astype(np.int32)
-        return dict(order=order, inverse=inverse, sizes=sizes)
+        return dict(slots=np.asarray(slots, np.int32), order=order, inverse=inverse, sizes=sizes)
 
 
 @flax.struct.dataclass
@@ -147,16 +149,25 @@ class Quantizable(nnx.Module):
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows) -> jax.Array:
     """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
-    slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. Two grouped products
-    over the rows sorted by slot (`kernels.grouped_matmul_t`: one pass for all slots); a step with no
-    adapted row skips them."""
-
+    slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. One pass for all
+    slots: on TPU and GPU two grouped products over the rows sorted by slot
+    (`kernels.grouped_matmul_t`, `ragged_dot`); on CPU, where it measured faster (bench/RESULTS.md,
+    "LoRA adapters"), every row through every slot's A at once, masked to its own slot's ranks,
+    then through B. A step with no adapted row skips them."""
     sizes = jnp.asarray(rows.sizes)
 
-    def delta(x):
+    def grouped(x):
         sorted_rows = x[rows.order]
         return grouped_matmul_t(grouped_matmul_t(sorted_rows, a, sizes), b, sizes)[rows.inverse]
 
+    def masked(x):
+        slots, rank = a.shape[0], a.shape[1]
+        h = matmul_t(x, a.reshape(slots * rank, a.shape[2]))  # [T, S * r]
+        h = jnp.where(jnp.asarray(rows.slots)[:, None] == jnp.arange(slots * rank) // rank, h, 0)
+        return jnp.einsum("tsr,sor->to", h.reshape(-1, slots, rank), b,
+                          preferred_element_type=jnp.float32).astype(x.dtype)
+
+    delta = masked if grouped_implementation() == "chunked" else grouped
     return jax.lax.cond(sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
 
 

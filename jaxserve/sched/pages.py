@@ -51,8 +51,9 @@ class PageAllocator:
     then a sequence with the same prefix can pick it up again (`lookup` + `acquire`).
 
     With `record_events` it notes what an external router of KV events needs (`events`, taken by
-    `take_events`): ("stored", parent key, keys, tokens) for each run of pages one sequence registers,
-    ("removed", keys) for each cached page evicted, ("cleared",) when the cache is reset.
+    `take_events`): ("stored", parent key, keys, tokens, its LoRA adapter) for each run of pages one
+    sequence registers, ("removed", keys) for each cached page evicted, ("cleared",) when the cache
+    is reset.
     """
 
     def __init__(self, num_pages: int, page_size: int, record_events: bool = False):
@@ -192,7 +193,8 @@ class PageAllocator:
             if self.events is None or not stored:
                 run = None
             elif run is None:
-                run = ("stored", parent if seq.page_hashes[:-1] else None, [prefix_hash], list(tokens))
+                run = ("stored", parent if seq.page_hashes[:-1] else None, [prefix_hash], list(tokens),
+                       seq.lora)
                 self.events.append(run)
             else:
                 run[2].append(prefix_hash)

@@ -38,6 +38,12 @@ def adaptable_shapes(cfg: ModelConfig, dtype) -> dict[str, tuple[int, int]]:
     return {path: tuple(module.weight.shape) for path, module in adaptable_modules(abstract_model(cfg, dtype)).items()}
 
 
+def adapter_bytes(cfg: ModelConfig, dtype, slots: int, rank: int) -> int:
+    """The device memory of the slots' stacks (as one logical array)."""
+    shapes = adaptable_shapes(cfg, dtype)
+    return slots * rank * sum(out + width for out, width in shapes.values()) * jnp.dtype(dtype).itemsize
+
+
 class AdapterStore:
     """Adapters read from their files, in host memory: the `capacity` most recently used (by
     `LoRARequest.lora_int_id`). Any thread may call `get` (the API checks an adapter as it loads)."""
@@ -151,4 +157,4 @@ class AdapterSlots:
         return list(self._slot_of)
 
 
-__all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes", "adapter_slots"]
+__all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes", "adapter_bytes", "adapter_slots"]
