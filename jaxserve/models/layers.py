@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
 from kernels import AXIS, grouped_matmul_t, matmul_t, paged_attention, write_kv
-from kernels.matmul.grouped import implementation as grouped_implementation
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
 if TYPE_CHECKING:
@@ -147,13 +146,17 @@ class Quantizable(nnx.Module):
         return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows) -> jax.Array:
+MASKED_MIN_ROWS = 4  # on CPU, LoRA products of steps of this many rows or more are "masked" (`lora_delta`)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: str | None = None) -> jax.Array:
     """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
     slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. One pass for all
-    slots: on TPU and GPU two grouped products over the rows sorted by slot
-    (`kernels.grouped_matmul_t`, `ragged_dot`); on CPU, where it measured faster (bench/RESULTS.md,
-    "LoRA adapters"), every row through every slot's A at once, masked to its own slot's ranks,
-    then through B. A step with no adapted row skips them."""
+    slots: "grouped", two grouped products over the rows sorted by slot (`kernels.grouped_matmul_t`:
+    `ragged_dot` on TPU and GPU), or "masked", every row through every slot's A at once, masked to
+    its own slot's ranks, then through B. `form` defaults to grouped, and on CPU to masked from
+    MASKED_MIN_ROWS rows, where it measured faster (bench/RESULTS.md, "LoRA adapters"). A step with
+    no adapted row skips them."""
     sizes = jnp.asarray(rows.sizes)
 
     def grouped(x):
@@ -167,7 +170,8 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows) -> jax.
         return jnp.einsum("tsr,sor->to", h.reshape(-1, slots, rank), b,
                           preferred_element_type=jnp.float32).astype(x.dtype)
 
-    delta = masked if grouped_implementation() == "chunked" else grouped
+    form = form or ("masked" if jax.default_backend() == "cpu" and x.shape[0] >= MASKED_MIN_ROWS else "grouped")
+    delta = {"grouped": grouped, "masked": masked}[form]
     return jax.lax.cond(sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
 
 
