@@ -173,7 +173,8 @@ def render(results: dict[str, list[dict]], args) -> str:
     lines = [f"{machine_line()}; `python bench/lora.py --runs {args.runs} --adapters "
              f"{args.adapters} --slots {args.slots} --rank {args.rank}`; the default model (SmolLM2-135M-Instruct "
              "Q4_1), W2 (32 streams); per run, then the ratio to the base model without LoRA in the same run.", "",
-             "| server: requests | run | W2 output tok/s | W2 TTFT p50 ms | ratio (tok/s) |", "| --- | --- | --- | --- | --- |"]
+             "| server: requests | run | W2 output tok/s | W2 TTFT p50 ms | ratio (tok/s) |",
+             "| --- | --- | --- | --- | --- |"]
     for name, runs in results.items():
         for i, (r, ref) in enumerate(zip(runs, reference)):
             lines.append(f"| {name} | {i + 1} | {r['output_tok_s']:.1f} | {1000 * r['ttft_p50']:.0f} | "

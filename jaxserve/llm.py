@@ -89,6 +89,8 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        if wrong := [lora for lora in loras if lora is not None and not isinstance(lora, LoRARequest)]:
+            raise ValueError(f"lora_request takes jaxserve.LoRARequest (or None), got {type(wrong[0]).__name__}")
         collectors: dict[str, OutputCollector] = {}
         added: list[tuple[Engine, str]] = []
         loads = [0] * len(self.engines)  # (the prompts of this call each replica runs)

@@ -12,7 +12,7 @@ import pytest
 from conftest import SMALL_ENGINE
 
 from checkpoints.default_model import write_byte_tokenizer
-from jaxserve import LLM, Logprob, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from jaxserve import LLM, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
 from jaxserve.engine.chat_template import loops_over_content
 from jaxserve.sample.params import RequestSampling
 from jaxserve.sched.sequence import FORK_SEED_STRIDE
@@ -335,8 +335,10 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
             LLM("jaxserve-tiny", **SMALL_ENGINE, **options)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(no_such_option=1)
-    with pytest.raises(ValueError, match="LoRA"):
+    with pytest.raises(ValueError, match="LoRARequest"):
         default_llm.generate("x", lora_request=object())
+    with pytest.raises(ValueError, match="serves no adapters"):
+        default_llm.generate("x", lora_request=LoRARequest("a", 1, "/adapters/a"))
     with pytest.raises(ValueError, match="priority scheduling"):
         default_llm.generate(["x", "y"], priority=[0, 1])
     for pooling in (default_llm.embed, default_llm.encode, default_llm.score, default_llm.classify):

@@ -243,7 +243,9 @@ def test_vllm_flag_names():
                   ["--allowed-origins", "https://a.example"], ["--logprobs-mode", "x"],
                   ["--ssl-keyfile", "key.pem"], ["--ssl-ca-certs", "ca.pem"], ["--log-stats-interval", "0"],
                   ["--ssl-cert-reqs", "3"], ["a", "--model", "b"], ["--quantization", "awq"], ["-pp", "2"],
-                  ["--enable-lora"], ["--speculative-config", '{"method": "ngram"}'], ["--task", "embed"],
+                  ["--lora-modules", "a=/x"], ["--enable-lora", "--lora-modules", "a"], ["--max-loras", "0"],
+                  ["--enable-lora", "--batch-invariant"], ["--speculative-config", '{"method": "ngram"}'],
+                  ["--task", "embed"],
                   ["--tool-call-parser", "xml"], ["--max-request-body-bytes", "0"], ["--chat-template-timeout", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(wrong)
