@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import threading
 
 import httpx
 import jax
@@ -77,7 +76,8 @@ def mixed_step_logits(model_dir, requests: list[LoRARequest | None], ids: list[l
     pages = np.arange(1, len(ids) + 1, dtype=np.int32)[:, None]  # one page per prompt
     token_slots = np.array([-1 if requests[b] is None else slot_of[requests[b].lora_int_id] for b in row_of], np.int32)
     inputs = ModelInputs(token_ids=np.concatenate(ids).astype(np.int32), positions=positions,
-                         rope=rope_table(cfg, positions), kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
+                         rope=rope_table(cfg, positions),
+                         kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
                          kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
                          num_seqs=np.asarray(len(ids), np.int32), logits_indices=starts[1:] - 1,
                          lora=LoraRows(**LoraRows.of(token_slots, 3)))
