@@ -151,10 +151,5 @@ class AdapterSlots:
             self._slot_of[adapter] = slot
         return {adapter: self._slot_of[adapter] for adapter in needed}
 
-    @property
-    def resident(self) -> list[int]:
-        """The ids of the adapters in slots now."""
-        return list(self._slot_of)
-
 
 __all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes", "adapter_bytes", "adapter_slots"]
