@@ -12,11 +12,8 @@ adapters outnumber the slots and take turns). Reports output tokens/s and TTFT, 
 base model on the server without LoRA. `--write` puts the table into bench/RESULTS.md between the lora
 markers.
 
-`--products` times the two forms of the adapters' products (`jaxserve.models.layers.lora_delta`) in
-the default model's shapes, as a step runs them: the 7 projections of 30 layers one after another,
-each its base product plus the adapters' (grouped: two grouped products over the rows sorted by slot;
-masked: every row through every slot's A, masked to its own slot's ranks), against the base products
-alone, for 1, 32 and 256 rows spread over the slots, in bfloat16 and float32.
+`--products` prints `bench/lora_products.py`'s table in the default model's shapes (the two forms of
+the adapters' products against the base products alone, without a server).
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoints import DEFAULT_MODEL_NAME, builtin  # noqa: E402
 from checkpoints.gguf import model_view  # noqa: E402
+import lora_products  # noqa: E402
 from common import ROOT, free_port, machine_line, server  # noqa: E402
 from loadgen import WORKLOADS, one, prompts  # noqa: E402
 from peers import CACHE  # noqa: E402
@@ -82,53 +80,6 @@ async def w2(url: str, models: list[str], offset: int) -> dict:
                 ttft_p50=np.percentile([t.ttft for t in traces], 50))
 
 
-def products(slots: int, rank: int, layers: int = 30, repeats: int = 20) -> str:
-    """The table of `--products`: ms per chain of the default model's projections."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxserve.models.layers import LoraRows, lora_delta
-    from kernels import matmul_t
-
-    d, inter, kv = 576, 1536, 192
-    shapes = [(d, d), (kv, d), (kv, d), (d, d), (inter, d), (inter, d), (d, inter)] * layers
-    lines = [f"{machine_line()}; `python bench/lora.py --products --slots {slots} --rank {rank}`: ms per step's "
-             f"worth of products (the default model's 210 projections), medians of 3 x {repeats}.", "",
-             "| dtype | rows | base only | + grouped | + masked |", "| --- | --- | --- | --- | --- |"]
-    for dtype in (jnp.bfloat16, jnp.float32):
-        for rows in (1, 4, 16, 32, 256):
-            rng = np.random.default_rng(0)
-            ws = [jnp.asarray(rng.normal(0, 0.02, s), dtype) for s in shapes]
-            a = [jnp.asarray(rng.normal(0, 0.02, (slots, rank, s[1])), dtype) for s in shapes]
-            b = [jnp.asarray(rng.normal(0, 0.02, (slots, s[0], rank)), dtype) for s in shapes]
-            x = jnp.asarray(rng.normal(0, 1, (rows, d)), dtype)
-            lora = LoraRows(**{k: jnp.asarray(v) for k, v in LoraRows.of(np.arange(rows) % slots, slots).items()})
-
-            def chain(x, ws, a, b, form):
-                h = {d: x}  # (each projection reads the last output of its input width)
-                for w, ai, bi in zip(ws, a, b):
-                    y = matmul_t(h[w.shape[1]], w)
-                    if form:
-                        y = y + lora_delta(h[w.shape[1]], ai, bi, lora, form)
-                    h[w.shape[0]] = y
-                return h[d]
-
-            figures = []
-            for form in (None, "grouped", "masked"):
-                f = jax.jit(chain, static_argnames="form")
-                f(x, ws, a, b, form).block_until_ready()
-                times = []
-                for _ in range(3):
-                    start = time.perf_counter()
-                    for _ in range(repeats):
-                        out = f(x, ws, a, b, form)
-                    out.block_until_ready()
-                    times.append((time.perf_counter() - start) / repeats * 1e3)
-                figures.append(sorted(times)[1])
-            lines.append(f"| {jnp.dtype(dtype).name} | {rows} | " + " | ".join(f"{t:.1f}" for t in figures) + " |")
-    return "\n".join(lines)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=2)
@@ -139,7 +90,7 @@ def main() -> None:
     parser.add_argument("--products", action="store_true")
     args = parser.parse_args()
     if args.products:
-        return print(products(args.slots, args.rank))
+        return print(lora_products.table(args.slots, args.rank, lora_products.DIMS["default"]))
     model = builtin.fetch(DEFAULT_MODEL_NAME)
     config = json.loads((model_view(model) / "config.json").read_text())
     adapters = write_adapters(config, args.adapters, args.rank, CACHE / "lora-adapters")

@@ -149,14 +149,16 @@ class Quantizable(nnx.Module):
 MASKED_MIN_ROWS = 4  # on CPU, LoRA products of steps of this many rows or more are "masked" (`lora_delta`)
 
 
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: str | None = None) -> jax.Array:
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: str | None = None,
+               skip_idle: bool | None = None) -> jax.Array:
     """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
     slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. One pass for all
     slots: "grouped", two grouped products over the rows sorted by slot (`kernels.grouped_matmul_t`:
     `ragged_dot` on TPU and GPU), or "masked", every row through every slot's A at once, masked to
-    its own slot's ranks, then through B. `form` defaults to grouped, and on CPU to masked from
-    MASKED_MIN_ROWS rows, where it measured faster (bench/RESULTS.md, "LoRA adapters"). A step with
-    no adapted row skips them."""
+    its own slot's ranks, then through B. `skip_idle`: a step with no adapted row skips them (a
+    conditional). The defaults are what measured fastest (bench/RESULTS.md, "LoRA adapters"): on CPU
+    masked from MASKED_MIN_ROWS rows and skipping; on GPU masked, not skipping (there a conditional
+    costs more than the products); on TPU (not measured) grouped and skipping."""
     sizes = jnp.asarray(rows.sizes)
 
     def grouped(x):
@@ -170,8 +172,12 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: s
         return jnp.einsum("tsr,sor->to", h.reshape(-1, slots, rank), b,
                           preferred_element_type=jnp.float32).astype(x.dtype)
 
-    form = form or ("masked" if jax.default_backend() == "cpu" and x.shape[0] >= MASKED_MIN_ROWS else "grouped")
+    backend = jax.default_backend()
+    form = form or ("masked" if backend == "gpu" or (backend == "cpu" and x.shape[0] >= MASKED_MIN_ROWS)
+                    else "grouped")
     delta = {"grouped": grouped, "masked": masked}[form]
+    if not (backend != "gpu" if skip_idle is None else skip_idle):
+        return delta(x)
     return jax.lax.cond(sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
 
 
