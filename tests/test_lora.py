@@ -10,6 +10,7 @@ and unloaded at run time under load without a single compilation.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 
 import httpx
@@ -176,24 +177,24 @@ def test_greedy_generation_equals_the_merged_models(arch, slots, adapted):
     assert cached == [0, 0, 32]
 
 
-@pytest.mark.parametrize("form", ["masked", "grouped"])
-def test_lora_delta_against_float64_numpy(form):
-    """Both forms of the adapters' products (CPU's masked one, TPU's and GPU's grouped one) against
-    float64 numpy, rows of every slot and of none interleaved; the grouped one lowers for TPU and GPU."""
+@pytest.mark.parametrize("form,skip_idle", [("masked", True), ("masked", False), ("grouped", True)])
+def test_lora_delta_against_float64_numpy(form, skip_idle):
+    """Both forms of the adapters' products (masked: CPU's and GPU's, GPU's without skipping idle
+    steps; grouped: TPU's) against float64 numpy, rows of every slot and of none interleaved; the
+    forms lower for TPU and GPU."""
     from jaxserve.models.layers import lora_delta
 
     rng = np.random.default_rng(6)
     x, a, b = (np.asarray(rng.normal(size=shape), np.float32) for shape in ((13, 24), (3, 4, 24), (3, 20, 4)))
     slots = np.array([2, -1, 0, 0, 1, -1, 2, 2, 1, 0, -1, 1, 2], np.int32)
     rows = LoraRows(**LoraRows.of(slots, 3))
-    f = jax.jit(lora_delta, static_argnames="form")
+    f = jax.jit(functools.partial(lora_delta, skip_idle=skip_idle), static_argnames="form")
     want = np.stack([np.zeros(20) if s < 0 else (x[i] @ a[s].T.astype(float)) @ b[s].T for i, s in enumerate(slots)])
     np.testing.assert_allclose(np.asarray(f(x, a, b, rows, form)), want, atol=1e-4, rtol=1e-5)
     none = LoraRows(**LoraRows.of(np.full(13, -1, np.int32), 3))
     assert not np.asarray(f(x, a, b, none, form)).any()
-    if form == "grouped":
-        for platform in ("tpu", "cuda"):
-            f.trace(x, a, b, rows, form).lower(lowering_platforms=(platform,))
+    for platform in ("tpu", "cuda"):
+        f.trace(x, a, b, rows, form).lower(lowering_platforms=(platform,))
 
 
 def test_host_memory_keeps_the_most_recently_used_adapters(adapted):
