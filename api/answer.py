@@ -92,7 +92,7 @@ class ChunkStream:
                    **end) -> str:
         """A chunk of chat choice c: a delta, its tokens' logprobs, or the choice's `end` (finish and stop
         reasons)."""
-        tokens = self.choices.to_send(c) if delta.role is MISSING else {}  # (not in the role's chunk)
+        tokens = self.choices.to_send(c, bool(end)) if delta.role is MISSING else {}  # (not in the role's chunk)
         choice = ChatChunkChoice(index=c, delta=delta, logprobs=None if logprobs is None else ChatLogprobs(
             content=logprobs), **end, **tokens)
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],
@@ -103,7 +103,8 @@ class ChunkStream:
 
     def completion_chunk(self, c: int, text: str = "", logprobs: CompletionLogprobs | None = None, **end) -> str:
         """A chunk of completion choice c: text, its tokens' logprobs, or the choice's `end`."""
-        choice = CompletionChunkChoice(index=c, text=text, logprobs=logprobs, **end, **self.choices.to_send(c))
+        choice = CompletionChunkChoice(index=c, text=text, logprobs=logprobs, **end,
+                                       **self.choices.to_send(c, bool(end)))
         if self.first_of(c):
             choice.prompt_token_ids = self.req.prompts[c // self.req.params.n]
         return sse(CompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],

@@ -7,11 +7,19 @@ from api.logprobs import CompletionLogprobsWriter, chat_logprobs, prompt_logprob
 from api.protocol import GenerationRequest
 from api.reasoning import ChoiceReasoning, split_reasoning
 from api.response_models import (ChatChoice, ChatCompletion, ChatLogprob, ChatLogprobs, ChatMessage, Completion,
-                                 CompletionChoice, CompletionLogprobs, DeltaMessage, PromptLogprobs, Usage)
+                                 CompletionChoice, CompletionLogprobs, DeltaMessage, HiddenStatesOut, PromptLogprobs,
+                                 Usage)
 from api.tool_parsers import ToolParser
 from api.tools import ChoiceTools
 from jaxserve.engine.async_engine import AsyncEngine
-from jaxserve.engine.outputs import Update
+from jaxserve.engine.outputs import HiddenStates, Update
+from jaxserve.sample.residual import encode_array
+
+
+def hidden_states_out(hidden: HiddenStates, encoding: str) -> HiddenStatesOut:
+    data = encode_array(hidden.data) if encoding == "base64" else hidden.data.tolist()
+    return HiddenStatesOut(layers=hidden.layers, positions=hidden.positions, shape=list(hidden.data.shape),
+                           encoding=encoding, data=data)
 
 
 class Choices:
@@ -32,6 +40,8 @@ class Choices:
         self.token_ids: list[list[int]] = [[] for _ in range(count)]  # each choice's, for return_token_ids
         self.entropies: list[list[float]] = [[] for _ in range(count)]  # each choice's, for return_entropy
         self.unsent = [0] * count  # how many of their tokens no chunk has carried yet
+        # each choice's hidden states (return_hidden_states), once it finished
+        self.hidden: list[HiddenStatesOut | None] = [None] * count
         self.weight_version = 0  # the newest weights any of the tokens so far was sampled under
         offset = [len(req.prompt_texts[c // n]) if req.echo else 0 for c in range(count)]
         self.completion_logprobs = [CompletionLogprobsWriter(self.tokenizer, offset[c], req.tokens_as_ids)
@@ -69,6 +79,8 @@ class Choices:
             self.tokens[c] = update.num_output_tokens
         self.token_ids[c] += token_ids
         self.entropies[c] += entropies
+        if update.hidden_states is not None:
+            self.hidden[c] = hidden_states_out(update.hidden_states, self.req.params.return_hidden_states.encoding)
         self.unsent[c] += len(token_ids)
         parts = []
         if first and self.req.echo:
@@ -107,16 +119,19 @@ class Choices:
         out += self.tools[c].feed(text, cut)
         return out + self.tools[c].finish(cut) if finished else out
 
-    def to_send(self, c: int) -> dict:
+    def to_send(self, c: int, end: bool = False) -> dict:
         """In a stream, what the next chunk of choice c carries of its tokens that no chunk has carried
         yet (whose text may have come earlier or be held back): their ids (vLLM's return_token_ids),
-        their entropies (return_entropy), as the chunk choice's fields."""
+        their entropies (return_entropy), as the chunk choice's fields; and in its `end` chunk (the
+        finish reason's), its hidden states (return_hidden_states)."""
         n, self.unsent[c] = self.unsent[c], 0
         out = {}
         if self.req.return_token_ids:
             out["token_ids"] = self.token_ids[c][len(self.token_ids[c]) - n:]
         if self.req.params.return_entropy:
             out["entropies"] = self.entropies[c][len(self.entropies[c]) - n:]
+        if end and self.hidden[c] is not None:
+            out["hidden_states"] = self.hidden[c]
         return out
 
     def usage(self) -> Usage:
@@ -157,6 +172,8 @@ class Choices:
         extra = {"token_ids": self.token_ids[c]} if self.req.return_token_ids else {}
         if self.req.params.return_entropy:
             extra["entropies"] = self.entropies[c]
+        if self.hidden[c] is not None:
+            extra["hidden_states"] = self.hidden[c]
         return ChatChoice(index=c, message=message, logprobs=logprobs, finish_reason=self.finish_reason(c),
                           stop_reason=self.stop_reason[c], **extra)
 
@@ -174,6 +191,8 @@ class Choices:
             extra["prompt_logprobs"] = self.vllm_prompt_logprobs(c // self.n)
         if self.req.params.return_entropy:
             extra["entropies"] = self.entropies[c]
+        if self.hidden[c] is not None:
+            extra["hidden_states"] = self.hidden[c]
         return CompletionChoice(index=c, text=text, logprobs=logprobs, finish_reason=self.finish_reason(c),
                                 stop_reason=self.stop_reason[c], **extra)
 

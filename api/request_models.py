@@ -52,6 +52,7 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
                  "stop_token_ids": ([],), "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
                  "response_format": ("text",), "tools": ([],), "guided_json": (), "guided_regex": (),
                  "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "return_entropy": (False,),
+                 "return_hidden_states": (False,), "steering": ([],), "steer_prompt": (True,),
                  "min_weight_version": (0,),
                  **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
 
@@ -61,6 +62,18 @@ def _stop(name: str, value) -> list[str]:
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):  # (SamplingParams: its bounds)
         raise ValueError("'stop' must be a string or a list of strings")
     return stop
+
+
+def _bool_or_object(name: str, value) -> bool | dict:
+    if not isinstance(value, (bool, dict)):
+        raise ValueError(f"'{name}' must be a boolean or an object")
+    return value
+
+
+def _objects(name: str, value) -> list[dict]:
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"'{name}' must be a list of objects")
+    return value
 
 
 def _logit_bias(name: str, bias) -> dict[int, float]:
@@ -123,6 +136,12 @@ class GenerationFields(BaseModel):
     return_tokens_as_token_ids: Bool = None
     return_token_ids: Bool = None
     return_entropy: Bool = None  # jaxserve's: each choice's `entropies`, per generated token
+    # jaxserve's: each choice's residual stream, and vectors added to it (docs/research_sampling.md)
+    return_hidden_states: checked(bool | dict, _bool_or_object, {"anyOf": [{"type": "boolean"}, OBJECT]},
+                                  "return_hidden_states", "true, or {layers, positions, encoding}") = None
+    steering: checked(list, _objects, {"type": "array", "items": OBJECT}, "steering",
+                      "[{layer, vector (list or base64 float32) or name, scale}]") = None
+    steer_prompt: Bool = None
     add_special_tokens: Bool = None
     use_beam_search: Bool = None
     vllm_xargs: object_of("vllm_xargs", "vLLM's: arguments of the server's logits processors "
@@ -211,7 +230,8 @@ class GenerationFields(BaseModel):
             spaces_between_special_tokens=given("spaces_between_special_tokens", True),
             truncate_prompt_tokens=self._truncate_prompt_tokens(limits.max_model_len), logprobs=self.top_logprobs_k(),
             prompt_logprobs=self.prompt_logprobs, constraint=self.constraint(), extra_args=self._extra_args(limits),
-            return_entropy=given("return_entropy", False),
+            return_entropy=given("return_entropy", False), return_hidden_states=self.return_hidden_states,
+            steering=self.steering, steer_prompt=given("steer_prompt", True),
             **{name: getattr(self, name) for name in LLAMACPP_FIELDS if getattr(self, name) is not None})
 
     def top_logprobs_k(self) -> int | None:

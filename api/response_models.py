@@ -148,6 +148,17 @@ FinishReason = str | None  # "stop", "length", "tool_calls", "function_call", "a
 StopReason = int | str | None  # the stop token id or string that ended the choice
 
 
+class HiddenStatesOut(Wire):
+    """jaxserve's return_hidden_states: a choice's residual stream, f32[layers, positions, hidden] (`shape`),
+    as base64 of its little-endian float32 values (`data`, row-major) or as nested lists (encoding float)."""
+
+    layers: list[int | str]  # 0-based decoder layers (after the layer's residual add); "final": the final norm's output
+    positions: list[int]  # of the prompt and output tokens, 0-based
+    shape: list[int]
+    encoding: str
+    data: str | list
+
+
 class ChatChoice(Wire):
     index: int
     message: ChatMessage
@@ -156,6 +167,7 @@ class ChatChoice(Wire):
     stop_reason: StopReason
     token_ids: list[int] = MISSING  # vLLM's return_token_ids
     entropies: list[float] = MISSING  # jaxserve's return_entropy: per generated token, in nats
+    hidden_states: HiddenStatesOut = MISSING  # jaxserve's return_hidden_states
 
 
 class CompletionChoice(Wire):
@@ -168,6 +180,7 @@ class CompletionChoice(Wire):
     prompt_token_ids: list[int] = MISSING
     prompt_logprobs: PromptLogprobs = MISSING
     entropies: list[float] = MISSING  # jaxserve's return_entropy: per generated token, in nats
+    hidden_states: HiddenStatesOut = MISSING  # jaxserve's return_hidden_states
 
 
 class ChatCompletion(Wire):
@@ -200,6 +213,7 @@ class ChatChunkChoice(Wire):
     stop_reason: StopReason = None
     token_ids: list[int] = MISSING  # those no chunk has carried yet
     entropies: list[float] = MISSING  # of the same tokens
+    hidden_states: HiddenStatesOut = MISSING  # in the choice's last chunk, when asked for
 
 
 class CompletionChunkChoice(Wire):
@@ -211,6 +225,7 @@ class CompletionChunkChoice(Wire):
     token_ids: list[int] = MISSING  # those no chunk has carried yet
     prompt_token_ids: list[int] = MISSING  # in each choice's first chunk
     entropies: list[float] = MISSING  # of the tokens no chunk has carried yet
+    hidden_states: HiddenStatesOut = MISSING  # in the choice's last chunk, when asked for
 
 
 class ChatCompletionChunk(Wire):

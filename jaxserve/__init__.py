@@ -15,6 +15,7 @@ _EXPORTS = {
     "EngineConfig": "jaxserve.config.engine",
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
+    "HiddenStates": "jaxserve.engine.outputs",
     "Logprob": "jaxserve.engine.outputs",
     "TextPrompt": "jaxserve.engine.inputs",
     "TokensPrompt": "jaxserve.engine.inputs",

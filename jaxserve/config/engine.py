@@ -167,6 +167,22 @@ class EngineConfig:
     max_cpu_loras: int | None = setting(
         None, "LoRA adapters kept in host memory, read again from their files past it (default and at least: "
         "max-loras)", type=int)
+    max_hidden_states_layers: int = setting(
+        8, "the most layers (the final norm counts as one) whose hidden states a step gathers for the requests "
+        "that ask (return_hidden_states): requests past it wait; 0: none (docs/research_sampling.md)", compiled=True)
+    max_steering_slots: int = setting(
+        8, "distinct steerings (one request's steering vectors, with the control vectors) a step adds at once: "
+        "requests past it wait; 0: none", compiled=True)
+    steering_vectors: tuple = setting(
+        (), "named steering vectors requests may use by name: name=file, a .npy vector of the hidden size or a "
+        "llama.cpp control-vector .gguf", nargs="*", type=str)
+    control_vector: tuple = setting((), "llama.cpp's: control-vector .gguf files added to every request's "
+                                    "residual stream", nargs="*", type=str)
+    control_vector_scaled: tuple = setting(
+        (), "llama.cpp's: FILE SCALE pairs, control vectors added times SCALE", nargs="*", type=str)
+    control_vector_layer_range: tuple | None = setting(
+        None, "llama.cpp's: START END, the layers control vectors apply to (default: all they hold)", nargs=2,
+        type=int)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -212,6 +228,8 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if min(self.max_hidden_states_layers, self.max_steering_slots) < 0:
+            raise ValueError("max_hidden_states_layers and max_steering_slots must be >= 0")
         if self.enable_lora and self.batch_invariant:
             raise ValueError("enable_lora with batch_invariant is not supported: drop one of them")
         if self.speculative is not None and self.batch_invariant:
@@ -229,6 +247,11 @@ class EngineConfig:
     def cpu_loras(self) -> int:
         """LoRA adapters kept in host memory (`max_cpu_loras`, at least max_loras)."""
         return max(self.max_loras, self.max_cpu_loras or 0)
+
+    @property
+    def residual_limits(self) -> tuple[int, int]:
+        """(hidden-state layers, steering slots) a step takes: none under batch_invariant."""
+        return (0, 0) if self.batch_invariant else (self.max_hidden_states_layers, self.max_steering_slots)
 
     @property
     def max_num_samples(self) -> int:

@@ -7,12 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jaxserve.config.engine import MAX_LOGPROBS, EngineConfig
+from jaxserve.engine.steering import SteeringLibrary
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.errors import RequestError
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.llamacpp import BUILTIN_SAMPLERS
 from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import SamplingParams
+from jaxserve.sample.residual import Steering, resolve_layers
 from jaxserve.sample.tensors import MAX_SUPPRESSED, needs_distribution
 
 
@@ -25,6 +27,7 @@ class RequestChecks:
     def __init__(self, config: EngineConfig, model_config: ModelConfig, processors: Processors,
                  tokenizer: Tokenizer | None):
         self.config, self.model_config, self.processors, self.tokenizer = config, model_config, processors, tokenizer
+        self.steering = SteeringLibrary(config, model_config)  # (reads the vector files: a bad one fails here)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0,
                       cache_salt: str | None = None) -> int:
@@ -64,12 +67,26 @@ class RequestChecks:
                                "(skip_tokenizer_init): on token ids alone, stop_token_ids, logit_bias and "
                                "allowed_token_ids serve instead", name)
         self._check_logprobs(params)
+        self.residual(params)
         self.processors.request_args(params, self.encode)  # (a ValueError: the request's error)
         suppressed = set(params.stop_token_ids) | set(self.model_config.eos_token_ids)
         if params.min_tokens and len(suppressed) > MAX_SUPPRESSED:
             raise ValueError(f"min_tokens can hold back at most {MAX_SUPPRESSED} EOS and stop token ids, "
                              f"got {len(suppressed)}")
         return max_tokens
+
+    def residual(self, params: SamplingParams) -> tuple[tuple[int, ...], Steering | None]:
+        """The request's hidden-state layers and steering, resolved against the model and the engine
+        (`RequestSampling.hidden_layers`, `.steering`); RequestError for what it cannot give."""
+        layers = ()
+        if params.return_hidden_states is not None:
+            layers = resolve_layers(params.return_hidden_states, self.model_config.num_layers)
+            most = self.config.residual_limits[0]
+            if len(layers) > most:
+                raise RequestError(f"return_hidden_states asks for {len(layers)} layers, and a step gathers at most "
+                                   f"{most} (--max-hidden-states-layers; none under --batch-invariant)",
+                                   "return_hidden_states")
+        return layers, self.steering.resolve(params)
 
     def _check_logprobs(self, params: SamplingParams) -> None:
         """Top logprobs up to max_logprobs (-1: the vocabulary's size, in either), as vLLM's; prompt

@@ -9,6 +9,7 @@ step launched before: update, release text). `build_engine` makes one from an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -173,14 +174,17 @@ class Engine:
         prompt_token_ids = params.truncate(prompt_token_ids, self.config.max_model_len)
         max_tokens = self.check_request(prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         self.check_adapter(lora_request)
-        sampling = RequestSampling.of(params, self.checks.encode,
-                                      self.model_config.vocab_size, self.processors)
+        hidden_layers, steering = self.checks.residual(params)
+        sampling = dataclasses.replace(RequestSampling.of(params, self.checks.encode, self.model_config.vocab_size,
+                                                          self.processors), hidden_layers=hidden_layers,
+                                       steering=steering)
         if params.constraint is not None:
             self.output.check_constraint(params.constraint)
         seed = params.seed if params.seed is not None else int(self._seeds.integers(2**63))
         seq = Sequence(seq_id=self.scheduler.new_seq_id(), request_id=request_id, prompt_token_ids=list(prompt_token_ids),
                        params=params, sampling=sampling, seed=seed, max_tokens=max_tokens, priority=priority,
-                       hash_seed=salt_seed(cache_salt, lora_request and lora_request.lora_int_id), lora=lora_request)
+                       hash_seed=salt_seed(cache_salt, lora_request and lora_request.lora_int_id,
+                                           steering and steering.key), lora=lora_request)
         self.scheduler.add(seq)
         self.stats = self.scheduler.stats()
         return seq

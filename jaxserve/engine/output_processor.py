@@ -18,7 +18,7 @@ import threading
 
 import numpy as np
 
-from jaxserve.engine.outputs import Update
+from jaxserve.engine.outputs import HiddenStates, Update
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, find_stop, undecided_tail
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sched.plan import ScheduledBatch
@@ -164,4 +164,5 @@ def update_of(seq: Sequence, text: str, token_ids: list[int], logprobs: list[Tok
                   num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                   num_output_tokens=num_output_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                   prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
-                  entropies=entropies, cumulative_logprob=seq.cumulative_logprob, weight_version=weight_version)
+                  entropies=entropies, cumulative_logprob=seq.cumulative_logprob, weight_version=weight_version,
+                  hidden_states=HiddenStates.of(seq) if seq.finish_reason and seq.params.return_hidden_states else None)

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sample.params import SamplingParams
-from jaxserve.sched.sequence import TokenLogprobs
+from jaxserve.sample.residual import FINAL
+from jaxserve.sched.sequence import Sequence, TokenLogprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +37,36 @@ class Update:
     entropies: list[float] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0  # of the sequence's tokens so far
     weight_version: int = 0  # of the weights that sampled its tokens (`Engine.update_weights`)
+    hidden_states: HiddenStates | None = None  # on its last update, when asked for (`HiddenStates.of`)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class HiddenStates:
+    """jaxserve's, a choice's hidden states (`SamplingParams.return_hidden_states`): `data`, f32[layers,
+    positions, hidden], the residual stream after each of `layers` (0-based, after the layer's residual
+    add and its steering, before the final norm; "final": the final norm's output, what the LM head
+    reads) at each of `positions` (of the prompt and output tokens, 0-based)."""
+
+    data: np.ndarray
+    layers: list[int | str]
+    positions: list[int]
+
+    @classmethod
+    def of(cls, seq: Sequence) -> HiddenStates:
+        asked = seq.params.return_hidden_states
+        layers = list(seq.sampling.hidden_layers)
+        if asked.layers != ("all",):
+            layers = [FINAL if given == FINAL else layer for given, layer in zip(asked.layers, layers)]
+        # (the last token is never fed back: nothing was computed at its position)
+        positions = sorted(p for p in seq.hidden_states if p < seq.num_tokens - 1 or not seq.num_output_tokens)
+        hidden = np.zeros((len(layers), 0, 0), np.float32)
+        if positions:
+            hidden = np.stack([seq.hidden_states[p] for p in positions], axis=1)
+        return cls(data=hidden, layers=layers, positions=positions)
 
 
 @dataclasses.dataclass
@@ -64,6 +93,7 @@ class CompletionOutput:
     entropies: list[float] | None = None
     # jaxserve's: the version of the weights that sampled its last token (`LLM.update_weights`)
     weight_version: int = 0
+    hidden_states: HiddenStates | None = None  # jaxserve's, when SamplingParams.return_hidden_states is set
 
     def finished(self) -> bool:
         """vLLM's: whether the sequence has ended."""
@@ -147,7 +177,8 @@ class OutputCollector:
                                     logprobs=None if params.logprobs is None else
                                     logprob_entries(tokenizer, c.token_ids, c.logprobs, detokenize),
                                     entropies=c.entropies if params.return_entropy else None,
-                                    weight_version=c.last.weight_version, lora_request=self.lora_request)
+                                    weight_version=c.last.weight_version, lora_request=self.lora_request,
+                                    hidden_states=c.last.hidden_states)
                    for i, c in enumerate(self.choices)]
         first = self.choices[0].last
         prompt_logprobs = None

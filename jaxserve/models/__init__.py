@@ -139,13 +139,25 @@ def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: Model
     `batch_invariant`: computed in tiles of a fixed number of rows (`invariant.py`), so that no
     row's numbers depend on the others'. `adapters`: the LoRA slots' stacks (`attach_adapters`),
     which the rows of `inputs.lora` use."""
+    return forward_residual(graphdef, state, kv, inputs, batch_invariant, adapters)[:3]
+
+
+def forward_residual(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
+                     batch_invariant: bool = False, adapters: Mapping[str, tuple[jax.Array, jax.Array]] | None = None,
+                     steering: jax.Array | None = None, num_hidden: int = 0):
+    """`forward`, with the rows' steering (`steering`: the slots' vectors, [L, S + 1, hidden]; each
+    row's slot in `inputs.steer`) and the hidden states of `inputs.hidden_slots` gathered into
+    `num_hidden` slots (`Decoder.run`) -> (cache, logits, output, [num_hidden, T, hidden] or None).
+    Neither goes with `batch_invariant`."""
     model = nnx.merge(graphdef, state)
     attach_adapters(model, adapters or {})
+    if steering is not None:
+        model.steering = nnx.data(steering)
     if not batch_invariant:
-        kv, hidden = model(kv, inputs)
-        return kv, model.logits(hidden[inputs.logits_indices]), hidden
-    kv, hidden = invariant.forward_in_tiles(model, kv, inputs)
-    return kv, invariant.by_rows(model.logits, hidden[inputs.logits_indices], inputs.num_seqs), hidden
+        kv, x, hidden = model.run(kv, inputs, num_hidden)
+        return kv, model.logits(x[inputs.logits_indices]), x, hidden
+    kv, x = invariant.forward_in_tiles(model, kv, inputs)
+    return kv, invariant.by_rows(model.logits, x[inputs.logits_indices], inputs.num_seqs), x, None
 
 
 def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> jax.Array:
@@ -154,5 +166,5 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
 
 
 __all__ = ["ADAPTABLE", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs", "ModelOptions",
-           "abstract_model", "adaptable_modules", "attach_adapters", "forward", "head_logits", "quantizable_modules",
-           "rope_table"]
+           "abstract_model", "adaptable_modules", "attach_adapters", "forward", "forward_residual", "head_logits",
+           "quantizable_modules", "rope_table"]

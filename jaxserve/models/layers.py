@@ -81,6 +81,10 @@ class ModelInputs:
     num_seqs: jax.Array  # i32[] real sequences
     logits_indices: jax.Array  # i32[B] row of each sequence's last token
     lora: LoraRows | None = None  # the rows' adapter slots; None: the engine serves no adapters
+    steer: jax.Array | None = None  # i32[T] each row's steering slot (S: none); None: the engine steers nothing
+    # i32[L + 1] per layer (the last: the final norm) the slot its hidden states are gathered into
+    # (H: none); None: the engine gathers none (`Decoder.run`)
+    hidden_slots: jax.Array | None = None
 
 
 # Partition rules of the shared layers (parameter path pattern, partition spec, the ModelConfig
@@ -296,15 +300,34 @@ class Decoder(nnx.Module):
     def embed(self, token_ids: jax.Array) -> jax.Array:
         return self.embed_tokens(token_ids)
 
+    steering: jax.Array | None = None  # [L, S + 1, hidden] each slot's vector per layer (the last slot: zeros)
+
     def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
         """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+        kv, x, _ = self.run(kv, inputs)
+        return kv, x
+
+    def run(self, kv: KVCache, inputs: ModelInputs, num_hidden: int = 0
+            ) -> tuple[KVCache, jax.Array, jax.Array | None]:
+        """`__call__`, adding each row's steering vector (`steering`, for one trace: `attach_residual`)
+        to the residual stream after each layer, and gathering the residual stream after the layers of
+        `inputs.hidden_slots` (steered) into `num_hidden` slots -> (cache, output, [num_hidden, T,
+        hidden] or None). Unsteered rows add the zero slot; unasked layers write a slot dropped at the end."""
         x = self.embed(inputs.token_ids)
+        gather = num_hidden > 0 and inputs.hidden_slots is not None
+        hidden = jnp.zeros((num_hidden + 1, *x.shape), x.dtype) if gather else None
         k_out, v_out = [], []
-        for layer, k_pages, v_pages in zip(self.layers, kv.k, kv.v):
+        for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv.k, kv.v)):
             x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
+            if self.steering is not None and inputs.steer is not None:
+                x = x + self.steering[i][inputs.steer]
+            if gather:
+                hidden = hidden.at[inputs.hidden_slots[i]].set(x)
             k_out.append(k_pages)
             v_out.append(v_pages)
-        return KVCache(k=k_out, v=v_out), x
+        if gather:
+            hidden = hidden.at[inputs.hidden_slots[len(self.layers)]].set(self.norm(x))[:num_hidden]
+        return KVCache(k=k_out, v=v_out), x, hidden
 
     def logits(self, x: jax.Array) -> jax.Array:
         """The final norm and the LM head: [N, hidden] rows of `__call__`'s output -> f32[N, vocab]."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxserve.errors import RequestError
+from jaxserve.sample.residual import HiddenStatesRequest, Steering, SteeringVector
 from jaxserve.structured_output.grammar import Constraint, StructuredOutputsParams, mask_width
 
 MAX_LOGIT_BIAS = 300  # entries per request (OpenAI's bound)
@@ -113,6 +114,12 @@ class SamplingParams:
     # jaxserve's: the entropy (nats) of the model's own distribution at each generated token
     # (`CompletionOutput.entropies`), computed in the step
     return_entropy: bool = False
+    # jaxserve's: the residual stream's hidden states per choice (`residual.HiddenStatesRequest`:
+    # True, or a dict of layers, positions and encoding), and steering vectors added to it
+    # (`residual.SteeringVector`s or their dicts), over the prompt's positions too unless steer_prompt
+    return_hidden_states: HiddenStatesRequest | dict | bool | None = None
+    steering: tuple[SteeringVector, ...] | list | None = None
+    steer_prompt: bool = True
 
     def __post_init__(self):
         self._normalize()
@@ -140,6 +147,10 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             normalize("allowed_token_ids", list(self.allowed_token_ids))
         normalize("logit_bias", {int(k): float(v) for k, v in (self.logit_bias or {}).items()})
+        normalize("return_hidden_states", HiddenStatesRequest.of(self.return_hidden_states))
+        if self.steering is not None and not isinstance(self.steering, (list, tuple)):
+            raise RequestError("steering must be a list of {layer, vector or name, scale} objects", "steering")
+        normalize("steering", tuple(SteeringVector.of(v, i) for i, v in enumerate(self.steering or ())) or None)
 
     def _check_numbers(self) -> None:
         _check(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -171,7 +182,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= -1),
                    f"{name} must be -1 (the whole vocabulary) or an integer >= 0, got {value!r}")
-        _check(isinstance(self.return_entropy, bool), f"return_entropy must be a boolean, got {self.return_entropy!r}")
+        for name in ("return_entropy", "steer_prompt"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a boolean, got {getattr(self, name)!r}")
         self._check_llamacpp()
 
     def _check_llamacpp(self) -> None:
@@ -262,6 +274,9 @@ class RequestSampling:
     # per logits processor of the engine, the request's arguments (`Processors.request_args`; None: unused)
     processor_args: tuple | None = dataclasses.field(default=None, compare=False)
     carries: bool = False  # one of them carries state from token to token (`Processors.carries`)
+    # the layers of return_hidden_states, resolved (`residual.resolve_layers`; the final norm: L)
+    hidden_layers: tuple[int, ...] = ()
+    steering: Steering | None = None  # its steering and the engine's control vectors, resolved; None: none
 
     @classmethod
     def of(cls, params: SamplingParams, encode: Callable[[str], list[int]], vocab_size: int,

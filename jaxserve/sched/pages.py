@@ -20,13 +20,14 @@ def page_hash(previous: bytes | None, tokens: list[int]) -> bytes:
     return hashlib.sha256((previous or b"") + np.asarray(tokens, np.int64).tobytes()).digest()
 
 
-def salt_seed(cache_salt: str | None, adapter: int | None = None) -> bytes | None:
+def salt_seed(cache_salt: str | None, adapter: int | None = None, steering: bytes | None = None) -> bytes | None:
     """What a salted prompt's first page key chains from (`page_hash`'s `previous`): only prompts
-    with the same cache_salt, and of the same LoRA adapter (its id), share pages."""
-    if cache_salt is None and adapter is None:
+    with the same cache_salt, of the same LoRA adapter (its id) and the same steering (its key) share pages."""
+    if cache_salt is None and adapter is None and steering is None:
         return None
     key = b"" if cache_salt is None else b"cache_salt\0" + cache_salt.encode()
-    return hashlib.sha256(key + (b"" if adapter is None else b"\0lora\0%d" % adapter)).digest()
+    key += b"" if adapter is None else b"\0lora\0%d" % adapter
+    return hashlib.sha256(key + (b"" if steering is None else b"\0steering\0" + steering)).digest()
 
 
 def prefix_hashes(token_ids: list[int], page_size: int, seed: bytes | None = None) -> list[bytes]:

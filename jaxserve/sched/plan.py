@@ -109,6 +109,25 @@ class StepOutput:
     # f32[rows, V] every token's logprob (or logit, in the *_logits modes), when some row asked for more
     # than K (`needs_distribution`)
     distributions: np.ndarray | None = None
+    # f32[H, T, hidden] the residual stream after the step's gathered layers (`hidden_layer_slots`) at
+    # each token of the step, when some row asked for hidden states
+    hidden: np.ndarray | None = None
+
+
+def hidden_layer_slots(rows: list[ScheduledSeq]) -> dict[int, int]:
+    """The layers whose hidden states a step gathers (those its rows ask for) -> their slots."""
+    return {layer: slot for slot, layer in enumerate(sorted({layer for row in rows
+                                                             for layer in row.sampling.hidden_layers}))}
+
+
+def record_hidden_states(seq: Sequence, row: ScheduledSeq, hidden: np.ndarray, slots: dict[int, int]) -> None:
+    """Keep the asked positions' hidden states of the row's tokens (`hidden`: [H, tokens from the
+    row's first, hidden]) in the order of the layers asked."""
+    rows = [slots[layer] for layer in seq.sampling.hidden_layers]
+    for j in range(len(row.token_ids)):
+        position = row.start_position + j
+        if seq.params.return_hidden_states.wants(position, seq.num_prompt_tokens):
+            seq.hidden_states[position] = hidden[rows, j]
 
 
 def prompt_targets(row: ScheduledSeq) -> list[int]:

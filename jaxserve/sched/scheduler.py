@@ -55,8 +55,10 @@ import itertools
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
+from jaxserve.sched.limits import BatchLimits
 from jaxserve.sched.pages import PageAllocator
-from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, prompt_targets,
+from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, hidden_layer_slots,
+                                 prompt_targets, record_hidden_states,
                                  record_prompt_logprobs, token_logprobs)
 from jaxserve.sched.sequence import Sequence, SequenceStatus, adapter_names
 
@@ -184,10 +186,10 @@ class Scheduler:
             batch.rows.append(ScheduledSeq.take(seq, n, len(batch.rows)))
             budget -= n
         budget -= self._add_drafts(batch, drafts or {}, budget)
-        adapters = {seq.lora.lora_int_id for seq in self.running if seq.lora is not None}
+        limits = BatchLimits(self.config, self.running)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self._next_waiting(adapters)
+            seq = next((seq for seq in self.waiting if limits.fits(seq)), None)
             if seq is None:
                 break
             if seq.seq_id in batch.preempted[:made_room]:
@@ -201,8 +203,7 @@ class Scheduler:
                 break
             self.waiting.remove(seq)
             self._count_queued(seq, -1)
-            if seq.lora is not None:
-                adapters.add(seq.lora.lora_int_id)
+            limits.add(seq)
             if self.config.enable_prefix_caching and seq.reads_prefix_cache and not seq.num_preemptions:
                 self.num_prefix_queried_tokens += seq.num_prompt_tokens
                 self.num_prefix_hit_tokens += seq.num_cached_tokens
@@ -218,12 +219,6 @@ class Scheduler:
         for row in batch.rows:
             row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
         return batch
-
-    def _next_waiting(self, adapters: set[int]) -> Sequence | None:
-        """The first waiting sequence whose LoRA adapter, if any, is one of `adapters` (the running's)
-        or finds a slot (max_loras); those of other adapters wait, and those behind them go first (vLLM's)."""
-        return next((seq for seq in self.waiting if seq.lora is None or seq.lora.lora_int_id in adapters
-                     or len(adapters) < self.config.max_loras), None)
 
     def _add_drafts(self, batch: ScheduledBatch, drafts: dict[int, list[int]], budget: int) -> int:
         """Give the rows that compute one token and sample their drafts (`schedule`), within `budget`
@@ -293,12 +288,17 @@ class Scheduler:
         changed = []
         if out.prompt is not None:  # each asking row's first entry in it
             first_entry = np.cumsum([0] + [len(prompt_targets(row)) for row in batch.rows])
+        if out.hidden is not None:  # each row's first token, and where each layer's hidden states are
+            first_token = np.cumsum([0] + [len(r.token_ids) for r in batch.rows])
+            layer_slots = hidden_layer_slots(batch.rows)
         for b, row in enumerate(batch.rows):
             seq = self.seqs.get(row.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or preempted since the plan was made
             if row.prompt_logprobs:
                 record_prompt_logprobs(seq, row, out.prompt, first_entry[b])
+            if out.hidden is not None and row.sampling.hidden_layers:
+                record_hidden_states(seq, row, out.hidden[:, first_token[b]:], layer_slots)
             self.num_prompt_tokens_computed += max(0, min(seq.num_prompt_tokens - row.start_position,
                                                           len(row.token_ids)))
             slots = [b]

@@ -74,6 +74,9 @@ class Sequence:
     # per prompt token after the first, when params.prompt_logprobs is set: filled in order by choice 0
     # as it computes the prompt (its siblings share the list)
     prompt_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    # position -> f32[layers, hidden] the residual stream there, when params.return_hidden_states is set
+    # (a recomputed position is written again; `record_hidden_states`)
+    hidden_states: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -96,9 +99,11 @@ class Sequence:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Whether it may start on the prefix cache's pages: not while it owes prompt logprobs,
-        nor where the request says `skip_reading_prefix_cache`."""
-        return not (self.owes_prompt_logprobs or self.params.skip_reading_prefix_cache)
+        """Whether it may start on the prefix cache's pages: not while it owes prompt logprobs or
+        the hidden states of every prompt position, nor where the request says `skip_reading_prefix_cache`."""
+        hidden = self.params.return_hidden_states
+        return not (self.owes_prompt_logprobs or self.params.skip_reading_prefix_cache
+                    or (hidden is not None and hidden.positions == "all"))
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +133,8 @@ class Sequence:
                         max_tokens=self.max_tokens, page_ids=list(self.page_ids), page_hashes=list(self.page_hashes),
                         num_computed_tokens=self.num_computed_tokens, status=self.status, index=self.index + k,
                         num_cached_tokens=self.num_cached_tokens, priority=self.priority, arrival=self.arrival,
-                        hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs)
+                        hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs,
+                        hidden_states=dict(self.hidden_states))
 
     def drop_tokens_after(self, num_output_tokens: int) -> int:
         """End at output token `num_output_tokens`, dropping the tokens its last step gave it past that

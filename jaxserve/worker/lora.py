@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from checkpoints.lora import LoraWeights, read_adapter
 from jaxserve.config.lora import LoRARequest
+from jaxserve.worker.slots import LruSlots
 from jaxserve.models import MODEL_REGISTRY, abstract_model, adaptable_modules
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.sharding import weight_sharding
@@ -115,7 +116,7 @@ class AdapterSlots:
             stacks[path] = (jnp.zeros((num_slots, max_rank, width), self.dtype, device=shardings[path][0]),
                             jnp.zeros((num_slots, out, max_rank), self.dtype, device=shardings[path][1]))
         self._write = jax.jit(_write_slot, out_shardings=shardings)
-        self._slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # adapter id -> slot, LRU first
+        self._slots = LruSlots(num_slots, "LoRA adapters")
         self.stacks = self._write(stacks, 0, self._padded(None))  # (compiles the write now, not while serving)
 
     def _padded(self, weights: LoraWeights | None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -132,24 +133,11 @@ class AdapterSlots:
 
     def assign(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
         """Adapter id -> slot for the adapters of a step (at most num_slots), loading those not in a
-        slot into free ones, else into those of the least recently used adapters the step does not need."""
-        needed = {request.lora_int_id: request for request in requests}
-        if len(needed) > self.num_slots:
-            raise RuntimeError(f"a step needs {len(needed)} LoRA adapters but there are {self.num_slots} slots")
-        for adapter in needed:
-            if adapter in self._slot_of:
-                self._slot_of.move_to_end(adapter)
-        for adapter, request in needed.items():
-            if adapter in self._slot_of:
-                continue
-            free = sorted(set(range(self.num_slots)) - set(self._slot_of.values()))
-            if free:
-                slot = free[0]
-            else:
-                slot = self._slot_of.pop(next(a for a in self._slot_of if a not in needed))
+        slot (`LruSlots`)."""
+        def load(slot: int, request: LoRARequest) -> None:
             self.stacks = self._write(self.stacks, slot, self._padded(self.store.get(request)))
-            self._slot_of[adapter] = slot
-        return {adapter: self._slot_of[adapter] for adapter in needed}
+
+        return self._slots.assign({request.lora_int_id: request for request in requests}, load)
 
 
 __all__ = ["AdapterSlots", "AdapterStore", "adaptable_shapes", "adapter_bytes", "adapter_slots"]

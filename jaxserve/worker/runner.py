@@ -30,12 +30,13 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.sample.logits_processors import Processors, fingerprint
 from jaxserve.sample.tensors import Padding, SampleOutput, SamplingRow, SamplingTensors, needs_distribution
 from jaxserve.sched.pages import NULL_PAGE
-from jaxserve.sched.plan import ScheduledBatch, StepOutput, prompt_targets
+from jaxserve.sched.plan import ScheduledBatch, StepOutput, hidden_layer_slots, prompt_targets
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import ExecutableCache
 from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.worker.lora import AdapterSlots
 from jaxserve.worker.sharding import broadcast_plan, is_leader, place
+from jaxserve.worker.steering import SteeringSlots
 from jaxserve.worker.step_fn import LaunchedStep, PackedPlan, StepInputs, make_step_fn
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
@@ -65,10 +66,14 @@ class Runner:
         self.processors = processors  # the engine's logits processors, traced into the step
         self.draft = draft  # speculative decoding's draft model: each step's tokens go through it too
         self.adapters = adapters  # the LoRA slots (--enable-lora): each row runs with its sequence's adapter
+        self.num_hidden, num_steering = config.residual_limits
+        # the steering slots (--max-steering-slots): each row adds its sequence's steering
+        self.steering = SteeringSlots(model_config, num_steering, config.dtype, replicated) if num_steering else None
         # (read once: inspect's source lookup is not safe on the threads that compile)
         self._processors_fingerprint = fingerprint(processors.instances)
         self.step_fn = make_step_fn(graphdef, self._state_treedef, kv_sharding, replicated, config.logprobs_mode,
-                                    processors, config.returns_distributions, config.batch_invariant)
+                                    processors, config.returns_distributions, config.batch_invariant,
+                                    self.num_hidden)
         self.executable_cache = executable_cache
         self.executables: dict[tuple[int, int, int], jax.stages.Compiled] = {}  # step bucket -> step
         self.replicated = replicated  # where host inputs of the step live (every device of the mesh)
@@ -87,6 +92,8 @@ class Runner:
         """Dispatch the step; returns at once with the outputs still being computed on the device."""
         shape = self.shape(batch)
         slots = {} if self.adapters is None else self.adapters.assign(row.lora for row in batch.rows if row.lora)
+        steered = [row.sampling.steering for row in batch.rows if row.sampling.steering is not None]
+        slots.update(self.steering.assign(steered) if steered else {})
         return self._run(shape, self.prepare(batch, shape, slots))
 
     def _run(self, shape: tuple[int, int, int], inputs: StepInputs) -> LaunchedStep:
@@ -117,7 +124,8 @@ class Runner:
         placed = dict(zip(fresh, placed))
         large = tuple(placed[i] if i in placed else self.padding_on_device(leaf) for i, leaf in enumerate(large))
         plan = PackedPlan(words=words, large=large, layout=layout, treedef=treedef)
-        return self.weights, self.kv, plan, self._previous, None if self.adapters is None else self.adapters.stacks
+        return (self.weights, self.kv, plan, self._previous, None if self.adapters is None else self.adapters.stacks,
+                None if self.steering is None else self.steering.table)
 
     def _executable(self, shape: tuple[int, int, int], args: tuple) -> jax.stages.Compiled:
         """The step compiled for `shape` (whose arguments look like `args`): compiled on first use
@@ -217,15 +225,17 @@ class Runner:
         whole distributions only when some row asked for them)."""
         asked = any(r.prompt_logprobs for r in batch.rows)
         whole = any(r.sample and needs_distribution(r.params.logprobs) for r in batch.rows)
-        samples, prompt, distributions = jax.device_get((launched.samples, launched.prompt if asked else None,
-                                                         launched.distributions if whole else None))
+        hidden = any(r.sampling.hidden_layers for r in batch.rows)
+        samples, prompt, distributions, hidden = jax.device_get((
+            launched.samples, launched.prompt if asked else None, launched.distributions if whole else None,
+            launched.hidden if hidden else None))
         out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
                                     len(self.processors.carried))
         rows = batch.num_samples
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
                           top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows],
                           entropies=out.entropies[:rows], prompt=prompt, carried=out.carried[:rows],
-                          distributions=None if distributions is None else distributions[:rows])
+                          distributions=None if distributions is None else distributions[:rows], hidden=hidden)
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while
@@ -249,8 +259,9 @@ class Runner:
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None,
                 slots: dict[int, int] | None = None) -> StepInputs:
         """The step's inputs as host arrays, padded to the batch's buckets (or to `shape`, see
-        `shape`); an input no row uses is a `Padding`. `slots`: adapter id -> its LoRA slot, for the
-        rows that run with one (`AdapterSlots.assign`)."""
+        `shape`); an input no row uses is a `Padding`. `slots`: adapter id -> its LoRA slot, and
+        steering key -> its steering slot, for the rows that run with one (`AdapterSlots.assign`,
+        `SteeringSlots.assign`)."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
         token_ids = np.zeros(num_tokens, np.int32)
@@ -290,7 +301,9 @@ class Runner:
                              kv_write_index=kv_write_index, kv_lens=kv_lens,
                              page_table=page_table, query_start=query_start,
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices,
-                             lora=self._lora_rows(batch, slots or {}, num_tokens))
+                             lora=self._lora_rows(batch, slots or {}, num_tokens),
+                             steer=self._steer_rows(batch, slots or {}, num_tokens),
+                             hidden_slots=self._hidden_slots(batch))
         rows = [SamplingRow(params=r.params, seed=r.seed,
                             position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
                             token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,
@@ -317,6 +330,31 @@ class Runner:
                 token_slots[start:start + len(row.token_ids)] = slots[row.lora.lora_int_id]
             start += len(row.token_ids)
         return LoraRows(**LoraRows.of(token_slots, self.adapters.num_slots))
+
+    def _steer_rows(self, batch: ScheduledBatch, slots: dict, num_tokens: int) -> np.ndarray | None:
+        """Each token row's steering slot (num_slots: none; the prompt's positions too unless the
+        request leaves them out), as the step takes them; None without steering slots."""
+        if self.steering is None:
+            return None
+        rows = np.full(num_tokens, self.steering.num_slots, np.int32)
+        start = 0
+        for row in batch.rows:
+            steering = row.sampling.steering
+            if steering is not None:
+                first = 0 if steering.prompt else max(0, row.num_prompt_tokens - row.start_position)
+                rows[start + first:start + len(row.token_ids)] = slots[steering.key]
+            start += len(row.token_ids)
+        return rows
+
+    def _hidden_slots(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """Per layer, and the final norm last, its slot among the hidden states the step gathers
+        (num_hidden: not gathered); None where the engine gathers none."""
+        if not self.num_hidden:
+            return None
+        out = np.full(self.model_config.num_layers + 1, self.num_hidden, np.int32)
+        for layer, slot in hidden_layer_slots(batch.rows).items():
+            out[layer] = slot
+        return out
 
     def padding_on_device(self, padding: Padding) -> jax.Array:
         """The device copy of `padding`, placed on first use (keyed by its value: the same contents)."""

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from jaxserve.models import forward, head_logits
+from jaxserve.models import forward_residual, head_logits
 from jaxserve.models.invariant import ROWS, by_rows
 from jaxserve.models.layers import KVCache, ModelInputs
 from jaxserve.sample.logits_processors import Processors
@@ -44,6 +44,9 @@ class LaunchedStep(NamedTuple):
     # f32[B, V] the whole distributions of the rows that ask for more than K top logprobs
     # (`SampleOutput.distributions`); None where max_logprobs allows no more than K
     distributions: jax.Array | None = None
+    # f32[H, T, hidden] the residual stream after the step's asked layers (`ModelInputs.hidden_slots`),
+    # at every token; None where the engine gathers none (max_hidden_states_layers 0)
+    hidden: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -93,9 +96,10 @@ class PackedPlan:
 
 def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedSharding, replicated: NamedSharding,
                  logprobs_mode: str, processors: Processors, distributions: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, num_hidden: int = 0):
     """The jitted step: (weights, cache, packed `StepInputs`, the step before's tokens, the LoRA slots'
-    stacks or None: `jaxserve.worker.lora`) -> (cache, the
+    stacks or None: `jaxserve.worker.lora`, the steering slots' vectors or None:
+    `jaxserve.worker.steering`) -> (cache, the
     launched step's outputs (`LaunchedStep`: sampled tokens and logprobs of every row, the prompt
     logprobs the inputs ask for), the tokens again padded to max_num_seqs rows: the next step's `previous`).
     A token the inputs mark pending (`pending` >= 0: a row of the step before) is read from
@@ -105,12 +109,13 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
     The cache is donated and keeps `kv_sharding`, so the next step sees the same input shardings;
     the samples come out `replicated`, so any process can read them. `batch_invariant`: every row
     computed in fixed-shape tiles (`models/invariant.py`): the model and the prompt logprobs by
-    tiles of ROWS tokens, the sampler one sequence at a time."""
+    tiles of ROWS tokens, the sampler one sequence at a time. `num_hidden`: the layers whose hidden
+    states a step gathers (`Decoder.run`)."""
 
     chunking = dict(chunk=ROWS, fixed=True) if batch_invariant else {}  # of the prompt logprobs
 
-    def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array, adapters: dict | None
-             ) -> tuple[KVCache, LaunchedStep, jax.Array]:
+    def step(weights: list[jax.Array], kv: KVCache, plan: PackedPlan, previous: jax.Array, adapters: dict | None,
+             steering: jax.Array | None) -> tuple[KVCache, LaunchedStep, jax.Array]:
         inputs = plan.unpack()
         pending, model = inputs.pending, inputs.model
         model = model.replace(token_ids=jnp.where(pending >= 0, previous[jnp.maximum(pending, 0)], model.token_ids))
@@ -122,7 +127,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
         kv = copy_pages(kv, inputs.page_copies)
         state = jax.tree.unflatten(state_treedef, weights)
         with jax.sharding.use_abstract_mesh(kv_sharding.mesh.abstract_mesh):  # where a Pallas kernel splits
-            kv, logits, hidden = forward(graphdef, state, kv, model, batch_invariant, adapters)
+            kv, logits, hidden, gathered = forward_residual(graphdef, state, kv, model, batch_invariant, adapters,
+                                                            steering, num_hidden)
             prompt = prompt_logprobs(lambda x: head_logits(graphdef, state, x), hidden, inputs.prompt_rows,
                                      inputs.prompt_targets, **chunking)
 
@@ -134,6 +140,8 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
         else:
             out = sample_rows(logits, sampling)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
-        return kv, LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions), previous
+        launched = LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions,
+                                hidden=None if gathered is None else gathered.astype(jnp.float32))
+        return kv, launched, previous
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
