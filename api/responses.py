@@ -25,9 +25,10 @@ from api.errors import APIError
 from api.fields import validated
 from api.generation import admit, generation, stream_error_status
 from api.protocol import GenerationRequest, parse_chat
-from api.response_models import (ChatLogprob, DeltaFunctionCall, DeltaMessage, FunctionCallItem, IncompleteDetails,
-                                 MessageItem, OutputItem, OutputText, ReasoningItem, ReasoningText, ResponseError,
-                                 ResponseObject, ResponseReasoning, ResponseUsage, Usage, given)
+from api.response_models import ChatLogprob, DeltaFunctionCall, DeltaMessage, Usage, given
+from api.response_objects import (FunctionCallItem, IncompleteDetails, MessageItem, OutputItem, OutputText,
+                                  ReasoningItem, ReasoningText, ResponseError, ResponseObject, ResponseReasoning,
+                                  ResponseUsage)
 from api.sse import new_id, now, sse
 from api.state import APIState, api_state, json_body
 from jaxserve.engine.chat_template import message_text

@@ -259,13 +259,11 @@ class Runner:
     def prepare(self, batch: ScheduledBatch, shape: tuple[int, int, int] | None = None,
                 slots: dict[int, int] | None = None) -> StepInputs:
         """The step's inputs as host arrays, padded to the batch's buckets (or to `shape`, see
-        `shape`); an input no row uses is a `Padding`. `slots`: adapter id -> its LoRA slot, and
-        steering key -> its steering slot, for the rows that run with one (`AdapterSlots.assign`,
-        `SteeringSlots.assign`)."""
+        `shape`); an input no row uses is a `Padding`. `slots`: adapter id (steering key) -> its LoRA
+        (steering) slot, for the rows that run with one (`AdapterSlots.assign`, `SteeringSlots.assign`)."""
         cfg = self.config
         num_tokens, num_rows, width = shape or self.shape(batch)
-        token_ids = np.zeros(num_tokens, np.int32)
-        positions = np.zeros(num_tokens, np.int32)
+        token_ids, positions = np.zeros(num_tokens, np.int32), np.zeros(num_tokens, np.int32)
         kv_write_index = np.full(num_tokens, NULL_PAGE * cfg.page_size, np.int32)
         kv_lens = np.zeros(num_rows, np.int32)
         page_table = np.full((num_rows, width), NULL_PAGE, np.int32)
