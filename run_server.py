@@ -47,6 +47,7 @@ from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments, check_vllm_op
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.chat_template import CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS
+from jaxserve.engine.pooling import Pooler
 from jaxserve.engine.replicas import Replicas
 from jaxserve.worker.sharding import initialize_distributed, is_leader
 
@@ -353,7 +354,8 @@ def main(argv: list[str] | None = None) -> None:
                     chat_template_content_format=args.chat_template_content_format,
                     model_root=args.model or DEFAULT_MODEL_NAME, tokens_as_ids=args.return_tokens_as_token_ids,
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
-                    processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout)
+                    processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout,
+                    pooler=Pooler.of(engine.config), hidden_size=engine.model_config.hidden_size)
     app = create_app(front, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,

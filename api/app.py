@@ -23,6 +23,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from api.chat import chat
 from api.completions import completions
 from api.cors import CorsPolicy
+from api.embeddings import embeddings
 from api.errors import APIError
 from api.generation import RETRY_AFTER
 from api.limits import Limits
@@ -87,7 +88,7 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
-    for blueprint in (server_info, completions, chat, responses, messages, tokenize, training, tokens_io,
+    for blueprint in (server_info, completions, chat, responses, messages, embeddings, tokenize, training, tokens_io,
                       *([playground_pages] if playground else []), *([lora] if runtime_lora_updating else [])):
         app.register_blueprint(blueprint)
     return app

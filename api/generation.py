@@ -36,6 +36,10 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
     refused request holds no place in it). A chat request's constraint waits for the thinking
     (--reasoning-parser). The adapter its `model` names (if any) is taken now: one unloaded later
     serves the requests admitted before. -> the request as it runs."""
+    if req.pooling != (state.limits.pooler is not None):
+        raise APIError("this server runs an embedding model (--runner pooling): POST /v1/embeddings" if not req.pooling
+                       else "The model does not support the Embeddings API: it generates text (an embedding model runs "
+                       "with --runner pooling)")
     req = dataclasses.replace(req, lora=state.limits.adapters.get(req.model))
     if chat and state.reasoning_parser:
         if req.echo:

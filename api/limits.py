@@ -9,6 +9,7 @@ import itertools
 from api.errors import APIError
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.chat_template import CHAT_TEMPLATE_TIMEOUT_S
+from jaxserve.engine.pooling import Pooler
 
 
 class Adapters:
@@ -58,6 +59,8 @@ class Limits:
     chat_template_timeout: float = CHAT_TEMPLATE_TIMEOUT_S  # seconds a conversation may take to render
     # the LoRA adapters requests may name as their model (--lora-modules, and those loaded at run time)
     adapters: Adapters = dataclasses.field(default_factory=Adapters)
+    pooler: Pooler | None = None  # --runner pooling: the embeddings' pooling (POST /v1/embeddings; no generation)
+    hidden_size: int = 0  # the model's: the most `dimensions` an embedding request may ask for
 
     @property
     def model_names(self) -> tuple[str, ...]:

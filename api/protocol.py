@@ -51,6 +51,7 @@ class GenerationRequest:
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache pages
     min_weight_version: int = 0  # jaxserve's: wait for weights of at least this version (docs/rl.md)
     lora: LoRARequest | None = None  # the LoRA adapter `model` names (`api.generation.admit`)
+    pooling: bool = False  # an embeddings request (`api/embeddings.py`), which only --runner pooling serves
 
 
 def as_run(ids: list[int], limits: Limits, params: SamplingParams) -> tuple[list[int], SamplingParams]:

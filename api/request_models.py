@@ -323,14 +323,14 @@ class GenerationFields(BaseModel):
         return value.type if isinstance(value, ResponseFormat) else value
 
 
-def _prompts(name: str, prompt) -> list[str] | list[list[int]]:
+def read_prompts(name: str, prompt) -> list[str] | list[list[int]]:
     if isinstance(prompt, str) or token_ids(prompt):
         prompt = [token_ids(prompt) or prompt]
     elif isinstance(prompt, list) and not all(isinstance(p, str) for p in prompt):
         prompt = [token_ids(p) for p in prompt]  # (None where one is not a list of ids)
     if not isinstance(prompt, list) or not prompt or not (all(isinstance(p, str) for p in prompt)
                                                           or all(isinstance(p, list) for p in prompt)):
-        raise ValueError("'prompt' must be a string, a list of strings, a list of token ids, or a list of token-id "
+        raise ValueError(f"'{name}' must be a string, a list of strings, a list of token ids, or a list of token-id "
                          "lists")
     return prompt
 
@@ -339,7 +339,7 @@ class CompletionRequest(GenerationFields):
     """POST /v1/completions. With `echo`, max_tokens 0 scores the prompt alone."""
     model_config = ConfigDict(json_schema_extra={"required": ["prompt"]})
 
-    prompt: checked(list[str] | list[list[int]], _prompts, {"anyOf": [
+    prompt: checked(list[str] | list[list[int]], read_prompts, {"anyOf": [
         STRING, STRINGS, TOKEN_IDS, {"type": "array", "items": TOKEN_IDS}]}, "prompt") = None
     logprobs: TopLogprobs = None
 

@@ -24,10 +24,12 @@ IGNORED = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
 def hf_to_state_path(name: str, hf_name_map: Mapping[str, str]) -> str | None:
-    """HF tensor name -> parameter path, or None if unknown."""
-    for pattern, path in hf_name_map.items():
-        if re.fullmatch(pattern, name):
-            return re.sub(pattern, path, name)
+    """HF tensor name -> parameter path, or None if unknown. A base model's checkpoint (an HF
+    `*Model` class, e.g. an embedding model's) names its tensors without the "model." prefix."""
+    for candidate in (name, f"model.{name}"):
+        for pattern, path in hf_name_map.items():
+            if re.fullmatch(pattern, candidate):
+                return re.sub(pattern, path, candidate)
     return None
 
 

@@ -16,6 +16,8 @@ _EXPORTS = {
     "RequestOutput": "jaxserve.engine.outputs",
     "CompletionOutput": "jaxserve.engine.outputs",
     "HiddenStates": "jaxserve.engine.outputs",
+    "PoolingParams": "jaxserve.engine.pooling",
+    "EmbeddingRequestOutput": "jaxserve.engine.pooling",
     "Logprob": "jaxserve.engine.outputs",
     "TextPrompt": "jaxserve.engine.inputs",
     "TokensPrompt": "jaxserve.engine.inputs",

@@ -3,6 +3,7 @@ all are finished, and return `RequestOutput`s. It knows nothing about HTTP."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import threading
@@ -22,16 +23,17 @@ from jaxserve.engine.chat_template import template_message
 from jaxserve.engine.core import Engine, next_weight_version
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.replicas import Router
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
 
-def _generative_only(task: str):
-    """vLLM's LLM methods of pooling models: a clear error here."""
+def _unsupported(task: str):
+    """vLLM's LLM methods of pooling models other than embed: a clear error here."""
     def refuse(self, *args, **kwargs):
-        raise ValueError(f"LLM.{task}: the model is generative and jaxserve runs no pooling models "
-                         "(embeddings, scores, classes, rewards); use generate or chat")
+        raise ValueError(f"LLM.{task}: jaxserve's pooling runner gives embeddings only (LLM.embed), no scores, "
+                         "classes or rewards")
     return refuse
 
 
@@ -76,9 +78,15 @@ class LLM:
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
         vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
         None) per prompt; the LLM must be made with `enable_lora=True`."""
+        if self.engine.config.runner == "pooling":
+            raise ValueError("this LLM runs an embedding model (runner=\"pooling\"): use LLM.embed")
+        return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
+                              priority=priority)
+
+    def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm: bool, *, lora_request=None,
+                  priority: list[int] | None = None) -> list[RequestOutput]:
         if self.is_sleeping():
             raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
-        prompts = prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else \
             [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):
@@ -223,7 +231,26 @@ class LLM:
     def is_sleeping(self) -> bool:
         return any(engine.is_sleeping for engine in self.engines)
 
-    embed, encode, score, classify, reward = map(_generative_only, ("embed", "encode", "score", "classify", "reward"))
+    encode, score, classify, reward = map(_unsupported, ("encode", "score", "classify", "reward"))
+
+    def embed(self, prompts: PromptType | list[PromptType], use_tqdm: bool = True, *,
+              pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: each prompt's embedding, by the engine's pooling (`runner="pooling"`: the
+        checkpoint's sentence-transformers pooling, or `pooler_config`), prompts batched as generate's."""
+        pooler = Pooler.of(self.engine.config)
+        if pooler is None:
+            raise ValueError("LLM.embed needs an embedding model: LLM(model, runner=\"pooling\") (an LLM of a base "
+                             "model's checkpoint, or of one with sentence-transformers' files, is one by default)")
+        prompts = prompt_list(prompts)
+        each = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
+        for p in each:
+            (p or PoolingParams()).check(self.engine.model_config.hidden_size)
+        params = dataclasses.replace(pooler.params(), truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(pooler.pool(out.outputs[0].hidden_states,
+                                                                                   p).tolist()), out.prompt_token_ids)
+                for out, p in zip(outputs, each)]
 
 
 def _run(engines: list[Engine], collectors: dict[str, OutputCollector], bar: tqdm) -> None:

@@ -329,7 +329,7 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
     for options, match in ((dict(quantization="awq"), "quantization='awq' is not supported"),
                            (dict(enable_lora=True, batch_invariant=True), "LoRA|lora"),
                            (dict(pipeline_parallel_size=2), "pipeline"),
-                           (dict(task="embed"), "text only"), (dict(max_logprobs=-2), "max_logprobs"),
+                           (dict(task="embed"), "generates text"), (dict(max_logprobs=-2), "max_logprobs"),
                            (dict(override_generation_config={"do_sample": True}), "do_sample")):
         with pytest.raises(ValueError, match=match):
             LLM("jaxserve-tiny", **SMALL_ENGINE, **options)
@@ -341,8 +341,10 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
         default_llm.generate("x", lora_request=LoRARequest("a", 1, "/adapters/a"))
     with pytest.raises(ValueError, match="priority scheduling"):
         default_llm.generate(["x", "y"], priority=[0, 1])
-    for pooling in (default_llm.embed, default_llm.encode, default_llm.score, default_llm.classify):
-        with pytest.raises(ValueError, match="generative"):
+    with pytest.raises(ValueError, match="embedding model"):
+        default_llm.embed("x")
+    for pooling in (default_llm.encode, default_llm.score, default_llm.classify):
+        with pytest.raises(ValueError, match="embeddings only"):
             pooling("x")
     # vLLM's prompt types and Logprob
     prompts = [TextPrompt(prompt="hello"), TokensPrompt(prompt_token_ids=[5, 6, 7])]

@@ -93,7 +93,8 @@ FLAGS = {
     ('--tokenizer-mode',): None,
     ('--load-format',): None,
     ('--task',): None,
-    ('--runner',): None,
+    ('--runner',): 'auto',
+    ('--pooler-config',): None,
     ('--convert',): None,
     ('--scheduling-policy',): 'fcfs',  # (was None, read as fcfs: the same default)
     ('--logits-processors',): (),

@@ -38,6 +38,7 @@ MAX_LOGPROBS = 20
 ITEMSIZE = {"float32": 4, "bfloat16": 2}
 # how many step buckets are compiled before the engine serves (see `EngineConfig.warmup`, jaxserve/worker/warmup.py)
 WARMUP_MODES = ("auto", "minimal", "all")
+RUNNERS = ("auto", "generate", "pooling")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DATA_PARALLEL_BACKENDS = ("thread", "ray")
 PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
@@ -168,21 +169,24 @@ class EngineConfig:
         None, "LoRA adapters kept in host memory, read again from their files past it (default and at least: "
         "max-loras)", type=int)
     max_hidden_states_layers: int = setting(
-        8, "the most layers (the final norm counts as one) whose hidden states a step gathers for the requests "
-        "that ask (return_hidden_states): requests past it wait; 0: none (docs/research_sampling.md)", compiled=True)
-    max_steering_slots: int = setting(
-        8, "distinct steerings (one request's steering vectors, with the control vectors) a step adds at once: "
-        "requests past it wait; 0: none", compiled=True)
-    steering_vectors: tuple = setting(
-        (), "named steering vectors requests may use by name: name=file, a .npy vector of the hidden size or a "
-        "llama.cpp control-vector .gguf", nargs="*", type=str)
-    control_vector: tuple = setting((), "llama.cpp's: control-vector .gguf files added to every request's "
-                                    "residual stream", nargs="*", type=str)
-    control_vector_scaled: tuple = setting(
-        (), "llama.cpp's: FILE SCALE pairs, control vectors added times SCALE", nargs="*", type=str)
-    control_vector_layer_range: tuple | None = setting(
-        None, "llama.cpp's: START END, the layers control vectors apply to (default: all they hold)", nargs=2,
-        type=int)
+        8, "the most layers (the final norm counts) whose hidden states a step gathers for the requests that ask "
+        "(return_hidden_states; more wait); 0: none", compiled=True)
+    max_steering_slots: int = setting(8, "distinct steerings (a request's vectors with the control vectors) a step "
+                                      "adds at once (more wait); 0: none", compiled=True)
+    steering_vectors: tuple = setting((), "named steering vectors for requests: name=file (.npy of the hidden size, "
+                                      "or a control-vector .gguf)", nargs="*", type=str)
+    control_vector: tuple = setting((), "llama.cpp's: control-vector .gguf files added to every request",
+                                    nargs="*", type=str)
+    control_vector_scaled: tuple = setting((), "llama.cpp's: FILE SCALE pairs, added times SCALE", nargs="*", type=str)
+    control_vector_layer_range: tuple | None = setting(None, "llama.cpp's: START END, the layers control vectors "
+                                                       "apply to (default: all)", nargs=2, type=int)
+    runner: str = setting(
+        "auto", "generate (text) or pooling (embeddings: POST /v1/embeddings, LLM.embed); auto: pooling for a "
+        "checkpoint of a base model (no LM head) or with sentence-transformers' modules.json", choices=RUNNERS)
+    pooler_config: dict | None = setting(
+        None, 'JSON, vLLM\'s: the pooling of --runner pooling, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(LAST, MEAN or CLS; default: the checkpoint's sentence-transformers files, else LAST, normalized)",
+        type=json_object)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
 
@@ -228,6 +232,8 @@ class EngineConfig:
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
         if min(self.max_hidden_states_layers, self.max_steering_slots) < 0:
             raise ValueError("max_hidden_states_layers and max_steering_slots must be >= 0")
         if self.enable_lora and self.batch_invariant:

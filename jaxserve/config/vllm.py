@@ -33,7 +33,7 @@ _NO_REVISIONS = "models are local directories, without hub revisions"
 _TEXT_ONLY = "the models take text only"
 
 
-_GENERATE_ONLY = "jaxserve generates text only"
+_GENERATE_ONLY = "jaxserve generates text, or embeds with --runner pooling (no other tasks or conversions)"
 
 
 VLLM_OPTIONS = {
@@ -68,7 +68,6 @@ VLLM_OPTIONS = {
     "kv_cache_memory_bytes": VllmOption("size the KV cache with num_pages or gpu_memory_utilization", (None,), _INT),
     "kv_transfer_config": VllmOption("KV cache transfer is not supported", (None,), _JSON),
     "task": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),
-    "runner": VllmOption(_GENERATE_ONLY, ("auto", "generate"), _TEXT),
     "convert": VllmOption(_GENERATE_ONLY, ("auto", "none"), _TEXT),
     "mm_processor_kwargs": VllmOption(_TEXT_ONLY, (None, {}), _JSON),
     "limit_mm_per_prompt": VllmOption(_TEXT_ONLY, (None, {}), _JSON),

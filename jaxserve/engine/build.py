@@ -17,6 +17,7 @@ from jaxserve.config.checkpoint import resolve_dtype, sampling_defaults
 from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.checks import RequestChecks
 from jaxserve.engine.core import Engine
+from jaxserve.engine.pooling import is_pooling_checkpoint, pooler_config_of
 from jaxserve.engine.tokenizer import Tokenizer, check_tokenizer_files
 from jaxserve.models import abstract_model
 from jaxserve.models.config import ModelConfig
@@ -128,7 +129,14 @@ def _prepare(config: EngineConfig, chat_template: str | None) -> tuple:
     if defaults:
         log.warning("sampling defaults from the model's generation config: %s (vLLM's behaviour; "
                     "--generation-config vllm for none)", defaults)
-    config = config.resolve(model_config, **_derived_settings(config, model_dir, model_config))
+    runner = config.runner
+    if runner == "auto":
+        runner = "pooling" if is_pooling_checkpoint(model_dir, model_config) else "generate"
+    if runner == "pooling":  # (an embedding model's head, if any, goes unused: the embedding's stands in)
+        model_config = dataclasses.replace(model_config, tie_word_embeddings=True)
+    config = config.resolve(model_config, runner=runner, pooler_config=pooler_config_of(
+        model_dir, config.pooler_config) if runner == "pooling" else None,
+                            **_derived_settings(config, model_dir, model_config))
     return model_dir, model_config, config, tokenizer_dir, defaults
 
 

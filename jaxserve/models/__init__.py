@@ -89,6 +89,11 @@ MODEL_REGISTRY: dict[str, ModelFamily] = {
     "Gemma3ForConditionalGeneration": GEMMA,  # its text model; requests with images are refused by the API
 }
 
+# base models without an LM head (embedding checkpoints: `--runner pooling`) -> their causal LM
+BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+               "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
+MODEL_REGISTRY.update({base: MODEL_REGISTRY[causal] for base, causal in BASE_MODELS.items()})
+
 
 def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None) -> nnx.Module:
     """The model with shapes only (no memory): the template weights are loaded into. `formats`:
@@ -165,6 +170,6 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
     return nnx.merge(graphdef, state).logits(hidden)
 
 
-__all__ = ["ADAPTABLE", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs", "ModelOptions",
+__all__ = ["ADAPTABLE", "BASE_MODELS", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs", "ModelOptions",
            "abstract_model", "adaptable_modules", "attach_adapters", "forward", "forward_residual", "head_logits",
            "quantizable_modules", "rope_table"]

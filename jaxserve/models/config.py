@@ -7,7 +7,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from jaxserve.models import MODEL_REGISTRY, ModelOptions
+from jaxserve.models import BASE_MODELS, MODEL_REGISTRY, ModelOptions
 from jaxserve.models.rope import RopeConfig
 
 
@@ -56,7 +56,8 @@ class ModelConfig:
                 f"supported: {', '.join(MODEL_REGISTRY)}"
             )
         family = MODEL_REGISTRY[arch]
-        text = family.decoder_config(arch, hf)  # (an image-text checkpoint's text model)
+        causal = BASE_MODELS.get(arch, arch)  # (a base model's settings are its causal LM's)
+        text = family.decoder_config(causal, hf)  # (an image-text checkpoint's text model)
         num_heads = text["num_attention_heads"]
         return cls(
             architecture=arch,
@@ -68,10 +69,10 @@ class ModelConfig:
             num_kv_heads=text.get("num_key_value_heads") or num_heads,
             head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            ropes=family.ropes_from_hf(arch, text, path),
+            ropes=family.ropes_from_hf(causal, text, path),
             max_position_embeddings=text.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            options=family.options_from_hf(arch, text, path),
+            options=family.options_from_hf(causal, text, path),
             eos_token_ids=_eos_ids(model_dir, text),
             num_experts=text.get("num_local_experts") or text.get("num_experts") or 0,
         )
