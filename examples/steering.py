@@ -2,7 +2,7 @@
 contrasting prompts' hidden states (return_hidden_states), then added to the residual stream of
 another request (steering). Run `python run_server.py` first (the default model).
 
-    python examples/steering.py [--url http://127.0.0.1:8000] [--layer 12] [--scale 6]
+    python examples/steering.py [--url http://127.0.0.1:8000] [--layer 16] [--scale 2]
 """
 
 from __future__ import annotations
@@ -34,16 +34,16 @@ def mean_state(client: OpenAI, model: str, texts: list[str], layer: int) -> np.n
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--layer", type=int, default=12)
-    parser.add_argument("--scale", type=float, default=6.0)
+    parser.add_argument("--layer", type=int, default=16)
+    parser.add_argument("--scale", type=float, default=2.0)
     args = parser.parse_args()
     client = OpenAI(base_url=f"{args.url}/v1", api_key="none")
     model = client.models.list().data[0].id
     direction = mean_state(client, model, HAPPY, args.layer) - mean_state(client, model, SAD, args.layer)
-    direction /= np.linalg.norm(direction)
+    print(f"|happy - sad| = {np.linalg.norm(direction):.1f}")
     prompt = "My day at the office was"
     for scale in (-args.scale, 0.0, args.scale):
-        answer = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0, extra_body={
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, extra_body={
             "steering": [{"layer": args.layer, "vector": direction.tolist(), "scale": scale}]})
         print(f"scale {scale:+.1f}: {prompt}{answer.choices[0].text!r}")
 
