@@ -53,11 +53,13 @@ def prompts(count: int, offset: int = 0) -> list[list[int]]:
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str | list[dict],
-              new_tokens: int = NEW_TOKENS) -> Trace:
-    """One streamed request: a completion, or with a list of messages as the prompt a chat completion."""
+              new_tokens: int = NEW_TOKENS, extra: dict | None = None) -> Trace:
+    """One streamed request: a completion, or with a list of messages as the prompt a chat completion;
+    `extra`: more fields of the body."""
     chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
     body = {"model": model, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}, ("messages" if chat else "prompt"): prompt}
+            "stream": True, "stream_options": {"include_usage": True}, ("messages" if chat else "prompt"): prompt,
+            **(extra or {})}
     trace = Trace(sent=time.perf_counter(), chunks=[], completion_tokens=0)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     async with client.stream("POST", url + path, json=body) as response:
@@ -76,14 +78,16 @@ async def one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int]
     return trace
 
 
-async def workload(url: str, name: str, model: str = "bench", offset: int = 0) -> dict:
+async def workload(url: str, name: str, model: str = "bench", offset: int = 0, extras: list[dict] | None = None
+                   ) -> dict:
+    """`extras`: more fields of the requests' bodies, request i's extras[i % len(extras)]."""
     spec = WORKLOADS[name]
     requests = prompts(spec["requests"], offset + spec["first"])
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=128)) as client:
         async def arrive(i: int, prompt: list[int]) -> Trace:
             if spec["rate"]:
                 await asyncio.sleep(i / spec["rate"])
-            return await one(client, url, model, prompt)
+            return await one(client, url, model, prompt, extra=extras[i % len(extras)] if extras else None)
 
         start = time.perf_counter()
         traces = await asyncio.gather(*(arrive(i, p) for i, p in enumerate(requests)))

@@ -19,6 +19,7 @@ from jaxserve.errors import RequestError
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sample.residual import Steering, resolve_layer
+from jaxserve.worker.steering import steering_slots
 
 
 def read_control_vector(path: str | Path, cfg: ModelConfig) -> dict[int, np.ndarray]:
@@ -57,7 +58,7 @@ class SteeringLibrary:
 
     def __init__(self, config, cfg: ModelConfig):
         self.model = cfg
-        self.enabled = config.residual_limits[1] > 0
+        self.enabled = steering_slots(config) > 0
         self.named: dict[str, np.ndarray | dict[int, np.ndarray]] = {}
         for entry in config.steering_vectors:
             name, sep, path = entry.partition("=")
@@ -78,8 +79,8 @@ class SteeringLibrary:
                     if start <= layer <= end:
                         self.control[layer] += scale * vector
         if (self.named or self.control is not None) and not self.enabled:
-            raise ValueError("steering vectors and control vectors need max_steering_slots >= 1 (and no "
-                             "batch_invariant)")
+            raise ValueError("steering vectors and control vectors need max_steering_slots >= 1 (and neither "
+                             "batch_invariant nor a multi-host mesh)")
 
     def resolve(self, params: SamplingParams) -> Steering | None:
         """The request's steering (its vectors and the control vectors), or None: neither. RequestError
@@ -87,8 +88,8 @@ class SteeringLibrary:
         if not params.steering and self.control is None:
             return None
         if not self.enabled:
-            raise RequestError("steering: this engine steers nothing (start it with max_steering_slots >= 1 and "
-                               "without batch_invariant)", "steering")
+            raise RequestError("steering: this engine steers nothing (it needs max_steering_slots >= 1, and neither "
+                               "batch_invariant nor a multi-host mesh)", "steering")
         cfg = self.model
         table = np.zeros((cfg.num_layers, cfg.hidden_size), np.float32) if self.control is None else self.control.copy()
         for i, entry in enumerate(params.steering or ()):

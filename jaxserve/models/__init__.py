@@ -170,6 +170,6 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
     return nnx.merge(graphdef, state).logits(hidden)
 
 
-__all__ = ["ADAPTABLE", "BASE_MODELS", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs", "ModelOptions",
-           "abstract_model", "adaptable_modules", "attach_adapters", "forward", "forward_residual", "head_logits",
-           "quantizable_modules", "rope_table"]
+__all__ = ["ADAPTABLE", "BASE_MODELS", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs",
+           "ModelOptions", "abstract_model", "adaptable_modules", "attach_adapters", "forward", "forward_residual",
+           "head_logits", "quantizable_modules", "rope_table"]

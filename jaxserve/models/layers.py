@@ -290,6 +290,7 @@ class Decoder(nnx.Module):
     (and its norm class), and may override `embed`."""
 
     final_soft_cap: float | None = None  # logits c * tanh(logits / c) (Gemma)
+    steering: jax.Array | None = None  # [L, S + 1, hidden] each slot's vector per layer (the last slot: zeros)
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, layers: list[nnx.Module], norm=RMSNorm):
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype, rngs)
@@ -300,8 +301,6 @@ class Decoder(nnx.Module):
     def embed(self, token_ids: jax.Array) -> jax.Array:
         return self.embed_tokens(token_ids)
 
-    steering: jax.Array | None = None  # [L, S + 1, hidden] each slot's vector per layer (the last slot: zeros)
-
     def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
         """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
         kv, x, _ = self.run(kv, inputs)
@@ -309,24 +308,29 @@ class Decoder(nnx.Module):
 
     def run(self, kv: KVCache, inputs: ModelInputs, num_hidden: int = 0
             ) -> tuple[KVCache, jax.Array, jax.Array | None]:
-        """`__call__`, adding each row's steering vector (`steering`, for one trace: `attach_residual`)
-        to the residual stream after each layer, and gathering the residual stream after the layers of
+        """`__call__`, adding each row's steering vector (`steering`, set for one trace by
+        `forward_residual`) to the residual stream after each layer, and gathering the residual stream after the layers of
         `inputs.hidden_slots` (steered) into `num_hidden` slots -> (cache, output, [num_hidden, T,
         hidden] or None). Unsteered rows add the zero slot; unasked layers write a slot dropped at the end."""
         x = self.embed(inputs.token_ids)
         gather = num_hidden > 0 and inputs.hidden_slots is not None
-        hidden = jnp.zeros((num_hidden + 1, *x.shape), x.dtype) if gather else None
+        hidden = None  # (made in the dtype of the layers' outputs: a write that converts is not done in place)
+        steer = None  # [L, T, hidden] each row's vector per layer, gathered once
+        if self.steering is not None and inputs.steer is not None:
+            steer = jnp.take(self.steering, inputs.steer, axis=1)
         k_out, v_out = [], []
         for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv.k, kv.v)):
             x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            if self.steering is not None and inputs.steer is not None:
-                x = x + self.steering[i][inputs.steer]
+            if steer is not None:
+                x = x + steer[i].astype(x.dtype)
             if gather:
+                hidden = jnp.zeros((num_hidden + 1, *x.shape), x.dtype) if hidden is None else hidden
                 hidden = hidden.at[inputs.hidden_slots[i]].set(x)
             k_out.append(k_pages)
             v_out.append(v_pages)
         if gather:
-            hidden = hidden.at[inputs.hidden_slots[len(self.layers)]].set(self.norm(x))[:num_hidden]
+            final = self.norm(x).astype(hidden.dtype)
+            hidden = hidden.at[inputs.hidden_slots[len(self.layers)]].set(final)[:num_hidden]
         return KVCache(k=k_out, v=v_out), x, hidden
 
     def logits(self, x: jax.Array) -> jax.Array:

@@ -36,7 +36,7 @@ from jaxserve.worker.executables import ExecutableCache
 from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.worker.lora import AdapterSlots
 from jaxserve.worker.sharding import broadcast_plan, is_leader, place
-from jaxserve.worker.steering import SteeringSlots
+from jaxserve.worker.steering import SteeringSlots, steering_slots
 from jaxserve.worker.step_fn import LaunchedStep, PackedPlan, StepInputs, make_step_fn
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
@@ -66,7 +66,7 @@ class Runner:
         self.processors = processors  # the engine's logits processors, traced into the step
         self.draft = draft  # speculative decoding's draft model: each step's tokens go through it too
         self.adapters = adapters  # the LoRA slots (--enable-lora): each row runs with its sequence's adapter
-        self.num_hidden, num_steering = config.residual_limits
+        self.num_hidden, num_steering = config.residual_limits[0], steering_slots(config)
         # the steering slots (--max-steering-slots): each row adds its sequence's steering
         self.steering = SteeringSlots(model_config, num_steering, config.dtype, replicated) if num_steering else None
         # (read once: inspect's source lookup is not safe on the threads that compile)

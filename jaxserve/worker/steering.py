@@ -21,6 +21,12 @@ from jaxserve.sample.residual import Steering
 from jaxserve.worker.slots import LruSlots
 
 
+def steering_slots(config) -> int:
+    """The steering slots an engine of `config` (an `EngineConfig`) has: none on a multi-host mesh,
+    whose other processes would not see the slots written (a replica per host serves steering)."""
+    return 0 if jax.process_count() > 1 else config.residual_limits[1]
+
+
 def _write_slot(table: jax.Array, slot: jax.Array, vectors: jax.Array) -> jax.Array:
     return table.at[:, slot].set(vectors.astype(table.dtype))
 
@@ -42,4 +48,4 @@ class SteeringSlots:
         return self._slots.assign({steering.key: steering for steering in steerings}, load)
 
 
-__all__ = ["SteeringSlots"]
+__all__ = ["SteeringSlots", "steering_slots"]
