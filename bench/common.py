@@ -26,6 +26,14 @@ def machine_line() -> str:
     return f"{time.strftime('%Y-%m-%d')}, {cpu_model()} ({os.cpu_count()} cores)"
 
 
+def write_between(markers: tuple[str, str], table: str) -> None:
+    """Put `table` into bench/RESULTS.md between its `markers` (the section's start and end comments)."""
+    path = ROOT / "bench" / "RESULTS.md"
+    text = path.read_text()
+    start, end = text.index(markers[0]) + len(markers[0]), text.index(markers[1])
+    path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from checkpoints import DEFAULT_MODEL_NAME, builtin  # noqa: E402
 from checkpoints.gguf import model_view  # noqa: E402
 import lora_products  # noqa: E402
-from common import ROOT, free_port, machine_line, server  # noqa: E402
+from common import free_port, machine_line, server, write_between  # noqa: E402
 from loadgen import WORKLOADS, one, prompts  # noqa: E402
 from peers import CACHE  # noqa: E402
 
@@ -113,10 +113,7 @@ def main() -> None:
     table = render(results, args)
     print(table)
     if args.write:
-        path = ROOT / "bench" / "RESULTS.md"
-        text = path.read_text()
-        start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
-        path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+        write_between(MARKERS, table)
 
 
 def render(results: dict[str, list[dict]], args) -> str:

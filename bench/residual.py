@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import ROOT, free_port, machine_line, server  # noqa: E402
+from common import free_port, machine_line, server, write_between  # noqa: E402
 from loadgen import workload  # noqa: E402
 
 MARKERS = ("<!-- residual:start -->", "<!-- residual:end -->")
@@ -98,10 +98,7 @@ def main() -> None:
     table = render(results, args.runs)
     print(table)
     if args.write:
-        path = ROOT / "bench" / "RESULTS.md"
-        text = path.read_text()
-        start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
-        path.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+        write_between(MARKERS, table)
 
 
 def render(results: dict[str, list[float]], runs: int) -> str:
