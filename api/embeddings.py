@@ -89,10 +89,11 @@ async def create_embeddings():
         raise APIError(f"'input' holds {len(request.input)} inputs, at most {MAX_INPUTS}", param="input")
     pooler = state.limits.pooler
     pooling = PoolingParams(dimensions=request.dimensions, normalize=request.normalize)
-    try:
-        pooling.check(state.limits.hidden_size)
-    except RequestError as e:
-        raise APIError(str(e), param="dimensions") from e
+    if pooler is not None:  # (a generative server refuses the request in `admit`, whatever it asks)
+        try:
+            pooling.check(state.limits.hidden_size)
+        except RequestError as e:
+            raise APIError(str(e), param="dimensions") from e
     params = None if pooler is None else dataclasses.replace(pooler.params(),
                                                              truncate_prompt_tokens=request.truncate_prompt_tokens)
     ids = []
