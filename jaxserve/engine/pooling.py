@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxserve.engine.outputs import HiddenStates
 from jaxserve.errors import RequestError
+from jaxserve.models import BASE_MODELS
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.params import SamplingParams
 
@@ -28,7 +29,7 @@ _ST_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN
 
 def is_pooling_checkpoint(model_dir: Path, model_config: ModelConfig) -> bool:
     """A base model's checkpoint (an HF `*Model` class: no LM head), or one with sentence-transformers' files."""
-    return "For" not in model_config.architecture or (Path(model_dir) / "modules.json").is_file()
+    return model_config.architecture in BASE_MODELS or (Path(model_dir) / "modules.json").is_file()
 
 
 def pooler_config_of(model_dir: Path, given: dict | None) -> dict:
