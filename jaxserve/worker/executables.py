@@ -29,7 +29,6 @@ import hashlib
 import logging
 import os
 import pickle
-import threading
 from pathlib import Path
 
 import flax
@@ -47,9 +46,6 @@ SOURCE_PACKAGES = ("jaxserve", "kernels")
 SOURCE_SUFFIXES = (".py", ".cc", ".h")
 MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted
 ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION", "JAXSERVE_MATMUL")
-# One load at a time: two warm-up threads deserializing at once crashed XLA:CPU (a segfault in
-# `deserialize_executable`), where compiling at once is safe. A load takes under a second, a compile seconds.
-_LOADING = threading.Lock()
 
 
 @functools.cache
@@ -102,9 +98,8 @@ class ExecutableCache:
         if path.is_file():
             try:
                 serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-                with _LOADING:
-                    compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
-                                                                         execution_devices=devices)
+                compiled = serialize_executable.deserialize_and_load(serialized, in_tree, out_tree,
+                                                                     execution_devices=devices)
             except Exception as e:  # a truncated or incompatible entry: compile it again
                 log.warning("could not load the cached executable %s (%s); compiling it again", path, e)
             else:
