@@ -17,7 +17,7 @@ import pytest
 from conftest import needs_cpu_backend
 
 from kernels.matmul import (KERNEL_MAX_ROWS, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, implementation,
-                            matmul_t, native_bf16, quantized_forms, row_limit)
+                            bf16_tiles, matmul_t, native_bf16, quantized_forms, row_limit)
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
@@ -112,6 +112,28 @@ def test_the_kernel_multiplies_bfloat16_natively_where_the_cpu_can():
     macros = subprocess.run([compiler, "-march=native", "-dM", "-E", "-x", "c++", "-"], input="",
                             capture_output=True, text=True).stdout
     assert native_bf16() == ("__AVX512BF16__" in macros.split())
+    amx = {"__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"} <= set(macros.split())
+    assert bf16_tiles() <= amx and bf16_tiles() == ("tile" in quantized_forms())  # (the same tiles, permitted once)
+
+
+@pytest.mark.parametrize("out_dtype", ["float32", "bfloat16"])
+def test_bfloat16_tiles_match_float64(out_dtype):
+    """The tile form (cpu.cc on AMX: K a multiple of 32) against float64: 16 x 16 tiles, 2 x 2 at a
+    time, so rows of x and of w that leave one tile, a partial one, or one of two; w's last rows past
+    its end copied beside zeros (out under 32, or not a multiple of 32); several work items of w and
+    of x (160 rows of x per item at K = 768)."""
+    needs_cpu_backend()
+    if not bf16_tiles():
+        pytest.skip("this CPU (or Linux) gives the kernel no AMX tiles")
+    rng = np.random.default_rng(3)
+    for rows, d_in, d_out in [(1, 64, 40), (8, 32, 5), (9, 64, 33), (31, 96, 64), (47, 128, 100), (200, 768, 70),
+                              (64, 576, 1000), (16, 1536, 48)]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((d_out, d_in)), jnp.bfloat16)
+        got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl="cpu"))(x, w)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        tol = 2e-5 if out_dtype == "float32" else 2**-8  # (the products are exact; float32 sums, or bfloat16's rounding)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
 
 
 def test_matmul_t_keeps_leading_dimensions():

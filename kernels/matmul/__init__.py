@@ -12,7 +12,8 @@ Products accumulate in float32 and return the requested dtype. Implementations:
   takes x as an operand so that each layer's widening waits for that layer (XLA hoisted a plain
   convert of every layer's weight to the start of the step). On a CPU with bfloat16 instructions
   (AVX512_BF16), bfloat16 x against a bfloat16 weight runs in the kernel at every row count
-  (`row_limit`): it multiplies them without widening, faster than the widened float32 dot.
+  (`row_limit`): it multiplies them without widening, faster than the widened float32 dot; on one
+  with AMX, on its tiles from a few rows on (`bf16_tiles`).
 
 A quantized weight (`quant.py`: int8 or int4 blocks of 32 values with float16 scales) is multiplied
 by `quantized_matmul_t`: with "cpu", by a second C++ kernel (`quant.cc`) at every row count, which
@@ -82,6 +83,13 @@ def native_bf16() -> bool:
     with AVX512_BF16; see the top of `cpu.cc`)."""
     lib = build.library(SOURCE)
     return lib is not None and bool(lib.JaxserveMatmulNativeBf16())
+
+
+def bf16_tiles() -> bool:
+    """Whether the CPU kernel multiplies bfloat16 x and w on AMX tiles (from a few rows on, K a
+    multiple of 32; see the top of `cpu.cc`): built for a CPU with AMX, and permitted by Linux."""
+    lib = build.library(SOURCE)
+    return lib is not None and bool(lib.JaxserveMatmulTiles())
 
 
 def quantized_forms() -> tuple[str, ...]:

@@ -33,6 +33,10 @@
 //   (24 accumulators of the 32 AVX-512 registers), at every row count.
 // - Under 16 rows, PairTile: 32 values of k of a row of x and of w per instruction, both as they lie
 //   in memory (no shifts, no reordered copy of x).
+//
+// Tile form, where the CPU has AMX and Linux permits its tiles, for bfloat16 x and w with K a multiple
+// of 32, from kAmxMinRows rows on: w's rows read in place as the tile unit's A operand (amx.h), 16 x 16
+// sums of 32 products per instruction; the same products as the pair forms, summed in another order.
 
 #include <algorithm>
 #include <array>
@@ -42,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 
 namespace jaxserve {
@@ -56,6 +61,7 @@ constexpr int64_t kPanelMinRows = 16;  // from this many rows of x on, the panel
 constexpr int64_t kPanelRows = 2 * kLanes;  // x rows of one panel
 constexpr int kPanelTileCols = 6;           // w rows of one panel tile
 constexpr int64_t kPanelRowsOfW = 96;       // the same in the panel form
+constexpr int64_t kAmxMinRows = 8;          // from this many rows of x on, the tile form where permitted
 
 typedef uint32_t Words __attribute__((vector_size(32)));
 
@@ -419,6 +425,12 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
   std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
   float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
 
+#if defined(JAXSERVE_AMX)
+  if (m_len >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
+    amx::TileProduct(pool, x_bits, m_len, k_len, n_len, ys, kRowsOfW,
+                     amx::RowsInPlace(static_cast<const uint16_t*>(ws), n_len, k_len));
+  } else
+#endif
 #if defined(__AVX512BF16__)
   if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {
     std::vector<uint32_t> pairs(CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2);
@@ -577,6 +589,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveStackMatmulT, jaxserve::StackMatmulT,
 extern "C" int JaxserveMatmulNativeBf16() {
 #if defined(__AVX512BF16__)
   return 1;
+#else
+  return 0;
+#endif
+}
+
+// 1 where bfloat16 products of kAmxMinRows rows and more run on AMX tiles (see the top), else 0.
+extern "C" int JaxserveMatmulTiles() {
+#if defined(JAXSERVE_AMX)
+  return jaxserve::amx::TilesPermitted() ? 1 : 0;
 #else
   return 0;
 #endif

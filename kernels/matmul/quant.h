@@ -12,11 +12,13 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
+
 // The forms a build has (see the top of quant.cc): integer ones where the compiler targets
 // AVX512-VNNI, the tile form where it also targets AMX-BF16.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JAXSERVE_QUANT_INTEGER 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(JAXSERVE_AMX)
 #define JAXSERVE_QUANT_TILES 1
 #endif
 #endif
