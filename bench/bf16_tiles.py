@@ -112,7 +112,6 @@ def main() -> None:
                 print(f"| {run} | {title} | {m} | {1000 * times['tiles']:.3f} | {1000 * times['pairs']:.3f} "
                       f"| {1000 * times['torch']:.3f} | {flops / times['tiles'] / 1e9:.0f} "
                       f"| {times['pairs'] / times['tiles']:.2f} | {times['torch'] / times['tiles']:.2f} |", flush=True)
-        del ws, torch_ws
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def test_bfloat16_tiles_match_float64(out_dtype):
         w = jnp.asarray(rng.standard_normal((d_out, d_in)), jnp.bfloat16)
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl="cpu"))(x, w)
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
-        tol = 2e-5 if out_dtype == "float32" else 2**-8  # (the products are exact; float32 sums, or bfloat16's rounding)
+        tol = 2e-5 if out_dtype == "float32" else 2**-8  # (exact products: float32 sums, or bfloat16's rounding)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
 
 
