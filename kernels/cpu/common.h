@@ -116,6 +116,23 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// out = y rounded to bfloat16 (to nearest even; AVX512_BF16 flushes values under float32's normal
+// range to zero), in chunks shared with XLA's threads: a prefill's logits are large enough for one
+// thread's pass to show.
+inline void RoundToBf16(ffi::ThreadPool& pool, const float* y, int64_t count, uint16_t* out) {
+  constexpr int64_t kChunk = 1 << 16;
+  ParallelFor(pool, CeilDiv(count, kChunk), [&](int64_t item, std::vector<float>&) {
+    int64_t i = item * kChunk;
+    const int64_t end = std::min(count, i + kChunk);
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= end; i += 16) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
+    }
+#endif
+    for (; i < end; ++i) out[i] = FloatToBf16(y[i]);
+  });
+}
+
 // fn(m0, m1, n0, n1, scratch) for every block of y [m_len, n_len]: rows_of_x rows of x times about
 // rows_of_w rows of w (a multiple of tile_cols), as work items shared with XLA's threads
 // (ParallelFor). Where x is one block (decode), the blocks of w are resized so that the items

@@ -421,16 +421,21 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
   const bool y_bf16 = IsBf16(y->element_type());
   const float* x_f32 = static_cast<const float*>(x.untyped_data());
   const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
+#if defined(JAXSERVE_AMX)
+  if (m_len >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
+    const auto rows = amx::RowsInPlace(static_cast<const uint16_t*>(ws), n_len, k_len);
+    if (y_bf16) {  // (rounded as each block is stored)
+      amx::TileProduct(pool, x_bits, m_len, k_len, n_len, static_cast<uint16_t*>(y->untyped_data()), kRowsOfW, rows);
+    } else {
+      amx::TileProduct(pool, x_bits, m_len, k_len, n_len, static_cast<float*>(y->untyped_data()), kRowsOfW, rows);
+    }
+    return ffi::Error::Success();
+  }
+#endif
   // y in float32: the result buffer itself, or a copy to be rounded
   std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
   float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
 
-#if defined(JAXSERVE_AMX)
-  if (m_len >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
-    amx::TileProduct(pool, x_bits, m_len, k_len, n_len, ys, kRowsOfW,
-                     amx::RowsInPlace(static_cast<const uint16_t*>(ws), n_len, k_len));
-  } else
-#endif
 #if defined(__AVX512BF16__)
   if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {
     std::vector<uint32_t> pairs(CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2);
@@ -497,10 +502,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
       }
     });
   }
-  if (y_bf16) {
-    uint16_t* bits = static_cast<uint16_t*>(y->untyped_data());
-    for (int64_t i = 0; i < m_len * n_len; ++i) bits[i] = FloatToBf16(y_wide[i]);
-  }
+  if (y_bf16) RoundToBf16(pool, ys, m_len * n_len, static_cast<uint16_t*>(y->untyped_data()));
   return ffi::Error::Success();
 }
 

@@ -147,23 +147,6 @@ void Product(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, 
 #endif
 }
 
-// out = y rounded to bfloat16 (to nearest even; AVX512_BF16 flushes values under float32's normal
-// range to zero), in chunks shared with XLA's threads: a prefill's logits are large enough for one
-// thread's pass to show.
-void RoundToBf16(ffi::ThreadPool& pool, const float* y, int64_t count, uint16_t* out) {
-  constexpr int64_t kChunk = 1 << 16;
-  ParallelFor(pool, CeilDiv(count, kChunk), [&](int64_t item, std::vector<float>&) {
-    int64_t i = item * kChunk;
-    const int64_t end = std::min(count, i + kChunk);
-#if defined(__AVX512BF16__)
-    for (; i + 16 <= end; i += 16) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(y + i)));
-    }
-#endif
-    for (; i < end; ++i) out[i] = FloatToBf16(y[i]);
-  });
-}
-
 template <Format F>  // Product on x as the handler receives it
 void ProductOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const QuantW& w, int64_t n_len, float* y) {
   const int64_t m_len = x.dimensions()[0];
