@@ -3,11 +3,13 @@ were compiled before serving or only the first, with the rest compiling in the b
 
 from __future__ import annotations
 
+import logging
 import threading
 import types
 
 import jax
 import numpy as np
+import pytest
 from conftest import CROWDED_ENGINE
 
 from jaxserve import LLM, SamplingParams
@@ -15,6 +17,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.engine.build import build_engine
 from jaxserve.engine.core import Engine
 from jaxserve.structured_output.grammar import Constraint
+from jaxserve.worker import warmup
 
 
 class CompileCounter:
@@ -207,6 +210,31 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
         got, shapes = generate(engine, prompts, params)
         assert got == want and (16, 4, 4) in shapes and engine.runner.token_budget() == 16
     assert counter.count == 0
+    engine.close()
+
+
+def test_buckets_past_the_memory_map_limit_are_left_out_not_crashed_into(monkeypatch, caplog):
+    """Linux's vm.max_map_count: once fewer than MAP_RESERVE maps are left, the buckets left are not
+    compiled (loading or compiling the next one would crash XLA); the engine serves on those it has,
+    and the log says once how to raise the limit."""
+    settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
+    engine, _ = build_engine(EngineConfig(**settings), warmup=False)
+    order = engine.config.warmup_order
+    engine.runner.cached_prefix = lambda shapes: 0  # (ready after the first bucket alone)
+    headroom = iter([10**6])  # enough for the first bucket only
+    monkeypatch.setattr(warmup, "map_headroom", lambda: next(headroom, warmup.MAP_RESERVE - 1))
+    with caplog.at_level(logging.WARNING, logger=warmup.__name__):
+        engine.warmup(background=True)
+        with pytest.raises(RuntimeError, match="compiling the step for bucket") as failed:
+            engine.compiler.wait(len(order))
+        engine.compiler.close()
+    assert isinstance(failed.value.__cause__, warmup.MapsExhausted)
+    assert engine.compile_progress == (1, len(order))
+    said = [r.getMessage() for r in caplog.records if "vm.max_map_count" in r.getMessage()]
+    assert len(said) == 1 and "sysctl -w vm.max_map_count=" in said[0]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    got, shapes = generate(engine, [list(range(30, 50)), [5, 6, 7]], params)
+    assert [len(tokens) for tokens in got] == [5, 5] and shapes == {order[0]}
     engine.close()
 
 

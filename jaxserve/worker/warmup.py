@@ -19,6 +19,11 @@ The buckets compiled while the engine serves stay out of its way: their threads 
 OS priority (the step's threads get the cores first), and while they work the interpreter hands the
 GIL over every BACKGROUND_SWITCH_INTERVAL_S instead of every 5 ms (a step waiting for the GIL that a
 tracing thread holds waits that long at each handover). Figures in bench/RESULTS.md.
+
+Linux allows a process vm.max_map_count memory maps (65530 by default), and XLA:CPU maps three for
+each compiled kernel, hundreds per bucket; past the limit, loading or compiling the next one
+crashes the process. Below MAP_RESERVE maps to spare, the buckets left are not compiled (steps do
+without them, as without one that failed) and the log says how to raise the limit.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import queue
 import sys
 import threading
 import time
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -43,6 +49,21 @@ WARMUP_THREADS = min(4, os.cpu_count() or 1)  # buckets compiled (or loaded) at 
 CLOSE_TIMEOUT_S = 120.0  # at most this long to wait for the buckets being compiled when closing
 BACKGROUND_SWITCH_INTERVAL_S = 0.0005  # sys.setswitchinterval while buckets compile in the background
 LOWEST_PRIORITY = 19  # a background compile thread's nice value
+MAP_RESERVE = 4096  # memory maps left for what follows the last bucket compiled (see the top)
+
+
+class MapsExhausted(MemoryError):
+    """Too few memory maps left to compile another bucket safely (see the top)."""
+
+
+def map_headroom() -> int | None:
+    """How many more memory maps Linux lets this process create (None where /proc does not say)."""
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+        with open("/proc/self/maps", "rb") as maps:
+            return limit - sum(1 for _ in maps)
+    except (OSError, ValueError):
+        return None
 
 
 def _lowest_priority() -> None:
@@ -116,7 +137,15 @@ class BucketCompiler:
             if self._background and shape != self.shapes[0]:
                 self._in_background()
             try:
+                self._check_map_headroom()
                 self.runner.compile(shape)
+            except MapsExhausted as e:  # (said once: every bucket left fails alike)
+                with self._changed:
+                    first = not any(isinstance(f, MapsExhausted) for f in self._failed.values())
+                    self._failed[shape] = e
+                if first:
+                    log.warning("step bucket %s and those after it are not compiled: %s", shape, e)
+                failed = e
             except Exception as e:  # (a bucket the steps must do without: said now, raised by `wait`)
                 log.exception("compiling the step for bucket %s failed", shape)
                 failed = e
@@ -136,6 +165,14 @@ class BucketCompiler:
                 self._finish()
             elif self._log_progress and done * 4 // len(self.shapes) > (done - 1) * 4 // len(self.shapes):
                 log.info("%d of %d step buckets compiled", done, len(self.shapes))
+
+    def _check_map_headroom(self) -> None:
+        """Raises, once memory maps run short, rather than compile into a crash (see the top)."""
+        headroom = map_headroom()
+        if headroom is not None and headroom < MAP_RESERVE:
+            raise MapsExhausted(f"only {headroom} memory maps are left to this process under Linux's "
+                              "vm.max_map_count, and XLA maps three for each compiled kernel: raise the limit "
+                              "(sysctl -w vm.max_map_count=262144) to compile every step bucket")
 
     def _in_background(self) -> None:
         """This thread compiles while the engine may serve (see the top)."""
