@@ -2,7 +2,7 @@
 against one without (`--max-steering-slots 0 --max-hidden-states-layers 0`), in the same run.
 
     python bench/residual.py [--runs 2] [--write]
-    python bench/residual.py --steps [--rows 1,32]
+    python bench/residual.py --steps [--rows 1,32] [--prefill 512]
 
 The default model (SmolLM2-135M-Instruct, Q4_1 GGUF), both servers fully compiled (`--warmup all`),
 alternating. On each: W1 (one stream: decode tok/s) and W2 (32 streams: output tok/s) of plain requests;
@@ -14,7 +14,7 @@ bench/RESULTS.md between the residual markers.
 `--steps` times the decode step itself, in one process: three `LLM`s of the default model (without,
 with, and without again: the measurement's own noise), each decoding `--rows` plain sequences, their
 steps taken in turn so that the machine's drift falls on all; the median ms per step of each and the
-ratios.
+ratios. `--prefill N` times prefills instead: N // 128 prompts of 128 tokens in one step, until done.
 """
 
 from __future__ import annotations
@@ -57,8 +57,34 @@ def steps(rows: int, count: int = 60) -> str:
             start = time.perf_counter()
             llm.engine.step()
             times[label].append(time.perf_counter() - start)
+    return line(rows, times)
+
+
+def prefills(tokens: int, count: int = 16) -> str:
+    """The `--steps --prefill` line: a prefill of `tokens` (prompts of 128) on each engine in turn."""
+    from jaxserve import LLM, SamplingParams
+
+    settings = dict(max_model_len=256, max_num_seqs=tokens // 128, max_num_batched_tokens=tokens)
+    off = dict(max_steering_slots=0, max_hidden_states_layers=0)
+    llms = {"without": LLM(**off, **settings), "with": LLM(**settings), "again": LLM(**off, **settings)}
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    times = {label: [] for label in llms}
+    for turn in range(count):
+        for label, llm in llms.items():
+            for i in range(tokens // 128):
+                llm.engine.add_request(f"{turn}-{i}", rng.integers(100, 30000, 128).tolist(), params)
+            start = time.perf_counter()
+            while llm.engine.has_unfinished():
+                llm.engine.step()
+            times[label].append(time.perf_counter() - start)
+    return line(f"prefill {tokens}", times)
+
+
+def line(what, times: dict[str, list[float]]) -> str:
+    """A table row: each engine's median ms, and the ratios to the one without."""
     ms = {label: np.median(t) * 1e3 for label, t in times.items()}
-    return (f"| {rows} | {ms['without']:.2f} | {ms['with']:.2f} | {ms['again']:.2f} | "
+    return (f"| {what} | {ms['without']:.2f} | {ms['with']:.2f} | {ms['again']:.2f} | "
             f"{ms['with'] / ms['without']:.3f} | {ms['again'] / ms['without']:.3f} |")
 
 
@@ -68,13 +94,18 @@ def main() -> None:
     parser.add_argument("--write", action="store_true")
     parser.add_argument("--steps", action="store_true")
     parser.add_argument("--rows", default="1,32")
+    parser.add_argument("--prefill", type=int, help="with --steps: time prefills of this many tokens instead")
     args = parser.parse_args()
     if args.steps:
-        print(f"{machine_line()}; `python bench/residual.py --steps --rows {args.rows}`: median ms per decode step\n\n"
+        command = f"--prefill {args.prefill}" if args.prefill else f"--rows {args.rows}"
+        print(f"{machine_line()}; `python bench/residual.py --steps {command}`: median ms per step\n\n"
               "| rows | without | with | without, again | with / without | again / without |\n"
               "| --- | --- | --- | --- | --- | --- |")
-        for rows in map(int, args.rows.split(",")):
-            print(steps(rows), flush=True)
+        if args.prefill:
+            print(prefills(args.prefill), flush=True)
+        else:
+            for rows in map(int, args.rows.split(",")):
+                print(steps(rows), flush=True)
         return
     rng = np.random.default_rng(0)
     steered = [{"steering": [{"layer": 16, "vector": rng.normal(0, 0.5, HIDDEN).tolist()}]} for _ in range(8)]
