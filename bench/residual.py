@@ -36,14 +36,20 @@ MARKERS = ("<!-- residual:start -->", "<!-- residual:end -->")
 HIDDEN = 576  # the default model's
 
 
-def steps(rows: int, count: int = 60) -> str:
-    """The `--steps` line for decode steps of `rows` sequences: without, with, and without again (a
-    second engine of the same settings: the measurement's own noise)."""
-    from jaxserve import LLM, SamplingParams
+def engines(**settings) -> dict:
+    """`LLM`s of the default model: without the residual stream's slots, with them (the defaults), and
+    without again (a second engine of the same settings: the measurement's own noise)."""
+    from jaxserve import LLM
 
-    settings = dict(max_model_len=256, max_num_seqs=max(rows, 1), max_num_batched_tokens=128)
     off = dict(max_steering_slots=0, max_hidden_states_layers=0)
-    llms = {"without": LLM(**off, **settings), "with": LLM(**settings), "again": LLM(**off, **settings)}
+    return {"without": LLM(**off, **settings), "with": LLM(**settings), "again": LLM(**off, **settings)}
+
+
+def steps(rows: int, count: int = 60) -> str:
+    """The `--steps` line for decode steps of `rows` sequences on each of `engines`."""
+    from jaxserve import SamplingParams
+
+    llms = engines(max_model_len=256, max_num_seqs=max(rows, 1), max_num_batched_tokens=128)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=count + 40, temperature=0, ignore_eos=True)
     for llm in llms.values():
@@ -61,12 +67,10 @@ def steps(rows: int, count: int = 60) -> str:
 
 
 def prefills(tokens: int, count: int = 16) -> str:
-    """The `--steps --prefill` line: a prefill of `tokens` (prompts of 128) on each engine in turn."""
-    from jaxserve import LLM, SamplingParams
+    """The `--steps --prefill` line: a prefill of `tokens` (prompts of 128) on each of `engines` in turn."""
+    from jaxserve import SamplingParams
 
-    settings = dict(max_model_len=256, max_num_seqs=tokens // 128, max_num_batched_tokens=tokens)
-    off = dict(max_steering_slots=0, max_hidden_states_layers=0)
-    llms = {"without": LLM(**off, **settings), "with": LLM(**settings), "again": LLM(**off, **settings)}
+    llms = engines(max_model_len=256, max_num_seqs=tokens // 128, max_num_batched_tokens=tokens)
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     times = {label: [] for label in llms}
