@@ -79,15 +79,6 @@ inline void PackPanels(const uint16_t* x, int64_t rows, int64_t k_len, int64_t p
   }
 }
 
-inline void RoundRows(const float* x, int64_t count, uint16_t* out) {  // float32 to bfloat16, to nearest even
-  int64_t i = 0;
-  for (; i + 32 <= count; i += 32) {
-    const __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i));
-    _mm512_storeu_si512(out + i, (__m512i)pair);
-  }
-  for (; i < count; ++i) out[i] = FloatToBf16(x[i]);
-}
-
 // c[(gw * 2 + gx) * 256 + 16 j + i] = row j of w's group gw . row i of x's group gx, for GW x GX
 // groups of 16 rows: w's rows k_len apart (bfloat16), x's groups panel_words apart.
 template <int GW, int GX>
@@ -196,10 +187,7 @@ void TileProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, int64_t k_len
   const uint16_t* x_bf16;
   if constexpr (std::is_same_v<X, float>) {
     rounded.resize(m_len * k_len);
-    ParallelFor(pool, panels, [&](int64_t p, std::vector<float>&) {
-      const int64_t r0 = p * kTileRows, r1 = std::min(m_len, r0 + kTileRows);
-      RoundRows(x + r0 * k_len, (r1 - r0) * k_len, rounded.data() + r0 * k_len);
-    });
+    RoundToBf16(pool, x, m_len * k_len, rounded.data());
     x_bf16 = rounded.data();
   } else {
     x_bf16 = x;
