@@ -34,9 +34,10 @@ PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765
 FULL = [(b, 1, c, d, g) for b in (1, 32, 256) for c in (128, 2048, 32768) for d in (64, 128) for g in (1, 4, 8)
         if b * c <= 256 * 4096] + [(4, 512, 4096, 128, 4), (16, 128, 2048, 128, 8)]
 SMALL = [(2, 1, 64, 64, 1), (4, 1, 128, 64, 4), (2, 16, 96, 64, 8)]
-# CPU: steps the size of bench-125m's W1 and W2 decodes and prefills (head_dim 64, 3 query heads per KV
-# head; 8 KV heads, as in every shape here)
-CPU = [(1, 1, 256, 64, 3), (32, 1, 256, 64, 3), (64, 1, 512, 64, 3), (1, 128, 128, 64, 3), (4, 128, 128, 64, 3)]
+# CPU: steps the size of bench-125m's W1 and W2 decodes and prefills, and 512-token prefill chunks (head_dim
+# 64, 3 query heads per KV head; 8 KV heads, as in every shape here)
+CPU = [(1, 1, 256, 64, 3), (32, 1, 256, 64, 3), (64, 1, 512, 64, 3), (1, 128, 128, 64, 3), (4, 128, 128, 64, 3),
+       (1, 512, 512, 64, 3), (1, 512, 2048, 64, 3)]
 
 
 def make_step(num_seqs: int, new: int, context: int, head_dim: int, group: int, dtype, page_size: int = 16,

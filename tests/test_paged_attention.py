@@ -128,3 +128,26 @@ def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
         got = np.asarray(run(*args, sm_scale=0.25, sliding_window=window, impl=impl), np.float32)
         np.testing.assert_allclose(got, want, atol=1e-5 if kv_dtype == "float32" else 2e-2, rtol=0)
         assert np.abs(want[:query_start[-1]]).max() > 0.1 and np.all(want[query_start[-1]:] == 0)
+
+
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 20), (1, 48)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
+    """Prefill chunks go through the CPU kernel as blocks of up to 16 query rows, a KV head's rows side
+    by side in 16-lane vectors: groups whose rows fill the lanes partly (3 x 16 = 48, 5 x 7 = 35), head
+    dimensions past the last whole 16, items of 2 to 16 rows, windows and soft caps that cut keys per row."""
+    needs_cpu_backend()
+    from test_kernels import ATTENTION, as_float32, ragged_batch
+
+    rng = np.random.default_rng(group)
+    seqs = [(0, 40), (21, 7), (50, 2), (9, 1), (3, 16)]  # (cached, new)
+    args = ragged_batch(rng, seqs, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, width=10, rows=6,
+                        num_tokens=72)
+    real = int(args[5][-1])
+    for window, cap in ((None, None), (11, None), (None, 4.0), (5, 4.0)):
+        want = np.asarray(ATTENTION(*as_float32(args), sm_scale=0.2, sliding_window=window, soft_cap=cap,
+                                    impl="reference"))
+        got = np.asarray(ATTENTION(*args, sm_scale=0.2, sliding_window=window, soft_cap=cap, impl="cpu"), np.float32)
+        np.testing.assert_allclose(got[:real], want[:real], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+        np.testing.assert_array_equal(got[real:], 0.0)
+        assert np.abs(want[:real]).max() > 0.1

@@ -6,7 +6,11 @@
 // each key straight from its page (no gathered copy of the context) and visits only the keys
 // a row can see (no masked padding up to the page-table width).
 //
-// For each query row: the scores of every query head, 4 keys at a time (a block's slots are read
+// A work item of several query rows (a prefill chunk, drafts to verify) takes AttendBlock: per KV
+// head, the rows of its query heads are the lanes of 16-lane vectors, so that each key and value read
+// serves them all (bench/kernels.py, its CPU shapes).
+//
+// A decode row alone: the scores of every query head, 4 keys at a time (a block's slots are read
 // for every KV head while they are in L1; per query head, 4 accumulators over the head dimension,
 // summed horizontally together), the softmax over each head's row of scores, then the weighted
 // sum of values, 8 at a time, with the sums of 2 heads x 32 dimensions in registers. Keys and
@@ -32,6 +36,7 @@ namespace jaxserve {
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;
+constexpr int64_t kBlockMinRows = 2;     // items of this many query rows and more take AttendBlock
 constexpr int64_t kKeysPerBlock = 4;     // keys whose scores are computed together
 constexpr int64_t kValuesPerBlock = 8;   // values summed for every head before the next ones
 constexpr int64_t kHeadsPerPass = 2;  // heads and 8-lane chunks of d whose value sums stay in registers
@@ -56,23 +61,57 @@ inline Quad Sum4(Lanes a, Lanes b, Lanes c, Lanes d) {
   return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 }
 
-// exp of 8 lanes (x <= 0 here: scores minus their maximum), Cephes' expf: 2^n * e^r with
+// 16 float lanes: one AVX-512 register (two AVX ones elsewhere), for the blocks of query rows.
+typedef float Wide __attribute__((vector_size(64)));
+typedef int32_t IntWide __attribute__((vector_size(64)));
+typedef uint32_t WideWords __attribute__((vector_size(64)));
+constexpr int64_t kWide = 16;
+
+template <typename V> struct IntsOf;  // the integer vectors of a float vector's width
+template <> struct IntsOf<Lanes> { typedef IntLanes type; typedef Words words; };
+template <> struct IntsOf<Wide> { typedef IntWide type; typedef WideWords words; };
+
+inline Wide LoadWide(const float* p) {
+  Wide v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Wide LoadWide(const uint16_t* p) {  // 16 bfloat16 widened to float32
+#if defined(__AVX512F__)  // (joining two 8-lane loads went through the stack: a stalled load per use)
+  return (Wide)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  typedef uint16_t Halves __attribute__((vector_size(32)));
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  const WideWords w = __builtin_convertvector(h, WideWords) << 16;
+  Wide v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#endif
+}
+
+inline void StoreWide(float* p, Wide v) { std::memcpy(p, &v, sizeof(v)); }
+
+// exp of 8 or 16 lanes (x <= 0 here: scores minus their maximum), Cephes' expf: 2^n * e^r with
 // r = x - n ln 2 in [-ln2/2, ln2/2] and e^r by a degree-7 polynomial; within 2 ulp of expf.
-inline Lanes Exp(Lanes x) {
-  const Lanes lowest = Lanes{} - 87.3f;  // below: e^x < 2^-126, taken as 2^-126
+template <typename V>
+inline V Exp(V x) {
+  const V lowest = V{} - 87.3f;  // below: e^x < 2^-126, taken as 2^-126
   x = x < lowest ? lowest : x;
-  const Lanes magic = Lanes{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  Lanes n = (x * 1.44269504088896341f + magic) - magic;
-  Lanes r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  Lanes poly = Lanes{} + 1.9875691500e-4f;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V poly = V{} + 1.9875691500e-4f;
   poly = poly * r + 1.3981999507e-3f;
   poly = poly * r + 8.3334519073e-3f;
   poly = poly * r + 4.1665795894e-2f;
   poly = poly * r + 1.6666665459e-1f;
   poly = poly * r + 5.0000001201e-1f;
-  Lanes e = poly * r * r + r + 1.0f;
-  IntLanes scale = (__builtin_convertvector(n, IntLanes) + 127) << 23;
-  Lanes two_n;
+  V e = poly * r * r + r + 1.0f;
+  typedef typename IntsOf<V>::type Ints;
+  Ints scale = (__builtin_convertvector(n, Ints) + 127) << 23;
+  V two_n;
   std::memcpy(&two_n, &scale, sizeof(two_n));
   return e * two_n;
 }
@@ -91,19 +130,23 @@ inline float ExpShifted(float* x, float max, int64_t n) {
   return sum;
 }
 
+// Softmax weights rounded to bfloat16 values, to nearest even as FloatToBf16 (they are finite).
+template <typename V>
+inline V RoundWeights(V p) {
+  typename IntsOf<V>::words bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
 // x[i] /= total for i < n, rounded to bfloat16 (as float32) where `round`: the softmax weights, as
 // the reference normalizes them before the values are summed (in the cache's dtype).
 inline void Normalize(float* x, float total, int64_t n, bool round) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     Lanes p = Load(x + i) / total;
-    if (round) {  // to nearest even, as FloatToBf16 (the weights are finite)
-      Words bits;
-      std::memcpy(&bits, &p, sizeof(bits));
-      bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-      std::memcpy(&p, &bits, sizeof(p));
-    }
-    Store(x + i, p);
+    Store(x + i, round ? RoundWeights(p) : p);
   }
   for (; i < n; ++i) x[i] = round ? Bf16ToFloat(FloatToBf16(x[i] / total)) : x[i] / total;
 }
@@ -169,40 +212,48 @@ void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, cons
   }
 }
 
-// out[h * d + c0 + i] += sum_j w[h * ld + j] * value j[c0 + i] for H heads and the C chunks of 8
-// dimensions from c0, over the n values at base + offsets[j].
-template <int H, int C, typename T>
-void ValuePass(const float* w, int64_t ld, const T* base, const int64_t* offsets, int64_t n, int64_t c0,
-               float* out, int64_t d) {
-  Lanes acc[H][C];
+inline Lanes LoadAs(Lanes, const float* p) { return Load(p); }
+inline Lanes LoadAs(Lanes, const uint16_t* p) { return Load(p); }
+inline Wide LoadAs(Wide, const float* p) { return LoadWide(p); }
+inline Wide LoadAs(Wide, const uint16_t* p) { return LoadWide(p); }
+inline void StoreAs(float* p, Lanes v) { Store(p, v); }
+inline void StoreAs(float* p, Wide v) { StoreWide(p, v); }
+
+// out[h * d + c0 + i] += sum_j w[h * w_row + j * w_key] * value j[c0 + i] for H rows of weights and
+// the C chunks of V's lanes from c0, over the n values at base + offsets[j].
+template <typename V, int H, int C, typename T>
+void ValuePass(const float* w, int64_t w_row, int64_t w_key, const T* base, const int64_t* offsets, int64_t n,
+               int64_t c0, float* out, int64_t d) {
+  constexpr int64_t lanes = sizeof(V) / sizeof(float);
+  V acc[H][C];
   for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < C; ++c) acc[h][c] = Load(out + h * d + c0 + c * kLanes);
+    for (int c = 0; c < C; ++c) acc[h][c] = LoadAs(V{}, out + h * d + c0 + c * lanes);
   }
   for (int64_t j = 0; j < n; ++j) {
     const T* v = base + offsets[j] + c0;
-    Lanes vs[C];
+    V vs[C];
     for (int c = 0; c < C; ++c) {
-      vs[c] = Load(v + c * kLanes);
-      InRegister(vs[c]);
+      vs[c] = LoadAs(V{}, v + c * lanes);
+      if constexpr (std::is_same_v<V, Lanes>) InRegister(vs[c]);
     }
     for (int h = 0; h < H; ++h) {
-      const float p = w[h * ld + j];
+      const float p = w[h * w_row + j * w_key];
       for (int c = 0; c < C; ++c) acc[h][c] += p * vs[c];
     }
   }
   for (int h = 0; h < H; ++h) {
-    for (int c = 0; c < C; ++c) Store(out + h * d + c0 + c * kLanes, acc[h][c]);
+    for (int c = 0; c < C; ++c) StoreAs(out + h * d + c0 + c * lanes, acc[h][c]);
   }
 }
 
-template <int H, typename T>
-void ValueChunks(const float* w, int64_t ld, const T* base, const int64_t* offsets, int64_t n, int64_t c0,
-                 int64_t chunks, float* out, int64_t d) {
+template <typename V, int H, typename T>
+void ValueChunks(const float* w, int64_t w_row, int64_t w_key, const T* base, const int64_t* offsets, int64_t n,
+                 int64_t c0, int64_t chunks, float* out, int64_t d) {
   switch (chunks) {
-    case 4: return ValuePass<H, 4>(w, ld, base, offsets, n, c0, out, d);
-    case 3: return ValuePass<H, 3>(w, ld, base, offsets, n, c0, out, d);
-    case 2: return ValuePass<H, 2>(w, ld, base, offsets, n, c0, out, d);
-    default: return ValuePass<H, 1>(w, ld, base, offsets, n, c0, out, d);
+    case 4: return ValuePass<V, H, 4>(w, w_row, w_key, base, offsets, n, c0, out, d);
+    case 3: return ValuePass<V, H, 3>(w, w_row, w_key, base, offsets, n, c0, out, d);
+    case 2: return ValuePass<V, H, 2>(w, w_row, w_key, base, offsets, n, c0, out, d);
+    default: return ValuePass<V, H, 1>(w, w_row, w_key, base, offsets, n, c0, out, d);
   }
 }
 
@@ -223,9 +274,11 @@ void Values(const float* w, int64_t kv_heads, int64_t group, int64_t ld, const T
         for (int64_t c = 0; c < whole; c += kChunksPerPass) {
           const int64_t chunks = std::min(kChunksPerPass, whole - c);
           if ((g + 1) * group - h >= 2) {
-            ValueChunks<2>(w + h * ld + j, ld, base + g * d, offsets + j, keys, c * kLanes, chunks, out + h * d, d);
+            ValueChunks<Lanes, 2>(w + h * ld + j, ld, 1, base + g * d, offsets + j, keys, c * kLanes, chunks,
+                                  out + h * d, d);
           } else {
-            ValueChunks<1>(w + h * ld + j, ld, base + g * d, offsets + j, keys, c * kLanes, chunks, out + h * d, d);
+            ValueChunks<Lanes, 1>(w + h * ld + j, ld, 1, base + g * d, offsets + j, keys, c * kLanes, chunks,
+                                  out + h * d, d);
           }
         }
       }
@@ -240,9 +293,170 @@ void Values(const float* w, int64_t kv_heads, int64_t group, int64_t ld, const T
   }
 }
 
+// Blocks of query rows (prefill chunks): per KV head, the item's rows of its query heads side by
+// side as the lanes of 16-lane vectors, so that each key and value read serves all of them. Scores
+// are kept as st [keys][ld] (a key's scores for every row in lanes), from 16 keys at a time widened
+// into kb [16][d], against the queries transposed as qt [d][ld].
+
+// st[j * ld + m0 + ...] = key j . query rows m0.. for J keys of kb and C chunks of 16 rows.
+template <int J, int C>
+void ScoreTile(const float* kb, int64_t d, const float* qt, int64_t ld, int64_t m0, float* st) {
+  Wide acc[J][C] = {};
+  for (int64_t c = 0; c < d; ++c) {
+    Wide qs[C];
+    for (int i = 0; i < C; ++i) qs[i] = LoadWide(qt + c * ld + m0 + i * kWide);
+    for (int j = 0; j < J; ++j) {
+      const float k = kb[j * d + c];
+      for (int i = 0; i < C; ++i) acc[j][i] += k * qs[i];
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    for (int i = 0; i < C; ++i) StoreWide(st + j * ld + m0 + i * kWide, acc[j][i]);
+  }
+}
+
+// The scores of the 16 keys of kb for every row of qt: tiles of up to 4 chunks of rows, with enough
+// keys that the tile keeps 8 or more sums in flight.
+void ScoreBlock(const float* kb, int64_t d, const float* qt, int64_t ld, float* st) {
+  for (int64_t m0 = 0; m0 < ld;) {
+    const int64_t chunks = std::min<int64_t>(4, (ld - m0) / kWide);
+    const int64_t keys = chunks <= 2 ? 8 : 4;
+    for (int64_t j = 0; j < kWide; j += keys) {
+      const float* k = kb + j * d;
+      float* s = st + j * ld;
+      switch (chunks) {
+        case 1: ScoreTile<8, 1>(k, d, qt, ld, m0, s); break;
+        case 2: ScoreTile<8, 2>(k, d, qt, ld, m0, s); break;
+        case 3: ScoreTile<4, 3>(k, d, qt, ld, m0, s); break;
+        default: ScoreTile<4, 4>(k, d, qt, ld, m0, s);
+      }
+    }
+    m0 += chunks * kWide;
+  }
+}
+
+// Each lane's softmax over keys [lo, hi) of its own of st [n][ld] (scaled, soft-capped), the other
+// keys' weights 0, rounded to bfloat16 values where `round` (as Normalize).
+void SoftmaxLanes(float* st, int64_t n, int64_t ld, const int32_t* lo, const int32_t* hi, float scale,
+                  float soft_cap, bool round) {
+  for (int64_t m0 = 0; m0 < ld; m0 += kWide) {
+    IntWide l, h;
+    std::memcpy(&l, lo + m0, sizeof(l));
+    std::memcpy(&h, hi + m0, sizeof(h));
+    const Wide none = Wide{} - INFINITY;
+    Wide max = none;
+    for (int64_t j = 0; j < n; ++j) {
+      Wide x = LoadWide(st + j * ld + m0) * scale;
+      if (soft_cap > 0.0f) {
+        for (int i = 0; i < kWide; ++i) x[i] = soft_cap * std::tanh(x[i] / soft_cap);
+      }
+      StoreWide(st + j * ld + m0, x);
+      const IntWide at = IntWide{} + static_cast<int32_t>(j), seen = (at >= l) & (at < h);
+      max = seen ? (x > max ? x : max) : max;
+    }
+    Wide total = {};
+    for (int64_t j = 0; j < n; ++j) {
+      const IntWide at = IntWide{} + static_cast<int32_t>(j), seen = (at >= l) & (at < h);
+      const Wide e = seen ? Exp(LoadWide(st + j * ld + m0) - max) : Wide{};
+      StoreWide(st + j * ld + m0, e);
+      total += e;
+    }
+    const IntWide any = total > 0.0f;  // (a lane with no keys: zeros, not 0 / 0)
+    const Wide divisor = any ? total : Wide{} + 1.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      const Wide p = LoadWide(st + j * ld + m0) / divisor;
+      StoreWide(st + j * ld + m0, round ? RoundWeights(p) : p);
+    }
+  }
+}
+
+template <typename T>
+void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch) {
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, heads = p.num_heads;
+  const int64_t width = p.num_kv_heads * d;
+  const int64_t q_len = p.query_start[item.seq + 1] - p.query_start[item.seq];
+  const int64_t kv_len = p.kv_lens[item.seq];
+  const int64_t visible = std::min(kv_len, p.pages_per_seq * p.page_size);
+  const int32_t* pages = p.page_table + item.seq * p.pages_per_seq;
+  const T* k_pages = static_cast<const T*>(p.k);
+  const T* v_pages = static_cast<const T*>(p.v);
+  const int64_t rows = item.end_row - item.first_row, lanes = rows * group, ld = CeilDiv(lanes, kWide) * kWide;
+  // each row's keys [lo, hi), relative to the first key any row sees; lanes past the rows see none
+  auto range = [&](int64_t t, bool end) -> int64_t {
+    const int64_t pos = kv_len - q_len + (t - p.query_start[item.seq]);
+    if (end) return std::min(pos + 1, visible);
+    return p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
+  };
+  const int64_t first = range(item.first_row, false), n = range(item.end_row - 1, true) - first;
+  if (n <= 0) return;  // (the rows stay zeros)
+  thread_local std::vector<int32_t> lo, hi;
+  lo.assign(ld, 0), hi.assign(ld, 0);
+  for (int64_t m = 0; m < lanes; ++m) {
+    lo[m] = static_cast<int32_t>(range(item.first_row + m / group, false) - first);
+    hi[m] = static_cast<int32_t>(std::max(range(item.first_row + m / group, true) - first, int64_t{lo[m]}));
+  }
+  thread_local std::vector<int64_t> slots;
+  slots.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = first + j;
+    slots[j] = (static_cast<int64_t>(pages[key / p.page_size]) * p.page_size + key % p.page_size) * width;
+  }
+  const int64_t padded = CeilDiv(n, kWide) * kWide;
+  scratch.resize(d * ld + kWide * d + padded * ld + ld * d);
+  float *qt = scratch.data(), *kb = qt + d * ld, *st = kb + kWide * d, *o = st + padded * ld;
+  for (int64_t g = 0; g < p.num_kv_heads; ++g) {
+    std::fill(qt, qt + d * ld, 0.0f);
+    for (int64_t m = 0; m < lanes; ++m) {
+      const int64_t in = ((item.first_row + m / group) * heads + g * group + m % group) * d;
+      for (int64_t c = 0; c < d; ++c) {
+        qt[c * ld + m] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + c])
+                                  : static_cast<const float*>(p.q)[in + c];
+      }
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kWide) {
+      std::fill(kb, kb + kWide * d, 0.0f);
+      for (int64_t j = j0; j < std::min(n, j0 + kWide); ++j) {
+        const T* key = k_pages + slots[j] + g * d;
+        for (int64_t c = 0; c < d; ++c) kb[(j - j0) * d + c] = Widen(key[c]);
+      }
+      ScoreBlock(kb, d, qt, ld, st + j0 * ld);
+    }
+    SoftmaxLanes(st, n, ld, lo.data(), hi.data(), p.sm_scale, p.soft_cap, std::is_same_v<T, uint16_t>);
+    std::fill(o, o + ld * d, 0.0f);
+    const T* values = v_pages + g * d;
+    const int64_t whole = d / kWide;
+    for (int64_t m0 = 0; m0 < lanes; m0 += 4) {  // 4 lanes at a time, over the keys one of them sees
+      const int64_t m1 = std::min(lanes, m0 + 4);
+      const int64_t j0 = *std::min_element(lo.begin() + m0, lo.begin() + m1);
+      const int64_t j1 = *std::max_element(hi.begin() + m0, hi.begin() + m1);
+      const float* w = st + j0 * ld + m0;
+      for (int64_t c = 0; c < whole; c += 4) {
+        ValueChunks<Wide, 4>(w, 1, ld, values, slots.data() + j0, j1 - j0, c * kWide, std::min<int64_t>(4, whole - c),
+                             o + m0 * d, d);
+      }
+      for (int64_t m = m0; m < m1; ++m) {  // the dimensions past the last whole 16
+        for (int64_t c = whole * kWide; c < d; ++c) {
+          float sum = 0.0f;
+          for (int64_t j = j0; j < j1; ++j) sum += st[j * ld + m] * Widen(values[slots[j] + c]);
+          o[m * d + c] = sum;
+        }
+      }
+    }
+    for (int64_t m = 0; m < lanes; ++m) {
+      const int64_t at = ((item.first_row + m / group) * heads + g * group + m % group) * d;
+      if (p.out_bf16) {
+        for (int64_t c = 0; c < d; ++c) static_cast<uint16_t*>(p.out)[at + c] = FloatToBf16(o[m * d + c]);
+      } else {
+        std::memcpy(static_cast<float*>(p.out) + at, o + m * d, d * sizeof(float));
+      }
+    }
+  }
+}
+
 // One work item: every query head, for every row of its block.
 template <typename T>
 void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
+  if (item.end_row - item.first_row >= kBlockMinRows) return AttendBlock<T>(p, item, scratch);
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   const int64_t kv_heads = p.num_kv_heads, heads = p.num_heads;
   const int64_t width = p.num_kv_heads * d;  // one key (or value) slot: every KV head side by side
