@@ -245,7 +245,8 @@ def test_every_attention_gives_a_row_the_same_output_in_every_tile(impl):
         "decodes": ([(20, 1, [1, 3]), (5, 1, [4]), (30, 1, pages)], 2),
         "last decode": ([(20, 1, [1, 3])] * 7 + [(38, 1, pages)], 7),
     }
-    attend = jax.jit(functools.partial(paged_attention, sm_scale=head_dim**-0.5, impl=impl))  # (one shape)
+    # (one shape; each row alone, as the layers ask for a tile: `ModelInputs.batch_invariant`)
+    attend = jax.jit(functools.partial(paged_attention, sm_scale=head_dim**-0.5, impl=impl, row_by_row=True))
     split = jax.jit(tile_inputs, static_argnums=2)
     outputs = {}
     for name, (seqs, which) in steps.items():
@@ -255,6 +256,7 @@ def test_every_attention_gives_a_row_the_same_output_in_every_tile(impl):
         cached, new, _ = seqs[which]
         for start in range(0, num_tokens, ROWS):
             tile = split(inputs, start, ROWS)
+            assert tile.batch_invariant
             q = rng.normal(size=(ROWS, num_heads, head_dim)).astype(np.float32)
             rows = [r for r in range(ROWS) if first <= start + r < first + new]
             for r in rows:

@@ -139,6 +139,8 @@ def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
     needs_cpu_backend()
     from test_kernels import ATTENTION, as_float32, ragged_batch
 
+    rows_or_blocks = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl",
+                                                                "row_by_row"))
     rng = np.random.default_rng(group)
     seqs = [(0, 40), (21, 7), (50, 2), (9, 1), (3, 16)]  # (cached, new)
     args = ragged_batch(rng, seqs, num_kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, width=10, rows=6,
@@ -147,7 +149,9 @@ def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
     for window, cap in ((None, None), (11, None), (None, 4.0), (5, 4.0)):
         want = np.asarray(ATTENTION(*as_float32(args), sm_scale=0.2, sliding_window=window, soft_cap=cap,
                                     impl="reference"))
-        got = np.asarray(ATTENTION(*args, sm_scale=0.2, sliding_window=window, soft_cap=cap, impl="cpu"), np.float32)
-        np.testing.assert_allclose(got[:real], want[:real], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
-        np.testing.assert_array_equal(got[real:], 0.0)
+        for row_by_row in (False, True):  # (True: every row in the one-row form, as batch-invariant steps ask)
+            got = np.asarray(rows_or_blocks(*args, sm_scale=0.2, sliding_window=window, soft_cap=cap, impl="cpu",
+                                            row_by_row=row_by_row), np.float32)
+            np.testing.assert_allclose(got[:real], want[:real], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+            np.testing.assert_array_equal(got[real:], 0.0)
         assert np.abs(want[:real]).max() > 0.1

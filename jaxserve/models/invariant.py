@@ -92,7 +92,7 @@ def tile_inputs(inputs: ModelInputs, start: jax.Array, rows: int) -> ModelInputs
                        kv_lens=jnp.where(held, lens[s] - later, 0).astype(jnp.int32),
                        page_table=jnp.where(held[:, None], inputs.page_table[s], NULL_PAGE),
                        query_start=bounds.astype(jnp.int32), num_seqs=jnp.sum(held, dtype=jnp.int32),
-                       logits_indices=jnp.zeros(rows, jnp.int32))
+                       logits_indices=jnp.zeros(rows, jnp.int32), batch_invariant=True)
 
 
 def forward_in_tiles(model: Callable[[KVCache, ModelInputs], tuple[KVCache, jax.Array]], kv: KVCache,

@@ -85,6 +85,8 @@ class ModelInputs:
     # i32[L + 1] per layer (the last: the final norm) the slot its hidden states are gathered into
     # (H: none); None: the engine gathers none (`Decoder.run`)
     hidden_slots: jax.Array | None = None
+    # a batch-invariant step's tile (`invariant.tile_inputs`): attention takes each row alone
+    batch_invariant: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 # Partition rules of the shared layers (parameter path pattern, partition spec, the ModelConfig
@@ -246,7 +248,7 @@ def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sm_scale: float | 
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, inputs.kv_write_index)
     o = paged_attention(q, k_pages, v_pages, inputs.kv_lens, inputs.page_table, inputs.query_start,
                         inputs.num_seqs, sm_scale=q.shape[-1]**-0.5 if sm_scale is None else sm_scale,
-                        sliding_window=sliding_window, soft_cap=soft_cap)
+                        sliding_window=sliding_window, soft_cap=soft_cap, row_by_row=inputs.batch_invariant)
     return o, k_pages, v_pages
 
 

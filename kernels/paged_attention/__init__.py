@@ -63,10 +63,14 @@ def implementation(impl: str | None = None) -> str:
 
 def paged_attention(q, k_pages, v_pages, kv_lens, page_table, query_start, num_seqs, *,
                     sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None,
-                    impl: str | None = None):
-    """See `reference.paged_attention_reference` for shapes and semantics."""
+                    impl: str | None = None, row_by_row: bool = False):
+    """See `reference.paged_attention_reference` for shapes and semantics. `row_by_row`: every query
+    row's numbers as when it is alone in its step (batch-invariant mode), where a kernel's form
+    changes with the rows of a sequence (the CPU kernel's blocks of rows)."""
     base, _, mode = implementation(impl).partition("-")
     options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if base == "cpu":
+        options["row_by_row"] = row_by_row
     if base == "gpu" and (reason := unsupported_on_gpu(q.shape[-1], k_pages.shape[1])):
         log.warning("paged attention: %s; using the XLA implementation", reason)
         base = "xla"

@@ -8,7 +8,8 @@
 //
 // A work item of several query rows (a prefill chunk, drafts to verify) takes AttendBlock: per KV
 // head, the rows of its query heads are the lanes of 16-lane vectors, so that each key and value read
-// serves them all (bench/kernels.py, its CPU shapes).
+// serves them all (bench/kernels.py, its CPU shapes). It sums in another order than the one-row
+// form, so a batch-invariant step (`block_rows` 0) keeps every row in the one-row form.
 //
 // A decode row alone: the scores of every query head, 4 keys at a time (a block's slots are read
 // for every KV head while they are in L1; per query head, 4 accumulators over the head dimension,
@@ -36,7 +37,6 @@ namespace jaxserve {
 namespace {
 
 constexpr int64_t kRowsPerItem = 16;
-constexpr int64_t kBlockMinRows = 2;     // items of this many query rows and more take AttendBlock
 constexpr int64_t kKeysPerBlock = 4;     // keys whose scores are computed together
 constexpr int64_t kValuesPerBlock = 8;   // values summed for every head before the next ones
 constexpr int64_t kHeadsPerPass = 2;  // heads and 8-lane chunks of d whose value sums stay in registers
@@ -162,6 +162,7 @@ struct Problem {
   int64_t num_heads, num_kv_heads, head_dim, page_size, pages_per_seq;
   float sm_scale, soft_cap;  // soft_cap 0: none
   int64_t sliding_window;    // 0: none
+  int64_t block_rows;        // items of this many query rows and more take AttendBlock; 0: none
 };
 
 struct Item {
@@ -456,7 +457,7 @@ void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch
 // One work item: every query head, for every row of its block.
 template <typename T>
 void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
-  if (item.end_row - item.first_row >= kBlockMinRows) return AttendBlock<T>(p, item, scratch);
+  if (p.block_rows > 0 && item.end_row - item.first_row >= p.block_rows) return AttendBlock<T>(p, item, scratch);
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   const int64_t kv_heads = p.num_kv_heads, heads = p.num_heads;
   const int64_t width = p.num_kv_heads * d;  // one key (or value) slot: every KV head side by side
@@ -512,7 +513,8 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
                           ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> num_seqs,
-                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap) {
+                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t sliding_window, float soft_cap,
+                          int64_t block_rows) {
   for (ffi::DataType t : {q.element_type(), k_pages.element_type(), v_pages.element_type()}) {
     if (t != ffi::DataType::F32 && !IsBf16(t)) {
       return ffi::Error::InvalidArgument("paged attention (cpu): q and the pages must be float32 or bfloat16");
@@ -545,6 +547,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   p.sm_scale = sm_scale;
   p.soft_cap = soft_cap;
   p.sliding_window = sliding_window;
+  p.block_rows = block_rows;
 
   std::memset(out->untyped_data(), 0, out->size_bytes());  // padding rows stay zero
   const int64_t seqs = std::min<int64_t>(num_seqs.typed_data()[0], kv_lens.dimensions()[0]);
@@ -582,4 +585,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, jaxserve::PagedAttention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int64_t>("sliding_window")
-                                  .Attr<float>("soft_cap"));
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("block_rows"));
