@@ -236,8 +236,14 @@ class GatedMLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x, adapters: LoraRows | None = None):
-        h = self.activation(self.gate_proj(x, adapters)) * self.up_proj(x, adapters)
-        return self.down_proj(h, adapters)
+        return self.down_proj(gated(self.activation, self.gate_proj(x, adapters), self.up_proj(x, adapters)), adapters)
+
+
+def gated(activation, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """activation(gate) * up, the activation computed in float32 and rounded once to gate's dtype, as
+    torch's bfloat16 kernels do: applied in bfloat16, XLA rounds each of its steps (values off torch's)
+    and XLA:CPU runs it slower."""
+    return activation(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
 def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sm_scale: float | None = None,

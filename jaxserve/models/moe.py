@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
-                                    Quantizable, RMSNorm, mlp_rules)
+                                    Quantizable, RMSNorm, gated, mlp_rules)
 from kernels import AXIS, grouped_matmul_t, matmul_t
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ def expert_outputs(x, weights, experts, gate, up, down, first_expert=0):
     order = jnp.argsort(group, stable=True)
     sizes = jnp.zeros(held + 1, jnp.int32).at[group].add(1)[:held]
     rows = x[order // k]  # [T * k, H], sorted by expert
-    h = jax.nn.silu(grouped_matmul_t(rows, gate, sizes)) * grouped_matmul_t(rows, up, sizes)
+    h = gated(jax.nn.silu, grouped_matmul_t(rows, gate, sizes), grouped_matmul_t(rows, up, sizes))
     out = jnp.zeros((t * k, x.shape[1]), jnp.float32).at[order].set(grouped_matmul_t(h, down, sizes, jnp.float32))
     scaled = jnp.where(mine[..., None], out.reshape(t, k, -1) * weights[..., None], 0)
     return scaled.sum(1)
