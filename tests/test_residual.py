@@ -9,6 +9,7 @@ import base64
 
 import httpx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -88,21 +89,7 @@ def test_one_step_gathers_and_steers_rows_as_transformers(arch, checkpoints):
     for b, steer in vectors.items():
         for layer, vector in (steer or {}).items():
             table[layer, b] = vector
-    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=32, dtype="float32").resolve(cfg)
-    graphdef, state = load_weights(model_dir, cfg, "float32")
-    starts = np.cumsum([0, *map(len, ids)]).astype(np.int32)
-    positions = np.concatenate([np.arange(len(i)) for i in ids]).astype(np.int32)
-    row_of = np.repeat(np.arange(len(ids)), list(map(len, ids)))
-    pages = np.arange(1, len(ids) + 1, dtype=np.int32)[:, None]
-    inputs = ModelInputs(token_ids=np.concatenate(ids).astype(np.int32), positions=positions,
-                         rope=rope_table(cfg, positions), kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
-                         kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
-                         num_seqs=np.asarray(len(ids), np.int32), logits_indices=starts[1:] - 1,
-                         steer=np.where(row_of == 1, 3, row_of).astype(np.int32),
-                         hidden_slots=np.arange(num_layers + 1, dtype=np.int32))
-    step = jax.jit(forward_residual, static_argnums=(0, 4, 7))
-    _, _, out, gathered = step(graphdef, state, allocate_kv_cache(cfg, engine_cfg), inputs, False, None,
-                               table, num_layers + 1)
+    graphdef, state, out, gathered, starts = _gather_every_layer(model_dir, cfg, ids, "float32", table)
     logits = np.asarray(head_logits(graphdef, state, out))
     for b, prompt in enumerate(ids):
         want_states, want_logits = reference(model, prompt, vectors[b])
@@ -111,6 +98,47 @@ def test_one_step_gathers_and_steers_rows_as_transformers(arch, checkpoints):
         assert_close(logits[rows], want_logits)
     unsteered = reference(model, ids[0])[1]
     assert np.abs(unsteered - logits[:len(ids[0])]).max() > 0.01  # (the steering changes the logits)
+
+
+def _gather_every_layer(model_dir, cfg, ids, dtype, table):
+    """One step of the prompts `ids` (the second unsteered, the others in their own slots of `table`)
+    gathering every layer's hidden states and the final norm's -> (graphdef, state, output, gathered,
+    the prompts' first rows)."""
+    num_layers = cfg.num_layers
+    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=32, dtype=dtype).resolve(cfg)
+    graphdef, state = load_weights(model_dir, cfg, dtype)
+    starts = np.cumsum([0, *map(len, ids)]).astype(np.int32)
+    positions = np.concatenate([np.arange(len(i)) for i in ids]).astype(np.int32)
+    row_of = np.repeat(np.arange(len(ids)), list(map(len, ids)))
+    pages = np.arange(1, len(ids) + 1, dtype=np.int32)[:, None]
+    inputs = ModelInputs(token_ids=np.concatenate(ids).astype(np.int32), positions=positions,
+                         rope=rope_table(cfg, positions),
+                         kv_write_index=(pages[row_of, 0] * 16 + positions).astype(np.int32),
+                         kv_lens=np.array(list(map(len, ids)), np.int32), page_table=pages, query_start=starts,
+                         num_seqs=np.asarray(len(ids), np.int32), logits_indices=starts[1:] - 1,
+                         steer=np.where(row_of == 1, 3, row_of).astype(np.int32),
+                         hidden_slots=np.arange(num_layers + 1, dtype=np.int32))
+    step = jax.jit(forward_residual, static_argnums=(0, 4, 7))
+    _, _, out, gathered = step(graphdef, state, allocate_kv_cache(cfg, engine_cfg), inputs, False, None,
+                               table, num_layers + 1)
+    return graphdef, state, out, gathered, starts
+
+
+def test_bfloat16_hidden_states_are_the_layers_outputs(checkpoints):
+    """In bfloat16 the gathered states are kept as their bits on CPU (`cache_dtype`): they come back as
+    bfloat16, the last layer's bit for bit the step's output, every layer's near the float32 model's."""
+    model, model_dir = checkpoints("llama")
+    cfg = ModelConfig.from_hf(model_dir).for_context(128)
+    ids = [np.random.default_rng(2).integers(0, cfg.vocab_size, size=n).tolist() for n in (9, 13, 6)]
+    table = np.zeros((cfg.num_layers, 4, cfg.hidden_size), np.float32)
+    *_, out, gathered, _ = _gather_every_layer(model_dir, cfg, ids, "bfloat16", table)
+    assert gathered.dtype == jnp.bfloat16 and gathered.shape == (cfg.num_layers + 1, *out.shape)
+    np.testing.assert_array_equal(np.asarray(gathered[cfg.num_layers - 1]), np.asarray(out))
+    want = np.asarray(_gather_every_layer(model_dir, cfg, ids, "float32", table)[3])
+    got = np.asarray(gathered, np.float32)
+    for layer in range(cfg.num_layers + 1):
+        scale = np.abs(want[layer]).max()
+        assert scale > 0.1 and np.abs(got[layer] - want[layer]).max() < 0.05 * scale, layer
 
 
 @pytest.fixture(scope="module")

@@ -30,8 +30,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
-from kernels import AXIS, grouped_matmul_t, matmul_t, paged_attention, write_kv
+from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
+from kernels.paged_attention.reference import from_cache, to_cache
 
 if TYPE_CHECKING:
     from jaxserve.models.config import ModelConfig
@@ -322,7 +323,9 @@ class Decoder(nnx.Module):
         hidden] or None). Unsteered rows add the zero slot; unasked layers write a slot dropped at the end."""
         x = self.embed(inputs.token_ids)
         gather = num_hidden > 0 and inputs.hidden_slots is not None
-        hidden = None  # (made in the dtype of the layers' outputs: a write that converts is not done in place)
+        # (made in the dtype of the layers' outputs, as the KV cache's bits on CPU (`cache_dtype`): a
+        # write that converts is not done in place, and XLA:CPU widens a bfloat16 one over the buffer)
+        hidden = None
         steer = None  # [L, T, hidden] each row's vector per layer, gathered once
         if self.steering is not None and inputs.steer is not None:
             steer = jnp.take(self.steering, inputs.steer, axis=1)
@@ -332,13 +335,13 @@ class Decoder(nnx.Module):
             if steer is not None:
                 x = x + steer[i].astype(x.dtype)
             if gather:
-                hidden = jnp.zeros((num_hidden + 1, *x.shape), x.dtype) if hidden is None else hidden
-                hidden = hidden.at[inputs.hidden_slots[i]].set(x)
+                hidden = jnp.zeros((num_hidden + 1, *x.shape), cache_dtype(x.dtype)) if hidden is None else hidden
+                hidden = hidden.at[inputs.hidden_slots[i]].set(to_cache(x, hidden))
             k_out.append(k_pages)
             v_out.append(v_pages)
         if gather:
-            final = self.norm(x).astype(hidden.dtype)
-            hidden = hidden.at[inputs.hidden_slots[len(self.layers)]].set(final)[:num_hidden]
+            final = to_cache(self.norm(x).astype(x.dtype), hidden)
+            hidden = from_cache(hidden.at[inputs.hidden_slots[len(self.layers)]].set(final)[:num_hidden])
         return KVCache(k=k_out, v=v_out), x, hidden
 
     def logits(self, x: jax.Array) -> jax.Array:
