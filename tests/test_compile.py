@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -112,6 +113,20 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
     assert "compiling it again" in caplog.text
     assert [o.outputs[0].token_ids for o in third.generate(prompts, params)] == want
     assert len(list(entries[0].parent.glob("*.executable"))) == buckets
+
+
+def test_executable_key_covers_every_source_file():
+    """An executable saved by one version of the model code must never load under another: the key
+    hashes every source file of jaxserve/ and kernels/ (it once hashed none, from a path one folder
+    short, and executables outlived changes to the layers)."""
+    from jaxserve.models import layers
+    from jaxserve.worker.executables import source_files
+    from kernels.paged_attention import cpu
+
+    _, files = source_files()
+    for module in (layers, cpu):
+        assert Path(module.__file__).resolve() in files
+    assert cpu.SOURCE.resolve() in files  # (the C++ sources too)
 
 
 def test_executable_key_follows_the_attention_choice_the_arguments_and_the_devices(tmp_path, monkeypatch):

@@ -48,14 +48,20 @@ MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted
 ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION", "JAXSERVE_MATMUL")
 
 
+def source_files() -> tuple[Path, list[Path]]:
+    """(the directory that holds the packages, the source files of SOURCE_PACKAGES in it)."""
+    root = Path(__file__).resolve().parents[2]  # (this file is jaxserve/worker/executables.py)
+    return root, [f for package in SOURCE_PACKAGES
+                  for f in sorted((root / package).rglob("*")) if f.suffix in SOURCE_SUFFIXES]
+
+
 @functools.cache
 def _installation_digest() -> str:
     """What every executable depends on and that does not change while the process runs."""
     h = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for package in SOURCE_PACKAGES:
-        for file in sorted(f for f in (root / package).rglob("*") if f.suffix in SOURCE_SUFFIXES):
-            h.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
+    root, files = source_files()
+    for file in files:
+        h.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes() + b"\0")
     backend = jax.devices()[0].client
     h.update(repr((jax.__version__, jaxlib.__version__, flax.__version__, backend.platform,
                    backend.platform_version, [(d.id, d.device_kind) for d in jax.devices()])).encode())
