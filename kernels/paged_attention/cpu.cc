@@ -169,6 +169,30 @@ struct Item {
   int64_t seq, first_row, end_row;
 };
 
+// The keys of an item's sequence that its query row t sees: [Begin(t), End(t)). Row t sits at
+// position kv_len - q_len + (t - start); keys past the page table's width are outside the context, as
+// in the reference.
+struct Keys {
+  int64_t start, q_len, kv_len, visible, window;
+  Keys(const Problem& p, const Item& item)
+      : start(p.query_start[item.seq]), q_len(p.query_start[item.seq + 1] - start), kv_len(p.kv_lens[item.seq]),
+        visible(std::min(kv_len, p.pages_per_seq * p.page_size)), window(p.sliding_window) {}
+  int64_t Position(int64_t t) const { return kv_len - q_len + (t - start); }
+  int64_t Begin(int64_t t) const { return window > 0 ? std::max<int64_t>(0, Position(t) - window + 1) : 0; }
+  int64_t End(int64_t t) const { return std::min(Position(t) + 1, visible); }
+};
+
+// slots[j] = where key first + j's slot (every KV head side by side) starts in the sequence's pages, j < n.
+inline void Slots(const Problem& p, int64_t seq, int64_t first, int64_t n, std::vector<int64_t>& slots) {
+  const int32_t* pages = p.page_table + seq * p.pages_per_seq;
+  const int64_t width = p.num_kv_heads * p.head_dim;
+  slots.resize(n);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t key = first + j;
+    slots[j] = (static_cast<int64_t>(pages[key / p.page_size]) * p.page_size + key % p.page_size) * width;
+  }
+}
+
 // scores[h * ld + j] = q_h . key j for the query heads h of `kv_heads` KV heads (`group` each, rows
 // of q [heads, d]), key j's KV head g at base + offsets[j] + g * d. Keys go 4 at a time, each
 // block's slots read for every KV head while they are in the L1 cache.
@@ -374,34 +398,21 @@ void SoftmaxLanes(float* st, int64_t n, int64_t ld, const int32_t* lo, const int
 template <typename T>
 void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, heads = p.num_heads;
-  const int64_t width = p.num_kv_heads * d;
-  const int64_t q_len = p.query_start[item.seq + 1] - p.query_start[item.seq];
-  const int64_t kv_len = p.kv_lens[item.seq];
-  const int64_t visible = std::min(kv_len, p.pages_per_seq * p.page_size);
-  const int32_t* pages = p.page_table + item.seq * p.pages_per_seq;
   const T* k_pages = static_cast<const T*>(p.k);
   const T* v_pages = static_cast<const T*>(p.v);
   const int64_t rows = item.end_row - item.first_row, lanes = rows * group, ld = CeilDiv(lanes, kWide) * kWide;
-  // each row's keys [lo, hi), relative to the first key any row sees; lanes past the rows see none
-  auto range = [&](int64_t t, bool end) -> int64_t {
-    const int64_t pos = kv_len - q_len + (t - p.query_start[item.seq]);
-    if (end) return std::min(pos + 1, visible);
-    return p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-  };
-  const int64_t first = range(item.first_row, false), n = range(item.end_row - 1, true) - first;
+  const Keys keys(p, item);
+  const int64_t first = keys.Begin(item.first_row), n = keys.End(item.end_row - 1) - first;
   if (n <= 0) return;  // (the rows stay zeros)
+  // each lane's keys [lo, hi), relative to the first key any row sees; lanes past the rows see none
   thread_local std::vector<int32_t> lo, hi;
   lo.assign(ld, 0), hi.assign(ld, 0);
   for (int64_t m = 0; m < lanes; ++m) {
-    lo[m] = static_cast<int32_t>(range(item.first_row + m / group, false) - first);
-    hi[m] = static_cast<int32_t>(std::max(range(item.first_row + m / group, true) - first, int64_t{lo[m]}));
+    lo[m] = static_cast<int32_t>(keys.Begin(item.first_row + m / group) - first);
+    hi[m] = static_cast<int32_t>(std::max(keys.End(item.first_row + m / group) - first, int64_t{lo[m]}));
   }
   thread_local std::vector<int64_t> slots;
-  slots.resize(n);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t key = first + j;
-    slots[j] = (static_cast<int64_t>(pages[key / p.page_size]) * p.page_size + key % p.page_size) * width;
-  }
+  Slots(p, item.seq, first, n, slots);
   const int64_t padded = CeilDiv(n, kWide) * kWide;
   scratch.resize(d * ld + kWide * d + padded * ld + ld * d);
   float *qt = scratch.data(), *kb = qt + d * ld, *st = kb + kWide * d, *o = st + padded * ld;
@@ -460,12 +471,8 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   if (p.block_rows > 0 && item.end_row - item.first_row >= p.block_rows) return AttendBlock<T>(p, item, scratch);
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   const int64_t kv_heads = p.num_kv_heads, heads = p.num_heads;
-  const int64_t width = p.num_kv_heads * d;  // one key (or value) slot: every KV head side by side
-  const int64_t q_len = p.query_start[item.seq + 1] - p.query_start[item.seq];
-  const int64_t kv_len = p.kv_lens[item.seq];
-  // (keys past the page table's width are outside the context, as in the reference)
-  const int64_t visible = std::min(kv_len, p.pages_per_seq * p.page_size);
-  const int32_t* pages = p.page_table + item.seq * p.pages_per_seq;
+  const Keys keys(p, item);
+  const int64_t kv_len = keys.kv_len;
   const T* k_pages = static_cast<const T*>(p.k);
   const T* v_pages = static_cast<const T*>(p.v);
   // scratch: scores [heads][kv_len], the query rows [heads][d] and their outputs [heads][d]; and
@@ -475,20 +482,15 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
   float* query = scores + heads * kv_len;
   float* acc = query + heads * d;
   thread_local std::vector<int64_t> slots;
-  slots.resize(visible);
-  for (int64_t key = 0; key < visible; ++key) {
-    slots[key] = (static_cast<int64_t>(pages[key / p.page_size]) * p.page_size + key % p.page_size) * width;
-  }
+  Slots(p, item.seq, 0, keys.visible, slots);
   for (int64_t t = item.first_row; t < item.end_row; ++t) {
-    const int64_t pos = kv_len - q_len + (t - p.query_start[item.seq]);
-    const int64_t first_key = p.sliding_window > 0 ? std::max<int64_t>(0, pos - p.sliding_window + 1) : 0;
-    const int64_t num_keys = std::min(pos + 1, visible) - first_key;
-    const int64_t* keys = slots.data() + first_key;
+    const int64_t first_key = keys.Begin(t), num_keys = keys.End(t) - first_key;
+    const int64_t* seen = slots.data() + first_key;
     const int64_t in = t * heads * d;  // the row's first query head
     for (int64_t i = 0; i < heads * d; ++i) {
       query[i] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + i]) : static_cast<const float*>(p.q)[in + i];
     }
-    Scores(query, kv_heads, group, k_pages, keys, num_keys, d, scores, kv_len);
+    Scores(query, kv_heads, group, k_pages, seen, num_keys, d, scores, kv_len);
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kv_len;
       float max = -INFINITY;
@@ -500,7 +502,7 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
       }
       Normalize(s, ExpShifted(s, max, num_keys), num_keys, std::is_same_v<T, uint16_t>);
     }
-    Values(scores, kv_heads, group, kv_len, v_pages, keys, num_keys, d, acc);
+    Values(scores, kv_heads, group, kv_len, v_pages, seen, num_keys, d, acc);
     if (p.out_bf16) {
       uint16_t* o = static_cast<uint16_t*>(p.out) + in;
       for (int64_t i = 0; i < heads * d; ++i) o[i] = FloatToBf16(acc[i]);
