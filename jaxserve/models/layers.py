@@ -340,7 +340,7 @@ class Decoder(nnx.Module):
             k_out.append(k_pages)
             v_out.append(v_pages)
         if gather:
-            final = to_cache(self.norm(x).astype(x.dtype), hidden)
+            final = to_cache(self.norm(x), hidden)
             hidden = from_cache(hidden.at[inputs.hidden_slots[len(self.layers)]].set(final)[:num_hidden])
         return KVCache(k=k_out, v=v_out), x, hidden
 
