@@ -201,13 +201,14 @@ def _kernel_roundings(forms) -> set[str]:
 def test_quantized_matmul_t_matches_float64(impl, fmt, x_dtype, out_dtype):
     """Against x times the dequantized weight in float64. rows: the dot form (under 16: 1, 3 of one
     4-row tile) and the panel form (16 rows on: one panel, a remainder of one row, several panels
-    and work items); in: an even and an odd count of blocks (the dot form takes two per step), more
-    than 16 blocks (its scales come 16 at a time); out: odd, a tile's remainders, several work items."""
+    and work items); in: every count of blocks left over by the dot form's steps (int8 takes two
+    blocks per step, int4 four) and none, more than 16 blocks (its scales come 16 at a time); out:
+    odd, a tile's remainders, several work items."""
     if impl == "cpu":
         needs_cpu_backend()
     rng = np.random.default_rng(4)
     for rows, d_in, d_out in [(1, 64, 7), (3, 96, 129), (16, 544, 13), (17, 96, 101), (100, 160, 33), (300, 64, 99),
-                              (1, 544, 301)]:
+                              (1, 544, 301), (2, 128, 9), (4, 576, 40)]:
         x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
         w = _random_quantized(rng, (d_out, d_in), fmt)
         got = jax.jit(lambda x, w: matmul_t(x, w, out_dtype, impl=impl))(x, w)

@@ -10,11 +10,12 @@
 //   exact sum instead, the error of x's rounding would follow w - m rather than w: about twice it.)
 //
 // Dot form (DotTile), under kPanelMinRows rows (and under the tile form's, where it runs): for one
-// row of x, bounded by reading w once; each further row adds four instructions per 64 values of w
-// (the integer dot, its conversion, its scale d_x d_w, the sum). A tile of up to 4 rows of x and 4
-// rows of w (a quarter of the block apart, as in cpu.cc) takes two blocks (64 values of K) per step:
-// one 64-byte vector of w's values, decoded once and multiplied by each row of x. x is laid out per
-// step in the order the weight's bytes decode to (StepByte), its scales per int32 lane.
+// row of x, bounded by reading w once; each further row adds, per step, its integer dots (one per
+// part), their conversion, the scale d_x d_w and the sum. A tile of up to 4 rows of x and 4
+// rows of w (a quarter of the block apart, as in cpu.cc) takes one 64-byte vector of w's values per
+// step (int8: two blocks; int4: four, 128 values of K, so that the scale's work is paid once per four
+// blocks), decoded once and multiplied by each row of x. x is laid out per step in the order the
+// weight's bytes decode to (StepByte), its scales per int32 lane.
 //
 // Panel form (PanelTile), from kPanelMinRows rows where the tile form does not run: bounded by the
 // multiply-adds. x is packed into
@@ -80,65 +81,75 @@ inline XBlock QuantizeBlock(const X* x) {
   return out;
 }
 
-// Dot form. A step is two blocks, h = 0 and 1: 64 bytes of w's values in the order they decode to,
-// which x's bytes follow. int8: the two blocks one after the other. int4: a block's 16 bytes hold
-// its values j (low nibbles) and j + 16 (high); the step's 32 bytes, broadcast to both halves of a
-// vector and shifted by 4 bits in the upper half, give the low nibbles of both blocks, then the high.
+// Dot form. A step is one 64-byte vector of w's values: int8, two blocks one after the other; int4,
+// four blocks of 16 bytes, each byte holding its block's value j (low nibble) and j + 16 (high). The
+// int4 step decodes into two vectors, the low nibbles and the high ones: byte 16 h + j of each holds
+// value j, resp. j + 16, of block h. x's bytes follow that order (StepByte), one vector per part, so
+// that int32 lane l of every part's dot belongs to block l / (16 / kStepBlocks) of the step.
 template <Format F>
-constexpr int64_t StepByte(int64_t h, int64_t j) {  // where value j of block h lies in a step
+constexpr int64_t kStepBlocks = F == Format::kInt8 ? 2 : 4;
+template <Format F>
+constexpr int kStepParts = F == Format::kInt8 ? 1 : 2;  // vectors of x (and of decoded w) per step
+
+template <Format F>
+constexpr int64_t StepByte(int64_t h, int64_t j) {  // where value j of block h lies in a step's x bytes
   if constexpr (F == Format::kInt8) return kBlock * h + j;
-  return j < 16 ? 16 * h + j : 32 + 16 * h + (j - 16);
+  return j < 16 ? 16 * h + j : 64 + 16 * h + (j - 16);
 }
 
 template <Format F>
-constexpr int StepHalf(int lane) {  // the block (0 or 1) of int32 lane `lane` (bytes 4 lane to 4 lane + 3)
-  return F == Format::kInt8 ? lane / 8 : lane / 4 % 2;
+constexpr int StepBlock(int lane) {  // the block of the step (0 to kStepBlocks - 1) of int32 lane `lane`
+  return lane / (16 / kStepBlocks<F>);
 }
 
-// x for the dot form: per row, each step's 64 bytes (StepByte), its scale per int32 lane, and the
-// block terms (zero past the last block, up to a multiple of 16).
+// x for the dot form: per row, each step's 64 bytes per part (StepByte), its scale per int32 lane,
+// and the block terms (zero past the last block, up to a multiple of 16).
+template <Format F>
 struct DotX {
+  static constexpr int64_t kStepBytes = 64 * kStepParts<F>;
   std::vector<int8_t> q;
   std::vector<float> d, t;
   int64_t steps, terms;
-  const int8_t* Q(int64_t row) const { return q.data() + row * steps * 64; }
+  const int8_t* Q(int64_t row) const { return q.data() + row * steps * kStepBytes; }
   const float* D(int64_t row) const { return d.data() + row * steps * 16; }
   const float* T(int64_t row) const { return t.data() + row * terms; }
 };
 
 template <Format F, typename X>
-void QuantizeDotX(const X* x, int64_t rows, int64_t k_len, DotX& out) {
-  const int64_t blocks = k_len / kBlock;
-  out.steps = CeilDiv(blocks, 2);
+void QuantizeDotX(const X* x, int64_t rows, int64_t k_len, DotX<F>& out) {
+  const int64_t blocks = k_len / kBlock, step_bytes = DotX<F>::kStepBytes;
+  out.steps = CeilDiv(blocks, kStepBlocks<F>);
   out.terms = CeilDiv(blocks, 16) * 16;
-  out.q.assign(rows * out.steps * 64, 0);
+  out.q.assign(rows * out.steps * step_bytes, 0);
   out.d.assign(rows * out.steps * 16, 0.f);
   out.t.assign(rows * out.terms, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const XBlock block = QuantizeBlock<F>(x + r * k_len + b * kBlock);
-      const int64_t s = b / 2, h = b % 2;
-      int8_t* q = out.q.data() + (r * out.steps + s) * 64;
+      const int64_t s = b / kStepBlocks<F>, h = b % kStepBlocks<F>;
+      int8_t* q = out.q.data() + (r * out.steps + s) * step_bytes;
       for (int64_t j = 0; j < kBlock; ++j) q[StepByte<F>(h, j)] = block.q[j];
       for (int lane = 0; lane < 16; ++lane) {
-        if (StepHalf<F>(lane) == h) out.d[(r * out.steps + s) * 16 + lane] = block.d;
+        if (StepBlock<F>(lane) == h) out.d[(r * out.steps + s) * 16 + lane] = block.d;
       }
       out.t[r * out.terms + b] = block.t;
     }
   }
 }
 
-// Step s of a row of w as 64 unsigned bytes in StepByte's order; kTail: only its first block exists.
+// Step s of a row of w as unsigned bytes in StepByte's order, one vector per part; of a last step
+// with fewer blocks (`blocks`), only those are read and the rest are zeros.
 template <Format F, bool kTail>
-inline __m512i LoadStep(const uint8_t* row, int64_t s) {
+inline void LoadStep(const uint8_t* row, int64_t s, int64_t blocks, __m512i (&parts)[kStepParts<F>]) {
+  const uint8_t* p = row + 64 * s;
+  const __m512i q = kTail ? _mm512_maskz_loadu_epi8(~0ull >> (64 - blocks * 64 / kStepBlocks<F>), p)
+                          : _mm512_loadu_si512(p);
   if constexpr (F == Format::kInt8) {
-    const __m512i q = kTail ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, row + 64 * s) : _mm512_loadu_si512(row + 64 * s);
-    return _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
+    parts[0] = _mm512_xor_si512(q, _mm512_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m256i bytes = kTail ? _mm256_maskz_loadu_epi8(0xFFFF, row + 32 * s)
-                                : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32 * s));
-    const __m512i both = _mm512_srlv_epi64(_mm512_broadcast_i64x4(bytes), _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0));
-    return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    parts[0] = _mm512_and_si512(q, low);
+    parts[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), low);
   }
 }
 
@@ -147,32 +158,35 @@ inline __m512 LoadHalves(const uint16_t* p, __mmask16 mask) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
 }
 
-// The dot form's tile reads w's scales and block terms 16 blocks (8 steps) at a time, widened once;
-// step s of the group takes its two scales out of them into the lanes StepHalf assigns.
+// The dot form's tile reads w's scales and block terms 16 blocks at a time, widened once; step s of
+// the group takes its blocks' scales out of them into the lanes StepBlock assigns.
 template <Format F>
-inline __m512i StepIndex(int64_t s) {  // lane l: block 2 s + StepHalf(l) of the group
-  static constexpr auto kHalves = [] {
-    std::array<int32_t, 16> halves{};
-    for (int lane = 0; lane < 16; ++lane) halves[lane] = StepHalf<F>(lane);
-    return halves;
+inline __m512i StepIndex(int64_t s) {  // lane l: block kStepBlocks s + StepBlock(l) of the group
+  static constexpr auto kBlocks = [] {
+    std::array<int32_t, 16> blocks{};
+    for (int lane = 0; lane < 16; ++lane) blocks[lane] = StepBlock<F>(lane);
+    return blocks;
   }();
-  return _mm512_add_epi32(_mm512_loadu_si512(kHalves.data()), _mm512_set1_epi32(static_cast<int>(2 * s)));
+  return _mm512_add_epi32(_mm512_loadu_si512(kBlocks.data()),
+                          _mm512_set1_epi32(static_cast<int>(kStepBlocks<F> * s)));
 }
 
 template <Format F, int MR, int NR, bool kTail>
-inline void DotStep(const DotX& x, int64_t m, const QuantW& w, const int64_t (&rows)[NR], int64_t s,
-                    const __m512 (&scales)[NR], __m512i index, __m512 (&acc)[MR][NR]) {
-  __m512i ws[NR];
+inline void DotStep(const DotX<F>& x, int64_t m, const QuantW& w, const int64_t (&rows)[NR], int64_t s,
+                    int64_t blocks, const __m512 (&scales)[NR], __m512i index, __m512 (&acc)[MR][NR]) {
+  __m512i ws[NR][kStepParts<F>];
   __m512 ds[NR];
   for (int j = 0; j < NR; ++j) {
-    ws[j] = LoadStep<F, kTail>(w.data + rows[j] * w.row_bytes, s);
+    LoadStep<F, kTail>(w.data + rows[j] * w.row_bytes, s, blocks, ws[j]);
     ds[j] = _mm512_permutexvar_ps(index, scales[j]);
   }
   for (int i = 0; i < MR; ++i) {
-    const __m512i xs = _mm512_loadu_si512(x.Q(m + i) + 64 * s);
+    __m512i xs[kStepParts<F>];
+    for (int p = 0; p < kStepParts<F>; ++p) xs[p] = _mm512_loadu_si512(x.Q(m + i) + DotX<F>::kStepBytes * s + 64 * p);
     const __m512 dx = _mm512_loadu_ps(x.D(m + i) + 16 * s);
     for (int j = 0; j < NR; ++j) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ws[j], xs);
+      __m512i dot = _mm512_setzero_si512();
+      for (int p = 0; p < kStepParts<F>; ++p) dot = _mm512_dpbusd_epi32(dot, ws[j][p], xs[p]);
       acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx, ds[j]), acc[i][j]);
     }
   }
@@ -180,7 +194,7 @@ inline void DotStep(const DotX& x, int64_t m, const QuantW& w, const int64_t (&r
 
 // y[i, j * stride] = x[m + i] . w[n + j * stride] for i < MR, j < NR (y rows ldy apart).
 template <Format F, int MR, int NR>
-void DotTile(const DotX& x, int64_t m, const QuantW& w, int64_t n, int64_t stride, float* y, int64_t ldy) {
+void DotTile(const DotX<F>& x, int64_t m, const QuantW& w, int64_t n, int64_t stride, float* y, int64_t ldy) {
   int64_t rows[NR];
   for (int j = 0; j < NR; ++j) rows[j] = n + j * stride;
   __m512 acc[MR][NR];
@@ -196,11 +210,11 @@ void DotTile(const DotX& x, int64_t m, const QuantW& w, int64_t n, int64_t strid
       const __m512 v = F == Format::kInt8 ? scales[j] : LoadHalves(w.mins + rows[j] * w.blocks + b0, mask);
       for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x.T(m + i) + b0), acc[i][j]);
     }
-    const int64_t s0 = b0 / 2;
-    for (int64_t s = 0; s < count / 2; ++s) {
-      DotStep<F, MR, NR, false>(x, m, w, rows, s0 + s, scales, StepIndex<F>(s), acc);
+    const int64_t s0 = b0 / kStepBlocks<F>, full = count / kStepBlocks<F>, rest = count % kStepBlocks<F>;
+    for (int64_t s = 0; s < full; ++s) {
+      DotStep<F, MR, NR, false>(x, m, w, rows, s0 + s, kStepBlocks<F>, scales, StepIndex<F>(s), acc);
     }
-    if (count % 2) DotStep<F, MR, NR, true>(x, m, w, rows, s0 + count / 2, scales, StepIndex<F>(count / 2), acc);
+    if (rest) DotStep<F, MR, NR, true>(x, m, w, rows, s0 + full, rest, scales, StepIndex<F>(full), acc);
   }
   for (int i = 0; i < MR; ++i) {
     for (int j = 0; j < NR; ++j) y[i * ldy + j * stride] = _mm512_reduce_add_ps(acc[i][j]);
@@ -215,7 +229,7 @@ constexpr auto DotTiles(std::integer_sequence<int, NR...>) {
 
 // y[m0:m1, n0:n1] of y [M, N] in the dot form; tile t takes rows n0 + t + c * stride of w.
 template <Format F>
-void DotBlock(const DotX& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
+void DotBlock(const DotX<F>& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
               int64_t n1) {
   static_assert(kDotTileRows == 4, "one row of kTiles per row count");
   static constexpr auto kCols = std::make_integer_sequence<int, kTileCols>();
@@ -357,7 +371,7 @@ void PanelBlock(const PanelBlockX* panels, const QuantW& w, float* y, int64_t n_
 template <Format F, typename X>
 void IntegerProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
   if (m_len < kPanelMinRows) {
-    DotX xq;
+    DotX<F> xq;
     QuantizeDotX<F>(x, m_len, w.k_len, xq);
     ForEachBlock(pool, m_len, n_len, m_len, RowsOfW(w.row_bytes), kTileCols,
                  [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
