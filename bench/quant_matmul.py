@@ -1,6 +1,6 @@
 """Quantized weights against bfloat16 ones: y = x w^T through `kernels.matmul_t` on the CPU backend.
 
-    python bench/quant_matmul.py [--runs 2] [--rows 1,4,32,512] [--dtype bfloat16] [--reference]
+    python bench/quant_matmul.py [--runs 2] [--rows 1,4,32,512] [--dtype bfloat16] [--reference] [--resident 200]
 
 For each [out, in] shape of a real model (SmolLM2-135M's MLP and LM head, a 125M model's MLP) and
 each row count M, the same product with the weight in bfloat16 (the CPU kernel `cpu.cc`, as the model
@@ -9,8 +9,10 @@ of `copies` products with distinct weights of the shape (at least 1 GiB of bfloa
 than the caches hold, so that they stream from memory as a model's layers do), best of 5. Reported: ms
 per product, GB/s of weight bytes read (data, scales and mins as stored), and the int4 / bfloat16
 and int8 / bfloat16 time ratios. `--reference` adds XLA's dot of x and the weight dequantized to x's
-dtype (`impl="xla"`), the path off the CPU kernel. The weights are random bytes, not quantized
-floats: only the time is measured.
+dtype (`impl="xla"`), the path off the CPU kernel. `--resident N` instead multiplies N rows of x
+(one per product, so that XLA cannot merge the products) by one weight per column, which stays in
+the caches: what the kernel's instructions cost without memory's. The weights are random bytes, not
+quantized floats: only the time is measured.
 """
 
 from __future__ import annotations
@@ -64,12 +66,13 @@ def read_bandwidth() -> float:
 
 
 def products(impl: str | None):
-    """One jitted call of matmul_t(x, w) for every w, all outputs returned (nothing else computed)."""
+    """One jitted call of matmul_t(x, w) for every pair of xs and ws, all outputs returned (nothing
+    else computed)."""
     import jax
 
     from kernels.matmul import matmul_t
 
-    return jax.jit(lambda x, ws: [matmul_t(x, w, impl=impl) for w in ws])
+    return jax.jit(lambda xs, ws: [matmul_t(x, w, impl=impl) for x, w in zip(xs, ws)])
 
 
 def main() -> None:
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="comma-separated row counts M")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="x's dtype (and y's)")
     parser.add_argument("--reference", action="store_true", help="also time XLA's dot on the dequantized weight")
+    parser.add_argument("--resident", type=int, default=0, metavar="N",
+                        help="N products of one weight, which stays in the caches (default: weights streamed)")
     args = parser.parse_args()
     import jax
     import jax.numpy as jnp
@@ -92,7 +97,7 @@ def main() -> None:
     if args.reference:
         columns += [("int8", "xla"), ("int4", "xla")]
     names = [fmt + (" (xla reference)" if impl else "") for fmt, impl in columns]
-    reference = " --reference" if args.reference else ""
+    reference = (" --reference" if args.reference else "") + (f" --resident {args.resident}" if args.resident else "")
     print(f"{machine_line()}, {jax.device_count()} CPU device, XLA's threads. Command: `python bench/quant_matmul.py "
           f"--runs {args.runs} --rows {args.rows} --dtype {args.dtype}{reference}`. bfloat16 products on the CPU's "
           f"bfloat16 instructions: {native_bf16()}; the quantized kernel's forms: {', '.join(quantized_forms())}.\n")
@@ -102,13 +107,16 @@ def main() -> None:
           + " | int8 / bf16 | int4 / bf16 |")
     print("| --- | --- | --- | --- |" + " --- | --- |" * len(names) + " --- | --- |")
     for title, shape in SHAPES.items():
-        copies = -(-STREAMED_BYTES // (2 * shape[0] * shape[1]))
-        weights = {fmt: make_weights(rng, shape, fmt, copies) for fmt in ("bfloat16", "int8", "int4")}
+        copies = args.resident or -(-STREAMED_BYTES // (2 * shape[0] * shape[1]))
+        weights = {fmt: make_weights(rng, shape, fmt, 1) * copies if args.resident
+                   else make_weights(rng, shape, fmt, copies) for fmt in ("bfloat16", "int8", "int4")}
         calls = {impl: products(impl) for impl in (None, "xla")}
         for run in range(1, args.runs + 1):
             for m in map(int, args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal((m, shape[1])), args.dtype)
-                times = [best_time(lambda fmt=fmt, impl=impl: jax.block_until_ready(calls[impl](x, weights[fmt])))
+                xs = list(jnp.asarray(rng.standard_normal((copies, m, shape[1])), args.dtype)) if args.resident \
+                    else [x] * copies
+                times = [best_time(lambda fmt=fmt, impl=impl: jax.block_until_ready(calls[impl](xs, weights[fmt])))
                          / copies for fmt, impl in columns]
                 rates = [nbytes(weights[fmt][0]) / t / 1e9 for (fmt, _), t in zip(columns, times)]
                 cells = [f"{1000 * t:.3f} | {r:.1f}" for t, r in zip(times, rates)]
