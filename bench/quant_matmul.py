@@ -113,9 +113,8 @@ def main() -> None:
         calls = {impl: products(impl) for impl in (None, "xla")}
         for run in range(1, args.runs + 1):
             for m in map(int, args.rows.split(",")):
-                x = jnp.asarray(rng.standard_normal((m, shape[1])), args.dtype)
-                xs = list(jnp.asarray(rng.standard_normal((copies, m, shape[1])), args.dtype)) if args.resident \
-                    else [x] * copies
+                x = jnp.asarray(rng.standard_normal(((copies,) if args.resident else ()) + (m, shape[1])), args.dtype)
+                xs = list(x) if args.resident else [x] * copies
                 times = [best_time(lambda fmt=fmt, impl=impl: jax.block_until_ready(calls[impl](xs, weights[fmt])))
                          / copies for fmt, impl in columns]
                 rates = [nbytes(weights[fmt][0]) / t / 1e9 for (fmt, _), t in zip(columns, times)]
