@@ -40,18 +40,19 @@ MIN_TOP1 = 0.97
 MAX_KL = 0.01
 
 
-def _tie() -> float:
-    """The top-1 comparisons' near-tie margin (logits between the reference's best two): where the
-    CPU kernel also rounds the activations of prefill rows to int8 (its integer form without the
-    tile form: AVX512-VNNI without AMX, as llama.cpp does), quantized products move these logits
-    by up to ~0.3; elsewhere by a few hundredths."""
+def _int8_activations() -> bool:
+    """Whether the CPU kernel rounds the activations of prefill rows to int8, as llama.cpp does (its
+    integer forms without the tile form: AVX512-VNNI without AMX)."""
     from kernels.matmul import quantized_forms
 
     forms = quantized_forms() if jax.default_backend() == "cpu" else ()
-    return 0.3 if "integer" in forms and "tile" not in forms else 0.05
+    return "integer" in forms and "tile" not in forms
 
 
-TIE = _tie()
+INT8_ACTIVATIONS = _int8_activations()
+# The top-1 comparisons' near-tie margin (logits between the reference's best two): with int8
+# activations, quantized products move these logits by up to ~0.3; elsewhere by a few hundredths.
+TIE = 0.3 if INT8_ACTIVATIONS else 0.05
 ENGINE = {**SMALL_ENGINE, "model": DEFAULT_MODEL_NAME, "max_model_len": 128, "max_num_batched_tokens": 64}
 
 
@@ -93,13 +94,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-MIN_CLEAR = 0.6  # the share of positions a top-1 agreement must be taken over
+MIN_CLEAR = 0.4  # the share of positions a top-1 agreement must be taken over (see `agreement`)
 
 
 def agreement(got: np.ndarray, want: np.ndarray, tie: float = 0.0) -> tuple[float, float]:
     """(top-1 agreement, mean KL(want || got) in nats) of two [positions, vocab] logits; top-1 over
     the positions where `want`'s best two logits are more than `tie` apart, which must be at least
-    MIN_CLEAR of them."""
+    MIN_CLEAR of them (where the CPU kernel rounds activations to int8, TIE is 0.3, and of the tiny
+    random models' 120 positions 42-66 % stay clear)."""
     p, q = _log_softmax(want), _log_softmax(got)
     kl = (np.exp(p) * (p - q)).sum(-1)
     top2 = np.sort(want, -1)[:, -2:]
