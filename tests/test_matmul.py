@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from conftest import needs_cpu_backend
 
-from kernels.matmul import (KERNEL_MAX_ROWS, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, implementation,
-                            bf16_tiles, matmul_t, native_bf16, quantized_forms, row_limit)
+from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
+                            bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16, quantized_forms,
+                            row_limit)
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
@@ -221,6 +222,31 @@ def test_quantized_matmul_t_matches_float64(impl, fmt, x_dtype, out_dtype):
         assert (error <= tolerance).all(), (rows, d_in, d_out, (error / tolerance).max())
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("x_dtype,out_dtype", [("float32", None), ("bfloat16", None), ("bfloat16", "float32")])
+def test_matmul_t_many_equals_one_product_each(fmt, x_dtype, out_dtype):
+    """Several weights of one format against one x take one kernel call, whose ys equal those of one
+    call each bit for bit: at decode row counts (the dot form, x quantized once, work items cut
+    where a weight ends) and from 16 rows on (the panel form, weight by weight). Weights of mixed
+    formats, or not quantized, take one product each."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(8)
+    for rows, d_in, d_outs in [(1, 96, (40, 13, 13)), (3, 160, (129, 7)), (1, 576, (576, 192, 192)), (17, 64, (9, 33))]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
+        ws = [_random_quantized(rng, (d_out, d_in), fmt) for d_out in d_outs]
+        many = lambda x, ws: matmul_t_many(x, ws, out_dtype)  # noqa: E731
+        assert _ffi_targets(jax.make_jaxpr(many)(x, ws).eqns) == [MANY_TARGET]
+        for got, w in zip(jax.jit(many)(x, ws), ws, strict=True):
+            want = jax.jit(lambda x, w: matmul_t(x, w, out_dtype))(x, w)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    x = jnp.ones((1, 64), jnp.float32)
+    other = "int4" if fmt == "int8" else "int8"
+    mixed = [_random_quantized(rng, (8, 64), fmt), _random_quantized(rng, (8, 64), other), jnp.ones((8, 64))]
+    assert _ffi_targets(jax.make_jaxpr(matmul_t_many)(x, mixed).eqns) == [
+        QUANT_TARGETS[fmt], QUANT_TARGETS[other], TARGET]
+
+
 @pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])
 def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, monkeypatch, tmp_path):
     """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
@@ -289,3 +315,9 @@ def test_quantized_matmul_t_checks_its_operands():
         call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
     with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
         call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()
+    many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
+    with pytest.raises(Exception, match="each y needs its weight's data, scales and, int4, mins"):
+        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales))
+    with pytest.raises(Exception, match="scales and mins float16"):
+        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales,
+                                   w.mins.astype(jnp.float32)))

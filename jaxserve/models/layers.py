@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
-from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, paged_attention, write_kv
+from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
 from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 from kernels.paged_attention.reference import from_cache, to_cache
 
@@ -201,10 +201,20 @@ class Linear(Quantizable):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x, adapters: LoraRows | None = None):
-        y = matmul_t(x, self.matrix())
+        return self.finish(x, matmul_t(x, self.matrix()), adapters)
+
+    def finish(self, x, y, adapters: LoraRows | None = None):
+        """x W^T (y) -> the layer's output: the row's adapter's product and the bias added."""
         if adapters is not None and self.lora is not None:
             y = y + lora_delta(x, *self.lora, adapters)
         return y if self.bias is None else y + self.bias[...]
+
+
+def project(x, linears: list[Linear], adapters: LoraRows | None = None) -> list[jax.Array]:
+    """[linear(x, adapters) for linear in linears]: the layers of one input (q, k and v; gate and up),
+    their products in one call where the kernel takes them together (`kernels.matmul_t_many`)."""
+    ys = matmul_t_many(x, [linear.matrix() for linear in linears])
+    return [linear.finish(x, y, adapters) for linear, y in zip(linears, ys)]
 
 
 class Embedding(Quantizable):
@@ -237,7 +247,8 @@ class GatedMLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x, adapters: LoraRows | None = None):
-        return self.down_proj(gated(self.activation, self.gate_proj(x, adapters), self.up_proj(x, adapters)), adapters)
+        gate, up = project(x, [self.gate_proj, self.up_proj], adapters)
+        return self.down_proj(gated(self.activation, gate, up), adapters)
 
 
 def gated(activation, gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -280,9 +291,9 @@ class Attention(nnx.Module):
 
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         t = x.shape[0]
-        q = self.q_proj(x, inputs.lora).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, inputs.lora).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, inputs.lora).reshape(t, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], inputs.lora)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k, v = (y.reshape(t, self.num_kv_heads, self.head_dim) for y in (k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rope = inputs.rope[self.rope_index]

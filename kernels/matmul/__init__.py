@@ -46,11 +46,13 @@ STACK_TARGET = "jaxserve_stack_matmul_t"  # x times one matrix of a stack, read 
 SOURCE = Path(__file__).with_name("cpu.cc")
 QUANT_SOURCE = Path(__file__).with_name("quant.cc")
 QUANT_TARGETS = {"int8": "jaxserve_matmul_t_int8", "int4": "jaxserve_matmul_t_int4"}  # by QuantizedWeight.fmt
+MANY_TARGET = "jaxserve_matmul_t_many"  # several quantized weights of one format against one x (quant.cc)
 # Every custom call "cpu" may run: (source, handler symbol, target), all registered when it is chosen.
 CUSTOM_CALLS = ((SOURCE, "JaxserveMatmulT", TARGET), (SOURCE, "JaxserveWidenAfter", WIDEN_TARGET),
                 (SOURCE, "JaxserveStackMatmulT", STACK_TARGET),
                 (QUANT_SOURCE, "JaxserveInt8MatmulT", QUANT_TARGETS["int8"]),
-                (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]))
+                (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]),
+                (QUANT_SOURCE, "JaxserveManyMatmulT", MANY_TARGET))
 KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # Beyond this many rows of x, XLA's float32 dot is as fast or faster (bench/matmul_layout.py): it
 # comes close to this CPU's peak from about 64 rows on. XLA's bfloat16 products are no faster than
@@ -146,12 +148,37 @@ def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, imp
         raise ValueError(f"x's last dimension ({x.shape[-1]}) must be the weight's input dimension "
                          f"({weight.shape[1]}, of a weight of shape {weight.shape})")
     dtype = jnp.dtype(dtype or x.dtype)
-    mesh = jax.sharding.get_abstract_mesh()
-    if (implementation(impl) == "xla" or (not mesh.empty and mesh.size > 1)
-            or not {x.dtype, dtype} <= set(KERNEL_DTYPES)):
+    if not _quantized_kernel(x, dtype, impl):
         return matmul_t_reference(x, dequantize(weight, x.dtype), dtype)
     *lead, k = x.shape
     rows, n = math.prod(lead), weight.shape[0]
-    operands = (weight.data, weight.scales) + ((weight.mins,) if weight.fmt == "int4" else ())
     call = jax.ffi.ffi_call(QUANT_TARGETS[weight.fmt], jax.ShapeDtypeStruct((rows, n), dtype))
-    return call(x.reshape(rows, k), *operands).reshape(*lead, n)
+    return call(x.reshape(rows, k), *_operands(weight)).reshape(*lead, n)
+
+
+def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None) -> list[jax.Array]:
+    """[matmul_t(x, w) for w in weights], the same values: where they are all quantized in one
+    format and the C++ kernel runs, one call takes them all (`quant.cc`), so that a layer's products
+    of one input (q, k and v; gate and up) quantize x once and hand their work to the threads
+    together; otherwise one product each."""
+    dtype = jnp.dtype(dtype or x.dtype)
+    formats = {w.fmt if isinstance(w, QuantizedWeight) else None for w in weights}
+    if (len(weights) < 2 or len(formats) > 1 or None in formats or not _quantized_kernel(x, dtype, impl)
+            or any(x.shape[-1] != w.shape[1] for w in weights)):  # (a product alone says what does not fit)
+        return [matmul_t(x, w, dtype, impl=impl) for w in weights]
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    call = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights])
+    ys = call(x.reshape(rows, k), *(part for w in weights for part in _operands(w)))
+    return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, weights)]
+
+
+def _quantized_kernel(x: jax.Array, dtype, impl: str | None) -> bool:
+    """Whether the C++ kernel multiplies x by a quantized weight (else XLA's dot of the dequantized one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return (implementation(impl) != "xla" and (mesh.empty or mesh.size == 1)
+            and {x.dtype, jnp.dtype(dtype)} <= set(KERNEL_DTYPES))
+
+
+def _operands(weight: QuantizedWeight) -> tuple[jax.Array, ...]:
+    return (weight.data, weight.scales) + ((weight.mins,) if weight.fmt == "int4" else ())

@@ -2,10 +2,12 @@
 // (GGUF's Q4_1), both in blocks of 32 values of K with a float16 scale d (and, for int4, a float16
 // min m: w = d q + m). x [M, K] in float32 or bfloat16, accumulated in float32, y [M, N] in float32
 // or bfloat16. An XLA FFI custom call of the same family as cpu.cc (see matmul/__init__.py); its
-// measurements are in bench/RESULTS.md ("Quantized weights").
+// measurements are in bench/RESULTS.md ("Quantized weights"). A third handler takes several weights
+// of one format against the same x (a layer's q, k and v; gate and up), each with its own y: in the
+// dot form (decode) x is quantized once and the work of all of them is handed to the threads at once.
 //
 // The weight is read as stored, never widened in memory as a whole. One form per CPU and regime
-// (`Product`), each rounding x or w its own way before float32 sums:
+// (`Products`), each rounding x or w its own way before float32 sums:
 // - Integer forms (quant_vnni.h), on AVX512-VNNI: x quantized to int8 per block of 32, as llama.cpp
 //   does, and multiplied by w's bytes in integers. The dot form under 16 rows, bounded by reading w
 //   once; the panel form from 16 rows on, where the CPU has no tiles.
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -135,45 +138,46 @@ void FloatProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW
 constexpr int64_t kTileMinRows = 8;  // from this many rows of x on, the tile form where permitted
 #endif
 
+// y = x w^T for each target's weight (one format and one K), in the form this CPU and m_len take.
 template <Format F, typename X>
-void Product(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
+void Products(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
 #if defined(JAXSERVE_QUANT_TILES)
-  if (m_len >= kTileMinRows && TilesPermitted()) return TileProduct<F>(pool, x, m_len, w, n_len, y);
+  if (m_len >= kTileMinRows && TilesPermitted()) {
+    for (const Target& t : targets) TileProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
+    return;
+  }
 #endif
 #if defined(JAXSERVE_QUANT_INTEGER)
-  IntegerProduct<F>(pool, x, m_len, w, n_len, y);
+  IntegerProducts<F>(pool, x, m_len, targets);
 #else
-  FloatProduct<F>(pool, x, m_len, w, n_len, y);
+  for (const Target& t : targets) FloatProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
 #endif
 }
 
-template <Format F>  // Product on x as the handler receives it
-void ProductOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const QuantW& w, int64_t n_len, float* y) {
-  const int64_t m_len = x.dimensions()[0];
-  if (IsBf16(x.element_type())) {
-    Product<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_len, w, n_len, y);
-  } else {
-    Product<F>(pool, static_cast<const float*>(x.untyped_data()), m_len, w, n_len, y);
-  }
-}
+// One weight's operands as the handler receives them, and its y.
+struct Operands {
+  ffi::AnyBuffer data, scales;
+  std::optional<ffi::AnyBuffer> mins;  // int4 only
+  ffi::Result<ffi::AnyBuffer> y;
+};
 
 // Why the operands do not fit the format, or "".
-std::string CheckOperands(Format format, ffi::AnyBuffer& x, ffi::AnyBuffer& data, ffi::AnyBuffer& scales,
-                          ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer>& y) {
+std::string CheckOperands(Format format, ffi::AnyBuffer& x, Operands& o) {
   if ((x.element_type() != ffi::DataType::F32 && !IsBf16(x.element_type())) ||
-      (y->element_type() != ffi::DataType::F32 && !IsBf16(y->element_type()))) {
+      (o.y->element_type() != ffi::DataType::F32 && !IsBf16(o.y->element_type()))) {
     return "x and y must be float32 or bfloat16";
   }
   const bool int8 = format == Format::kInt8;
-  if (data.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::U8) ||
-      scales.element_type() != ffi::DataType::F16 || (mins && mins->element_type() != ffi::DataType::F16)) {
+  if (o.data.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::U8) ||
+      o.scales.element_type() != ffi::DataType::F16 || o.mins.has_value() == int8 ||
+      (o.mins && o.mins->element_type() != ffi::DataType::F16)) {
     return int8 ? "data must be int8 and scales float16" : "data must be uint8, scales and mins float16";
   }
-  auto xd = x.dimensions(), dd = data.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  auto xd = x.dimensions(), dd = o.data.dimensions(), sd = o.scales.dimensions(), yd = o.y->dimensions();
   if (xd.size() != 2 || dd.size() != 2 || sd.size() != 2 || yd.size() != 2) return "every operand must be 2-D";
   const int64_t k_len = xd[1], n_len = dd[0];
-  const bool mins_fit = !mins || (mins->dimensions().size() == 2 && mins->dimensions()[0] == sd[0] &&
-                                   mins->dimensions()[1] == sd[1]);
+  const bool mins_fit = !o.mins || (o.mins->dimensions().size() == 2 && o.mins->dimensions()[0] == sd[0] &&
+                                     o.mins->dimensions()[1] == sd[1]);
   if (k_len % kBlock || dd[1] != (int8 ? k_len : k_len / 2) || sd[0] != n_len || sd[1] != k_len / kBlock ||
       !mins_fit || yd[0] != xd[0] || yd[1] != n_len) {
     return "x must be [M, K] (K a multiple of 32), data [N, K] (int4: K / 2), scales and mins [N, K / 32], y [M, N]";
@@ -181,37 +185,74 @@ std::string CheckOperands(Format format, ffi::AnyBuffer& x, ffi::AnyBuffer& data
   return "";
 }
 
-ffi::Error QuantMatmulT(Format format, ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data,
-                        ffi::AnyBuffer scales, ffi::AnyBuffer* mins, ffi::Result<ffi::AnyBuffer> y) {
-  if (std::string why = CheckOperands(format, x, data, scales, mins, y); !why.empty()) {
-    return ffi::Error::InvalidArgument("quantized matmul (cpu): " + why);
+// y = x w^T for each weight (see the top), every weight of `format`; a bfloat16 y is computed in a
+// float32 buffer and rounded at the end (every form writes all of it).
+ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std::vector<Operands>& weights) {
+  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+  int64_t wide = 0;  // floats of the bfloat16 ys
+  for (Operands& o : weights) {
+    if (std::string why = CheckOperands(format, x, o); !why.empty()) {
+      return ffi::Error::InvalidArgument("quantized matmul (cpu): " + why);
+    }
+    wide += IsBf16(o.y->element_type()) ? m_len * o.data.dimensions()[0] : 0;
   }
-  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1], n_len = data.dimensions()[0];
-  const QuantW w{static_cast<const uint8_t*>(data.untyped_data()),
-                 static_cast<const uint16_t*>(scales.untyped_data()),
-                 mins ? static_cast<const uint16_t*>(mins->untyped_data()) : nullptr,
-                 k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
-  const bool y_bf16 = IsBf16(y->element_type());
-  // y in float32: the result itself, or a buffer rounded at the end (every form writes all of it)
-  std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
-  float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
-  if (format == Format::kInt8) {
-    ProductOf<Format::kInt8>(pool, x, w, n_len, ys);
+  std::unique_ptr<float[]> buffer(new float[wide]);
+  std::vector<Target> targets;
+  for (Operands& o : weights) {
+    const QuantW w{static_cast<const uint8_t*>(o.data.untyped_data()),
+                   static_cast<const uint16_t*>(o.scales.untyped_data()),
+                   o.mins ? static_cast<const uint16_t*>(o.mins->untyped_data()) : nullptr,
+                   k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
+    const int64_t n_len = o.data.dimensions()[0];
+    float* y = IsBf16(o.y->element_type()) ? buffer.get() + (wide -= m_len * n_len)
+                                           : static_cast<float*>(o.y->untyped_data());
+    targets.push_back({w, n_len, y});
+  }
+  const bool int8 = format == Format::kInt8;
+  if (IsBf16(x.element_type())) {
+    const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
+    int8 ? Products<Format::kInt8>(pool, xs, m_len, targets) : Products<Format::kInt4>(pool, xs, m_len, targets);
   } else {
-    ProductOf<Format::kInt4>(pool, x, w, n_len, ys);
+    const float* xs = static_cast<const float*>(x.untyped_data());
+    int8 ? Products<Format::kInt8>(pool, xs, m_len, targets) : Products<Format::kInt4>(pool, xs, m_len, targets);
   }
-  if (y_bf16) RoundToBf16(pool, ys, m_len * n_len, static_cast<uint16_t*>(y->untyped_data()));
+  for (size_t i = 0; i < weights.size(); ++i) {
+    ffi::Result<ffi::AnyBuffer>& y = weights[i].y;
+    if (IsBf16(y->element_type())) {
+      RoundToBf16(pool, targets[i].y, m_len * targets[i].n_len, static_cast<uint16_t*>(y->untyped_data()));
+    }
+  }
   return ffi::Error::Success();
 }
 
 ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
                        ffi::Result<ffi::AnyBuffer> y) {
-  return QuantMatmulT(Format::kInt8, pool, x, data, scales, nullptr, y);
+  std::vector<Operands> weights{{data, scales, std::nullopt, y}};
+  return Multiply(Format::kInt8, pool, x, weights);
 }
 
 ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
                        ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
-  return QuantMatmulT(Format::kInt4, pool, x, data, scales, &mins, y);
+  std::vector<Operands> weights{{data, scales, mins, y}};
+  return Multiply(Format::kInt4, pool, x, weights);
+}
+
+// Several weights of one format against the same x, each with its own y: the operands data, scales
+// (and mins, int4) of each weight in turn; the format follows from the first data's dtype.
+ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs parts, ffi::RemainingRets ys) {
+  const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
+  const size_t per_weight = int8 ? 2 : 3;
+  if (ys.size() == 0 || parts.size() != per_weight * ys.size()) {
+    return ffi::Error::InvalidArgument("quantized matmul (cpu): each y needs its weight's data, scales and, "
+                                       "int4, mins");
+  }
+  std::vector<Operands> weights;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    auto part = [&](size_t j) { return *parts.get<ffi::AnyBuffer>(per_weight * i + j); };
+    weights.push_back({part(0), part(1), int8 ? std::optional<ffi::AnyBuffer>() : part(2),
+                       *ys.get<ffi::AnyBuffer>(i)});
+  }
+  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, weights);
 }
 
 }  // namespace jaxserve::quant
@@ -232,6 +273,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
                                   .Arg<xla::ffi::AnyBuffer>()  // mins
                                   .Ret<xla::ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .RemainingArgs()             // each weight's data, scales (, mins)
+                                  .RemainingRets());           // each weight's y
 
 // The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top).
 extern "C" const char* JaxserveQuantMatmulForms() {

@@ -65,6 +65,13 @@ struct QuantW {
   int64_t row_bytes;
 };
 
+// One weight of a call and its y [M, n_len], in float32 (quant.cc: several weights may share x).
+struct Target {
+  QuantW w;
+  int64_t n_len;
+  float* y;
+};
+
 }  // namespace jaxserve::quant
 
 #endif  // JAXSERVE_KERNELS_MATMUL_QUANT_H_

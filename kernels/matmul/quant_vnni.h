@@ -368,17 +368,27 @@ void PanelBlock(const PanelBlockX* panels, const QuantW& w, float* y, int64_t n_
 }
 
 // y = x w^T in the dot form (under kPanelMinRows rows) or the panel form (see the top of the file).
+// The dot form of the targets' weights (one format, one K) against the same x: x quantized once, and
+// the rows of all the weights split into work items as one weight's would be, an item cut where a
+// weight ends (q, k and v, or gate and up, take one call and one handing of work to the threads).
 template <Format F, typename X>
-void IntegerProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
-  if (m_len < kPanelMinRows) {
-    DotX<F> xq;
-    QuantizeDotX<F>(x, m_len, w.k_len, xq);
-    ForEachBlock(pool, m_len, n_len, m_len, RowsOfW(w.row_bytes), kTileCols,
-                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-      DotBlock<F>(xq, w, y, n_len, m0, m1, n0, n1);
-    });
-    return;
-  }
+void DotProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
+  DotX<F> xq;
+  QuantizeDotX<F>(x, m_len, targets[0].w.k_len, xq);
+  std::vector<int64_t> starts{0};  // where each weight's rows start among all of them
+  for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
+  ForEachBlock(pool, m_len, starts.back(), m_len, RowsOfW(targets[0].w.row_bytes), kTileCols,
+               [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const int64_t lo = std::max(n0, starts[i]), hi = std::min(n1, starts[i + 1]);
+      const Target& t = targets[i];
+      if (lo < hi) DotBlock<F>(xq, t.w, t.y, t.n_len, m0, m1, lo - starts[i], hi - starts[i]);
+    }
+  });
+}
+
+template <Format F, typename X>
+void PanelProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW& w, int64_t n_len, float* y) {
   const int64_t panels = CeilDiv(m_len, kPanelRows);
   std::vector<PanelBlockX> xq(panels * w.blocks);
   ParallelFor(pool, panels, [&](int64_t p, std::vector<float>&) {
@@ -390,6 +400,14 @@ void IntegerProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const Quan
                [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>& scratch) {
     PanelBlock<F>(xq.data(), w, y, n_len, m0, m1, n0, n1, scratch);
   });
+}
+
+// The integer forms: the dot form under kPanelMinRows rows, else the panel form, weight by weight
+// (there the products, not the handing of work, set the time).
+template <Format F, typename X>
+void IntegerProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
+  if (m_len < kPanelMinRows) return DotProducts<F>(pool, x, m_len, targets);
+  for (const Target& t : targets) PanelProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
 }
 
 }  // namespace jaxserve::quant
