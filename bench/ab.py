@@ -1,10 +1,11 @@
 """jaxserve against an earlier revision of itself, in one run: did a change move the serving speed?
 
-    python bench/ab.py [--base REV] [--runs 3] [--dtype bfloat16]
+    python bench/ab.py [--base REV] [--runs 3] [--dtype bfloat16] [--model default]
 
 Checks REV (default: the commit before HEAD's branch point, `HEAD~1`) out into a temporary git
 worktree, then for each run starts the base server and the current one in turn (alternating, so a
-drift of the machine hits both) on bench-125m and sends each W1 and W2 (bench/loadgen.py). Prints
+drift of the machine hits both) on bench-125m (or, with `--model default`, the served default model:
+SmolLM2-135M-Instruct from its Q4_1 GGUF file) and sends each W1 and W2 (bench/loadgen.py). Prints
 each run's figures and the ratios current / base (> 1 is faster now). Both servers run the same
 command line (serving.py's, with `--warmup all`), from their own trees, on this tree's virtual
 environment.
@@ -20,7 +21,7 @@ from pathlib import Path
 from common import ROOT, free_port, machine_line, server
 from loadgen import run
 from make_model import make
-from serving import jaxserve_cmd
+from serving import DEFAULT_MODEL_NAME, jaxserve_cmd
 
 WORKLOADS = ["W1", "W2"]
 
@@ -35,11 +36,16 @@ def main() -> None:
     parser.add_argument("--base", default="HEAD~1", help="the revision to compare with")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default="bench-125m", choices=["bench-125m", "default"])
     args = parser.parse_args()
-    f32 = make()
-    model = f32 if args.dtype == "float32" else f32.with_name(f32.name + "-bf16")
+    if args.model == "default":
+        model = DEFAULT_MODEL_NAME
+    else:
+        f32 = make()
+        model = f32 if args.dtype == "float32" else f32.with_name(f32.name + "-bf16")
     base_rev = subprocess.check_output(["git", "rev-parse", "--short", args.base], cwd=ROOT, text=True).strip()
-    print(f"# {machine_line()}; base {base_rev}, current {ROOT.name} (working tree); {args.dtype}", flush=True)
+    print(f"# {machine_line()}; base {base_rev}, current {ROOT.name} (working tree); {args.model}, {args.dtype}",
+          flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = Path(tmp) / "base"
