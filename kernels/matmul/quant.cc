@@ -154,6 +154,16 @@ void Products(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vecto
 #endif
 }
 
+template <Format F>  // Products on x as the handler receives it
+void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const std::vector<Target>& targets) {
+  const int64_t m_len = x.dimensions()[0];
+  if (IsBf16(x.element_type())) {
+    Products<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_len, targets);
+  } else {
+    Products<F>(pool, static_cast<const float*>(x.untyped_data()), m_len, targets);
+  }
+}
+
 // One weight's operands as the handler receives them, and its y.
 struct Operands {
   ffi::AnyBuffer data, scales;
@@ -198,23 +208,24 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
   }
   std::unique_ptr<float[]> buffer(new float[wide]);
   std::vector<Target> targets;
+  int64_t used = 0;  // of the buffer
   for (Operands& o : weights) {
     const QuantW w{static_cast<const uint8_t*>(o.data.untyped_data()),
                    static_cast<const uint16_t*>(o.scales.untyped_data()),
                    o.mins ? static_cast<const uint16_t*>(o.mins->untyped_data()) : nullptr,
                    k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
     const int64_t n_len = o.data.dimensions()[0];
-    float* y = IsBf16(o.y->element_type()) ? buffer.get() + (wide -= m_len * n_len)
-                                           : static_cast<float*>(o.y->untyped_data());
+    float* y = static_cast<float*>(o.y->untyped_data());
+    if (IsBf16(o.y->element_type())) {
+      y = buffer.get() + used;
+      used += m_len * n_len;
+    }
     targets.push_back({w, n_len, y});
   }
-  const bool int8 = format == Format::kInt8;
-  if (IsBf16(x.element_type())) {
-    const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
-    int8 ? Products<Format::kInt8>(pool, xs, m_len, targets) : Products<Format::kInt4>(pool, xs, m_len, targets);
+  if (format == Format::kInt8) {
+    ProductsOf<Format::kInt8>(pool, x, targets);
   } else {
-    const float* xs = static_cast<const float*>(x.untyped_data());
-    int8 ? Products<Format::kInt8>(pool, xs, m_len, targets) : Products<Format::kInt4>(pool, xs, m_len, targets);
+    ProductsOf<Format::kInt4>(pool, x, targets);
   }
   for (size_t i = 0; i < weights.size(); ++i) {
     ffi::Result<ffi::AnyBuffer>& y = weights[i].y;
