@@ -367,7 +367,6 @@ void PanelBlock(const PanelBlockX* panels, const QuantW& w, float* y, int64_t n_
   }
 }
 
-// y = x w^T in the dot form (under kPanelMinRows rows) or the panel form (see the top of the file).
 // The dot form of the targets' weights (one format, one K) against the same x: x quantized once, and
 // the rows of all the weights split into work items as one weight's would be, an item cut where a
 // weight ends (q, k and v, or gate and up, take one call and one handing of work to the threads).
