@@ -1,6 +1,7 @@
 """Quantized weights against bfloat16 ones: y = x w^T through `kernels.matmul_t` on the CPU backend.
 
     python bench/quant_matmul.py [--runs 2] [--rows 1,4,32,512] [--dtype bfloat16] [--reference] [--resident 200]
+                                 [--grouped]
 
 For each [out, in] shape of a real model (SmolLM2-135M's MLP and LM head, a 125M model's MLP) and
 each row count M, the same product with the weight in bfloat16 (the CPU kernel `cpu.cc`, as the model
@@ -11,8 +12,10 @@ per product, GB/s of weight bytes read (data, scales and mins as stored), and th
 and int8 / bfloat16 time ratios. `--reference` adds XLA's dot of x and the weight dequantized to x's
 dtype (`impl="xla"`), the path off the CPU kernel. `--resident N` instead multiplies N rows of x
 (one per product, so that XLA cannot merge the products) by one weight per column, which stays in
-the caches: what the kernel's instructions cost without memory's. The weights are random bytes, not
-quantized floats: only the time is measured.
+the caches: what the kernel's instructions cost without memory's. `--grouped` adds the int8 and int4
+weights kept grouped (`quant.group_rows`, as a model on one CPU device keeps its linear layers), and
+their time over the same weight's in rows. The weights are random bytes, not quantized floats: only
+the time is measured.
 """
 
 from __future__ import annotations
@@ -83,33 +86,40 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time XLA's dot on the dequantized weight")
     parser.add_argument("--resident", type=int, default=0, metavar="N",
                         help="N products of one weight, which stays in the caches (default: weights streamed)")
+    parser.add_argument("--grouped", action="store_true",
+                        help="also time int8 and int4 weights kept grouped (`quant.group_rows`)")
     args = parser.parse_args()
     import jax
     import jax.numpy as jnp
 
     from common import machine_line
     from kernels.matmul import implementation, native_bf16, quantized_forms
-    from kernels.matmul.quant import nbytes
+    from kernels.matmul.quant import group_rows, nbytes
 
     assert implementation() == "cpu", "the CPU kernels could not be built"
     rng = np.random.default_rng(0)
     columns = [("bfloat16", None), ("int8", None), ("int4", None)]
     if args.reference:
         columns += [("int8", "xla"), ("int4", "xla")]
+    if args.grouped:
+        columns += [("int8 grouped", None), ("int4 grouped", None)]
     names = [fmt + (" (xla reference)" if impl else "") for fmt, impl in columns]
-    reference = (" --reference" if args.reference else "") + (f" --resident {args.resident}" if args.resident else "")
+    reference = ((" --reference" if args.reference else "") + (f" --resident {args.resident}" if args.resident else "")
+                 + (" --grouped" if args.grouped else ""))
     print(f"{machine_line()}, {jax.device_count()} CPU device, XLA's threads. Command: `python bench/quant_matmul.py "
           f"--runs {args.runs} --rows {args.rows} --dtype {args.dtype}{reference}`. bfloat16 products on the CPU's "
           f"bfloat16 instructions: {native_bf16()}; the quantized kernel's forms: {', '.join(quantized_forms())}.\n")
     print(f"Memory read bandwidth (XLA, a 1 GiB array summed, same run): {read_bandwidth() / 1e9:.1f} GB/s.\n")
     print("ms per product, and GB/s of weight bytes read:\n")
     print("| run | shape [out, in] | copies | M | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
-          + " | int8 / bf16 | int4 / bf16 |")
-    print("| --- | --- | --- | --- |" + " --- | --- |" * len(names) + " --- | --- |")
+          + " | int8 / bf16 | int4 / bf16 |" + (" int8 grouped / int8 | int4 grouped / int4 |" if args.grouped else ""))
+    print("| --- | --- | --- | --- |" + " --- | --- |" * len(names) + " --- | --- |" + " --- | --- |" * args.grouped)
     for title, shape in SHAPES.items():
         copies = args.resident or -(-STREAMED_BYTES // (2 * shape[0] * shape[1]))
         weights = {fmt: make_weights(rng, shape, fmt, 1) * copies if args.resident
                    else make_weights(rng, shape, fmt, copies) for fmt in ("bfloat16", "int8", "int4")}
+        if args.grouped:
+            weights.update({f"{fmt} grouped": [group_rows(w, jnp) for w in weights[fmt]] for fmt in ("int8", "int4")})
         calls = {impl: products(impl) for impl in (None, "xla")}
         for run in range(1, args.runs + 1):
             for m in map(int, args.rows.split(",")):
@@ -119,8 +129,9 @@ def main() -> None:
                          / copies for fmt, impl in columns]
                 rates = [nbytes(weights[fmt][0]) / t / 1e9 for (fmt, _), t in zip(columns, times)]
                 cells = [f"{1000 * t:.3f} | {r:.1f}" for t, r in zip(times, rates)]
+                grouped = f" {times[-2] / times[1]:.2f} | {times[-1] / times[2]:.2f} |" if args.grouped else ""
                 print(f"| {run} | {title} | {copies} | {m} | " + " | ".join(cells)
-                      + f" | {times[1] / times[0]:.2f} | {times[2] / times[0]:.2f} |", flush=True)
+                      + f" | {times[1] / times[0]:.2f} | {times[2] / times[0]:.2f} |" + grouped, flush=True)
         del weights
 
 

@@ -47,14 +47,14 @@ def resolve_model(model: str | None) -> Path:
 
 def load_params(model_dir: str | Path, target: ParamTarget, dtype: str) -> dict[str, jax.Array]:
     """The parameters of `target`, by path, from an Orbax directory made by `jaxserve.convert`,
-    a view of a GGUF file, or HF safetensors."""
+    a view of a GGUF file, or HF safetensors (the matrices `target.grouped` names grouped)."""
     from checkpoints.orbax_io import is_orbax_dir, restore
 
     if view_file(model_dir) is not None:
-        return load_gguf_params(model_dir, target, dtype)
+        return target.group(load_gguf_params(model_dir, target, dtype))
     if is_orbax_dir(model_dir):
-        return restore(model_dir, target, dtype)
-    return load_hf_params(model_dir, target, dtype)
+        return target.group(restore(model_dir, target, dtype))
+    return target.group(load_hf_params(model_dir, target, dtype))
 
 
 __all__ = ["DEFAULT_MODEL_NAME", "OFFLINE_MODEL_NAME", "ParamTarget", "default_model_dir", "load_hf_params", "load_params",

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from kernels.matmul.quant import QuantizedWeight, quantize
+from kernels.matmul.quant import QuantizedWeight, group_rows, quantize
 
 SLICE = re.compile(r"(.+)\[(\d+)\]")
 
@@ -61,6 +61,8 @@ class ParamTarget:
     formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # paths kept as their bfloat16 values' raw bits (uint16): see `kernels.matmul.grouped.kept_as_bits`
     as_bits: frozenset[str] = frozenset()
+    # quantized matrices (weight paths) kept grouped (`kernels.matmul.quant.group_rows`): grouped once loaded
+    grouped: frozenset[str] = frozenset()
 
     @functools.cached_property
     def _part_dtypes(self) -> dict[str, np.dtype]:
@@ -80,6 +82,15 @@ class ParamTarget:
         """`array` in the form the parameter at `path` is stored in."""
         array = np.ascontiguousarray(array).astype(self.dtype_of(path, dtype), copy=False)
         return array.view(np.uint16) if path in self.as_bits else array
+
+    def group(self, loaded: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """`loaded` (parameters by path, in rows) with the parts of each matrix of `grouped` grouped (a copy)."""
+        loaded = dict(loaded)
+        for path in self.grouped:
+            parts = quantized_paths(path)
+            weight = group_rows(QuantizedWeight(*(loaded.get(p) for p in parts)), jnp)
+            loaded.update((p, array) for p, array in zip(parts, weight) if array is not None)
+        return loaded
 
     def fits(self, target: str) -> bool:
         """Whether every parameter a name map's target names is one of the model's."""

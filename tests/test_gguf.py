@@ -448,17 +448,16 @@ def test_phi3_fused_blocks_split_as_they_lie(kind, hf_checkpoint, tmp_path):
 
     from jaxserve.models.config import ModelConfig
     from jaxserve.worker.weights import load_weights
-    from kernels.matmul.quant import QuantizedWeight, dequantize
+    from kernels.matmul.quant import dequantize
 
     model, _ = hf_checkpoint("phi3")
     view = write_gguf(model, "phi3", tmp_path / "m.gguf", kind)
-    _, state = load_weights(view, ModelConfig.from_hf(view), "float32")
-    layer = nnx.to_pure_dict(state)["layers"][0]
+    layer = nnx.merge(*load_weights(view, ModelConfig.from_hf(view), "float32")).layers[0]
     tensors = {t.name: t for t in GGUFReader(tmp_path / "m.gguf").tensors}
-    for name, modules in (("attn_qkv", [layer["self_attn"][f"{p}_proj"] for p in "qkv"]),
-                          ("ffn_up", [layer["mlp"]["gate_proj"], layer["mlp"]["up_proj"]])):
+    for name, modules in (("attn_qkv", [getattr(layer.self_attn, f"{p}_proj") for p in "qkv"]),
+                          ("ffn_up", [layer.mlp.gate_proj, layer.mlp.up_proj])):
         want = gguf_dequantize(tensors[f"blk.0.{name}.weight"].data, GGMLQuantizationType[kind])
-        got = np.concatenate([dequantize(QuantizedWeight(m["weight"], m["scales"], m.get("mins"))) for m in modules])
+        got = np.concatenate([dequantize(m.matrix()) for m in modules])  # (in rows, or grouped on one CPU device)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from conftest import needs_cpu_backend
 
-from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
+from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, _operands,
                             bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16, quantized_forms,
                             row_limit)
-from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize, quantize
+from kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows, quantize,
+                                  ungroup_rows)
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -247,6 +248,41 @@ def test_matmul_t_many_equals_one_product_each(fmt, x_dtype, out_dtype):
         QUANT_TARGETS[fmt], QUANT_TARGETS[other], TARGET]
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_grouped_rows_match_float64(fmt):
+    """A weight kept grouped (`group_rows`: each 16 rows' words interleaved) holds the same weight
+    (`ungroup_rows` and `dequantize` give it back exactly), and the kernel multiplies it within the
+    same bounds as in rows, at every row count (the grouped dot form: 1 row, a 4-row tile and its
+    remainders, 16 and more rows, several work items), alone and with others of one call (the same
+    values as one call each); XLA's path dequantizes it."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(9)
+    for rows, d_in, d_out in [(1, 64, 16), (3, 96, 48), (5, 576, 192), (16, 544, 32), (40, 160, 1536), (300, 64, 96)]:
+        w = _random_quantized(rng, (d_out, d_in), fmt)
+        grouped = group_rows(w)
+        assert isinstance(grouped, GroupedRows) and grouped.shape == w.shape
+        assert not np.array_equal(grouped.data, w.data)
+        assert all(np.array_equal(a, b) for a, b in zip(ungroup_rows(grouped), w) if a is not None)
+        assert np.array_equal(dequantize(grouped), dequantize(w))
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), jnp.bfloat16)
+        x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
+        for impl in ("cpu", "xla"):
+            got = jax.jit(lambda x, w: matmul_t(x, w, jnp.float32, impl=impl))(x, grouped)
+            roundings = _kernel_roundings(quantized_forms()) if impl == "cpu" else {"bfloat16"}
+            error = np.abs(np.asarray(got, np.float64) - x64 @ w64.T)
+            tolerance = _quantized_tolerance(x64, w64, jnp.float32, roundings)
+            assert (error <= tolerance).all(), (impl, rows, d_in, d_out, (error / tolerance).max())
+        ws = [grouped, group_rows(_random_quantized(rng, (16, d_in), fmt))]
+        many = lambda x, ws: matmul_t_many(x, ws)  # noqa: E731
+        assert _ffi_targets(jax.make_jaxpr(many)(x, ws).eqns) == [MANY_TARGET]
+        for got, one in zip(jax.jit(many)(x, ws), ws, strict=True):
+            assert np.array_equal(got, jax.jit(matmul_t)(x, one))
+        mixed = [grouped, w]  # (a grouped weight and one in rows: one call each)
+        assert _ffi_targets(jax.make_jaxpr(many)(x, mixed).eqns) == [QUANT_TARGETS[fmt]] * 2
+    with pytest.raises(ValueError, match="multiple of 16"):
+        group_rows(_random_quantized(rng, (8, 64), fmt))
+
+
 @pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])
 def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, monkeypatch, tmp_path):
     """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
@@ -281,8 +317,12 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
                 call = jax.ffi.ffi_call(targets[fmt], jax.ShapeDtypeStruct((rows, d_out), jnp.float32))
                 x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
                 tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms))
-                error = np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T)
+                error = np.abs(np.asarray(call(x, *operands, row_group=np.int64(0)), np.float64) - x64 @ w64.T)
                 assert (error <= tolerance).all(), (fmt, x_dtype, rows, (error / tolerance).max())
+                if "integer" in forms and d_out % GROUP_ROWS == 0:
+                    grouped = call(x, *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
+                    error = np.abs(np.asarray(grouped, np.float64) - x64 @ w64.T)
+                    assert (error <= tolerance).all(), (fmt, x_dtype, rows, "grouped", (error / tolerance).max())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -311,13 +351,19 @@ def test_quantized_matmul_t_checks_its_operands():
     needs_cpu_backend()
     assert implementation() == "cpu"
     call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    rows, grouped = np.int64(0), np.int64(GROUP_ROWS)  # the layouts (`row_group`)
+    with pytest.raises(Exception, match="row_group must be 0"):
+        call(jnp.ones((1, 64)), w.data, w.scales, w.mins, row_group=np.int64(4)).block_until_ready()
+    if "integer" in quantized_forms():  # (a grouped weight's rows come in whole groups)
+        with pytest.raises(Exception, match="a multiple of 16"):
+            call(jnp.ones((1, 64)), w.data, w.scales, w.mins, row_group=grouped).block_until_ready()
     with pytest.raises(Exception, match="scales and mins float16"):
-        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
+        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins, row_group=rows).block_until_ready()
     with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
-        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()
+        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins, row_group=rows).block_until_ready()
     many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
     with pytest.raises(Exception, match="each y needs its weight's data, scales and, int4, mins"):
-        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales))
+        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales, row_group=rows))
     with pytest.raises(Exception, match="scales and mins float16"):
         jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales,
-                                   w.mins.astype(jnp.float32)))
+                                   w.mins.astype(jnp.float32), row_group=rows))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flax import nnx
 from hf_models import ARCHITECTURES
 from safetensors.numpy import load_file, save_file
 from test_gguf import INT8_ACTIVATIONS, MAX_KL, MIN_TOP1, TIE, agreement
@@ -30,7 +31,7 @@ from checkpoints.target import param_paths
 from jaxserve.models import MODEL_REGISTRY
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.weights import weight_formats
-from kernels.matmul.quant import dequantize, quantize
+from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
 HERE = Path(__file__).resolve().parent
 
@@ -138,6 +139,38 @@ def test_weight_formats():
     assert "embed_tokens.embedding" not in formats and len(formats) == 7 * cfg.num_layers + 1
     with pytest.raises(ValueError, match="needs a GGUF file"):
         weight_formats(d, cfg, "gguf")
+
+
+def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
+    """On one CPU device where the kernel's integer forms run, every quantized linear layer whose
+    rows come in whole groups is kept grouped (the same weight: grouping the layout in rows gives
+    it), and its module hands the kernel a GroupedRows; a lookup table stays in rows."""
+    from checkpoints import default_model_dir, load_params
+    from jaxserve.models import quantizable_modules
+    from jaxserve.worker import weights
+    from kernels.matmul import keeps_grouped
+    from kernels.matmul.quant import GroupedRows, can_group, group_rows
+
+    d = default_model_dir()
+    cfg = ModelConfig.from_hf(d)
+    if not keeps_grouped(1):
+        pytest.skip("the kernel's integer forms do not run here")
+    assert not keeps_grouped(8)
+    target = weights.weight_target(d, cfg, "float32", quantization="int4")[2]
+    formats = weight_formats(d, cfg, "int4")
+    assert target.grouped == {p for p in formats if can_group(target.shapes[p]) and "embed" not in p}
+    assert "layers.0.mlp.up_proj.weight" in target.grouped
+    grouped = load_params(d, target, "float32")
+    model = nnx.merge(*weights.load_weights(d, cfg, "float32", quantization="int4"))
+    for path, module in quantizable_modules(model).items():
+        assert isinstance(module.matrix(), GroupedRows) == (f"{path}.{module.WEIGHT}" in target.grouped)
+    monkeypatch.setattr(weights, "keeps_grouped", lambda devices: False)
+    rows = load_params(d, weights.weight_target(d, cfg, "float32", quantization="int4")[2], "float32")
+    for path in target.grouped:
+        parts = [path, path.replace(".weight", ".scales"), path.replace(".weight", ".mins")]
+        want = group_rows(QuantizedWeight(*(np.asarray(rows[p]) for p in parts)))
+        for p, part in zip(parts, want):
+            np.testing.assert_array_equal(np.asarray(grouped[p]), part)
 
 
 def test_an_orbax_copy_keeps_the_matrices_quantized(tmp_path):

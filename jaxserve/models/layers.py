@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
 from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
-from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
+from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize
 from kernels.paged_attention.reference import from_cache, to_cache
 
 if TYPE_CHECKING:
@@ -132,13 +132,17 @@ class RMSNorm(nnx.Module):
 class Quantizable(nnx.Module):
     """A module with one matrix [out, in] (its parameter WEIGHT; [experts, out, in] for stacked
     experts) that may be kept quantized: then the parameter holds the quantized data, beside
-    `scales` (and `mins`, int4), with the same leading dimensions."""
+    `scales` (and `mins`, int4), with the same leading dimensions; kept grouped (`GroupedRows`) where
+    `grouped`."""
 
     WEIGHT = "weight"
     scales = mins = None  # set by `quantize`
+    grouped = False
 
-    def quantize(self, fmt: str) -> None:
-        """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded)."""
+    def quantize(self, fmt: str, grouped: bool = False) -> None:
+        """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded), kept grouped
+        where `grouped`."""
+        self.grouped = grouped
         *lead, width = getattr(self, self.WEIGHT)[...].shape
         packed = width if fmt == "int8" else width // 2
         setattr(self, self.WEIGHT, nnx.Param(jnp.zeros((*lead, packed), jnp.int8 if fmt == "int8" else jnp.uint8)))
@@ -150,7 +154,8 @@ class Quantizable(nnx.Module):
         weight = getattr(self, self.WEIGHT)[...]
         if self.scales is None:
             return weight
-        return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
+        kind = GroupedRows if self.grouped else QuantizedWeight
+        return kind(weight, self.scales[...], None if self.mins is None else self.mins[...])
 
 
 MASKED_MIN_ROWS = 4  # on CPU, LoRA products of steps of this many rows or more are "masked" (`lora_delta`)

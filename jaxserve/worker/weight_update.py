@@ -31,7 +31,7 @@ from checkpoints.hf import state_path_of
 from checkpoints.target import SLICE
 from jaxserve.worker.weights import flatten
 from kernels.matmul.grouped import BITS
-from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
+from kernels.matmul.quant import GroupedRows, QuantizedWeight, dequantize, group_rows, quantize
 
 
 def leaf_paths(state: nnx.State) -> list[str]:
@@ -78,7 +78,7 @@ class WeightLayout:
                 out[path] = x  # (already the engine's: taken as it is)
                 continue
             x = jax.device_put(x, specs[0].sharding)  # (device to device, or host to device for numpy)
-            converted = self._converter(fmt, path in self.target.as_bits, tuple(specs))(x)
+            converted = self._converter(fmt, path in self.target.as_bits, path in self.target.grouped, tuple(specs))(x)
             out.update(zip(parts, converted))
         return out
 
@@ -89,14 +89,15 @@ class WeightLayout:
             raise ValueError(f"update_weights takes every parameter of the model by path (`param_shapes`; "
                              f"params_from_hf maps Hugging Face names): unknown {unknown[:3]}, missing {missing[:3]}")
 
-    def _converter(self, fmt: str | None, as_bits: bool, specs: tuple[jax.ShapeDtypeStruct, ...]):
-        """The jitted cast (or quantization) of a float weight into its parts' `specs`: compiled once
-        per kind of weight, then reused by every update."""
-        key = (fmt, as_bits, specs)
+    def _converter(self, fmt: str | None, as_bits: bool, grouped: bool, specs: tuple[jax.ShapeDtypeStruct, ...]):
+        """The jitted cast (or quantization, and grouping) of a float weight into its parts' `specs`:
+        compiled once per kind of weight, then reused by every update."""
+        key = (fmt, as_bits, grouped, specs)
         if key not in self._converters:
             def convert(x):
                 if fmt is not None:
-                    return [part for part in quantize(x, fmt, jnp) if part is not None]
+                    weight = quantize(x, fmt, jnp)
+                    return [part for part in (group_rows(weight, jnp) if grouped else weight) if part is not None]
                 if as_bits:
                     return [jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BITS)]
                 return [x.astype(specs[0].dtype)]
@@ -136,7 +137,8 @@ class WeightLayout:
         out = {}
         for path in self.param_shapes:
             if path in self.target.formats:
-                out[path] = dequantize(QuantizedWeight(*(stored.get(p) for p in quantized_paths(path))))
+                kind = GroupedRows if path in self.target.grouped else QuantizedWeight
+                out[path] = dequantize(kind(*(stored.get(p) for p in quantized_paths(path))))
             elif path in self.target.as_bits:
                 out[path] = jax.lax.bitcast_convert_type(stored[path], jnp.bfloat16)
             else:
@@ -188,4 +190,4 @@ class StagedWeights:
 
     def leaves(self) -> list[jax.Array]:
         self.layout.target.check_complete(self.loaded, "the weights sent")
-        return self.layout.leaves(self.loaded)
+        return self.layout.leaves(self.layout.target.group(self.loaded))

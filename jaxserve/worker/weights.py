@@ -20,7 +20,8 @@ from jaxserve.models import MODEL_REGISTRY, abstract_model, quantizable_modules
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.sharding import place, weight_sharding
 from kernels.matmul.grouped import kept_as_bits
-from kernels.matmul.quant import check_quantizable
+from kernels.matmul import keeps_grouped
+from kernels.matmul.quant import can_group, check_quantizable
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,18 @@ def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mes
     """The model's graphdef, its abstract state, and what its weights load into (`param_target`:
     matrices kept as `weight_formats` says, each weight into its sharding on `mesh`)."""
     formats = weight_formats(model_dir, cfg, quantization)
-    graphdef, state = nnx.split(abstract_model(cfg, jnp.dtype(dtype), formats))
+    model = abstract_model(cfg, jnp.dtype(dtype), formats)
+    grouped = frozenset()
+    if keeps_grouped(1 if mesh is None else mesh.size):  # (a lookup table's rows stay in rows)
+        grouped = frozenset(path for module_path, module in quantizable_modules(model).items()
+                            if (path := f"{module_path}.{module.WEIGHT}") in formats and module.WEIGHT != "embedding"
+                            and can_group(getattr(module, module.WEIGHT).shape))
+        model = abstract_model(cfg, jnp.dtype(dtype), formats, grouped)
+    graphdef, state = nnx.split(model)
     stacks = {path for path, leaf in flatten(nnx.to_pure_dict(state)).items()
               if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
-    return graphdef, state, dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
+    return graphdef, state, dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks),
+                                                grouped=grouped)
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None,

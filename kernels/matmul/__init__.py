@@ -34,9 +34,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kernels.cpu import build
-from kernels.matmul.quant import QuantizedWeight, dequantize
+from kernels.matmul.quant import GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize
 
 ENV = "JAXSERVE_MATMUL"
 IMPLEMENTATIONS = ("xla", "cpu")
@@ -105,6 +106,14 @@ def quantized_forms() -> tuple[str, ...]:
     return tuple(lib.JaxserveQuantMatmulForms().decode().split(","))
 
 
+def keeps_grouped(devices: int) -> bool:
+    """Whether a model on `devices` devices keeps its quantized matrices grouped (`quant.group_rows`):
+    where the kernel's integer forms multiply them, on one CPU device (its grouped dot form: faster
+    than the row forms from 2 rows of x on; bench/RESULTS.md, "Grouped rows")."""
+    return (devices == 1 and jax.default_backend() == "cpu" and implementation() == "cpu"
+            and "integer" in quantized_forms())
+
+
 def row_limit(x_dtype, w_dtype) -> float:
     """The most rows of x the kernel takes by default (see the top of the module)."""
     both_bf16 = jnp.dtype(x_dtype) == jnp.dtype(w_dtype) == jnp.dtype(jnp.bfloat16)
@@ -153,7 +162,7 @@ def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, imp
     *lead, k = x.shape
     rows, n = math.prod(lead), weight.shape[0]
     call = jax.ffi.ffi_call(QUANT_TARGETS[weight.fmt], jax.ShapeDtypeStruct((rows, n), dtype))
-    return call(x.reshape(rows, k), *_operands(weight)).reshape(*lead, n)
+    return call(x.reshape(rows, k), *_operands(weight), row_group=_row_group(weight)).reshape(*lead, n)
 
 
 def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None) -> list[jax.Array]:
@@ -162,14 +171,14 @@ def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None =
     of one input (q, k and v; gate and up) quantize x once and hand their work to the threads
     together; otherwise one product each."""
     dtype = jnp.dtype(dtype or x.dtype)
-    formats = {w.fmt if isinstance(w, QuantizedWeight) else None for w in weights}
+    formats = {(w.fmt, _row_group(w)) if isinstance(w, QuantizedWeight) else None for w in weights}
     if (len(weights) < 2 or len(formats) > 1 or None in formats or not _quantized_kernel(x, dtype, impl)
             or any(x.shape[-1] != w.shape[1] for w in weights)):  # (a product alone says what does not fit)
         return [matmul_t(x, w, dtype, impl=impl) for w in weights]
     *lead, k = x.shape
     rows = math.prod(lead)
     call = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights])
-    ys = call(x.reshape(rows, k), *(part for w in weights for part in _operands(w)))
+    ys = call(x.reshape(rows, k), *(part for w in weights for part in _operands(w)), row_group=_row_group(weights[0]))
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, weights)]
 
 
@@ -178,6 +187,11 @@ def _quantized_kernel(x: jax.Array, dtype, impl: str | None) -> bool:
     mesh = jax.sharding.get_abstract_mesh()
     return (implementation(impl) != "xla" and (mesh.empty or mesh.size == 1)
             and {x.dtype, jnp.dtype(dtype)} <= set(KERNEL_DTYPES))
+
+
+def _row_group(weight: QuantizedWeight) -> np.int64:
+    """The kernel's attribute for the weight's layout: GROUP_ROWS grouped (`quant.GroupedRows`), 0 in rows."""
+    return np.int64(GROUP_ROWS if isinstance(weight, GroupedRows) else 0)
 
 
 def _operands(weight: QuantizedWeight) -> tuple[jax.Array, ...]:

@@ -15,6 +15,9 @@
 //   x rounded to bfloat16, multiplied by the tile unit.
 // - Float form (FloatTile, below), on CPUs without AVX512-VNNI: each block of w dequantized in
 //   registers and multiplied by x in float32; nothing rounded.
+// A weight may come grouped (quant.h; the attribute `row_group` 16, else 0 for rows), where the
+// integer forms run: they then take the grouped dot form at every row count, and the tile form
+// decodes each row copied out of its group.
 
 #include <algorithm>
 #include <cstdint>
@@ -195,14 +198,29 @@ std::string CheckOperands(Format format, ffi::AnyBuffer& x, Operands& o) {
   return "";
 }
 
-// y = x w^T for each weight (see the top), every weight of `format`; a bfloat16 y is computed in a
-// float32 buffer and rounded at the end (every form writes all of it).
-ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std::vector<Operands>& weights) {
+// y = x w^T for each weight (see the top), every weight of `format`, in rows (`row_group` 0) or
+// grouped (kGroupRows: quant.h); a bfloat16 y is computed in a float32 buffer and rounded at the
+// end (every form writes all of it).
+ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std::vector<Operands>& weights,
+                    int64_t row_group) {
   const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+  const bool grouped = row_group == kGroupRows;
+#if defined(JAXSERVE_QUANT_INTEGER)
+  const bool layouts_ok = row_group == 0 || grouped;
+#else
+  const bool layouts_ok = row_group == 0;  // (the float form reads rows only)
+#endif
+  if (!layouts_ok) {
+    return ffi::Error::InvalidArgument("quantized matmul (cpu): row_group must be 0 (rows) or 16 (grouped, where "
+                                       "the integer forms run)");
+  }
   int64_t wide = 0;  // floats of the bfloat16 ys
   for (Operands& o : weights) {
     if (std::string why = CheckOperands(format, x, o); !why.empty()) {
       return ffi::Error::InvalidArgument("quantized matmul (cpu): " + why);
+    }
+    if (grouped && o.data.dimensions()[0] % kGroupRows) {
+      return ffi::Error::InvalidArgument("quantized matmul (cpu): a grouped weight's rows must be a multiple of 16");
     }
     wide += IsBf16(o.y->element_type()) ? m_len * o.data.dimensions()[0] : 0;
   }
@@ -213,7 +231,7 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
     const QuantW w{static_cast<const uint8_t*>(o.data.untyped_data()),
                    static_cast<const uint16_t*>(o.scales.untyped_data()),
                    o.mins ? static_cast<const uint16_t*>(o.mins->untyped_data()) : nullptr,
-                   k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2};
+                   k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2, grouped};
     const int64_t n_len = o.data.dimensions()[0];
     float* y = static_cast<float*>(o.y->untyped_data());
     if (IsBf16(o.y->element_type())) {
@@ -237,20 +255,21 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
 }
 
 ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::Result<ffi::AnyBuffer> y) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t row_group) {
   std::vector<Operands> weights{{data, scales, std::nullopt, y}};
-  return Multiply(Format::kInt8, pool, x, weights);
+  return Multiply(Format::kInt8, pool, x, weights, row_group);
 }
 
 ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int64_t row_group) {
   std::vector<Operands> weights{{data, scales, mins, y}};
-  return Multiply(Format::kInt4, pool, x, weights);
+  return Multiply(Format::kInt4, pool, x, weights, row_group);
 }
 
 // Several weights of one format against the same x, each with its own y: the operands data, scales
 // (and mins, int4) of each weight in turn; the format follows from the first data's dtype.
-ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs parts, ffi::RemainingRets ys) {
+ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs parts, ffi::RemainingRets ys,
+                       int64_t row_group) {
   const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
   const size_t per_weight = int8 ? 2 : 3;
   if (ys.size() == 0 || parts.size() != per_weight * ys.size()) {
@@ -263,7 +282,7 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
     weights.push_back({part(0), part(1), int8 ? std::optional<ffi::AnyBuffer>() : part(2),
                        *ys.get<ffi::AnyBuffer>(i)});
   }
-  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, weights);
+  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, weights, row_group);
 }
 
 }  // namespace jaxserve::quant
@@ -274,7 +293,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8MatmulT, jaxserve::quant::Int8MatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("row_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                               xla::ffi::Ffi::Bind()
@@ -283,14 +303,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
                                   .Arg<xla::ffi::AnyBuffer>()  // mins
-                                  .Ret<xla::ffi::AnyBuffer>());
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Attr<int64_t>("row_group"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .RemainingArgs()             // each weight's data, scales (, mins)
-                                  .RemainingRets());           // each weight's y
+                                  .RemainingRets()             // each weight's y
+                                  .Attr<int64_t>("row_group"));
 
 // The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top).
 extern "C" const char* JaxserveQuantMatmulForms() {

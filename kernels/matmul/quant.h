@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -55,15 +56,48 @@ inline float HalfToFloat(uint16_t h) {  // IEEE float16 to float32, exactly
 #endif
 }
 
+// The grouped layout (quant.py's `group_rows`): in each group of kGroupRows rows, the rows' 4-byte
+// words of data are interleaved (word j of the group's row r at 4 (kGroupRows j + r)), and so are
+// their scales and mins (block b of row r at kGroupRows b + r), so that one 64-byte load holds 4
+// bytes of every row of the group: the dot form's lanes are the group's rows.
+constexpr int64_t kGroupRows = 16;
+
 // The weight's operands (quant.py): `data` int8 [N, K] or uint8 [N, K / 2]; `scales` and `mins`
-// (int4 only) float16 [N, K / 32] as raw 16-bit words.
+// (int4 only) float16 [N, K / 32] as raw 16-bit words; in rows, or grouped.
 struct QuantW {
   const uint8_t* data;
   const uint16_t* scales;
   const uint16_t* mins;
   int64_t k_len, blocks;  // blocks = k_len / kBlock
   int64_t row_bytes;
+  bool grouped = false;
 };
+
+// A row of a grouped weight copied out in rows (the forms that decode w row by row read it so).
+struct RowCopy {
+  std::vector<uint8_t> data;
+  std::vector<uint16_t> scales, mins;
+};
+
+// Row `row` of w as row 0 of a weight in rows: in place, or (grouped) copied into `copy`.
+inline QuantW RowOf(const QuantW& w, int64_t row, RowCopy& copy) {
+  if (!w.grouped) {
+    return {w.data + row * w.row_bytes, w.scales + row * w.blocks, w.mins ? w.mins + row * w.blocks : nullptr,
+            w.k_len, w.blocks, w.row_bytes};
+  }
+  const int64_t first = row - row % kGroupRows, lane = row % kGroupRows;
+  copy.data.resize(w.row_bytes);
+  for (int64_t j = 0; j < w.row_bytes / 4; ++j) {
+    std::memcpy(copy.data.data() + 4 * j, w.data + first * w.row_bytes + 4 * (kGroupRows * j + lane), 4);
+  }
+  copy.scales.resize(w.blocks);
+  copy.mins.resize(w.blocks);
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    copy.scales[b] = w.scales[first * w.blocks + kGroupRows * b + lane];
+    if (w.mins) copy.mins[b] = w.mins[first * w.blocks + kGroupRows * b + lane];
+  }
+  return {copy.data.data(), copy.scales.data(), w.mins ? copy.mins.data() : nullptr, w.k_len, w.blocks, w.row_bytes};
+}
 
 // One weight of a call and its y [M, n_len], in float32 (quant.cc: several weights may share x).
 struct Target {

@@ -12,6 +12,12 @@ GGUF's Q8_0, Q4_0 and Q4_1 do, so those blocks load as they are (`checkpoints.gg
 
 A weight may have leading dimensions ([experts, out, in]: a Mixture-of-Experts layer's stacked
 matrices); its parts then have them too. A weight's format follows from its data's dtype (`fmt`).
+
+A matrix may also be kept grouped (`GroupedRows`, made by `group_rows`): the same parts and shapes,
+but in each group of GROUP_ROWS rows the rows' 4-byte words of data are interleaved (word j of the
+group's row r at word GROUP_ROWS j + r of the group), and so are their scales and mins (block b of
+row r at GROUP_ROWS b + r). The CPU kernel's decode products then read one row per lane of each
+vector, with no sums across lanes (`quant.cc`; bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -43,6 +49,43 @@ class QuantizedWeight(NamedTuple):
         return *lead, width if self.fmt == "int8" else 2 * width
 
 
+class GroupedRows(QuantizedWeight):
+    """A QuantizedWeight [out, in] kept grouped (see the top; `group_rows`), out a multiple of GROUP_ROWS."""
+
+    __slots__ = ()
+
+
+GROUP_ROWS = 16
+
+
+def _regroup(part, xp, unit: int, inverse: bool):
+    """`part` [out, width] with each group of GROUP_ROWS rows transposed as [rows, units] -> [units,
+    rows] (or back: `inverse`), a unit being `unit` consecutive elements."""
+    out, width = part.shape
+    groups, units = out // GROUP_ROWS, width // unit
+    shape = (groups, units, GROUP_ROWS, unit) if inverse else (groups, GROUP_ROWS, units, unit)
+    return xp.transpose(part.reshape(shape), (0, 2, 1, 3)).reshape(out, width)
+
+
+def can_group(shape: tuple[int, ...]) -> bool:
+    """Whether a quantized weight of `shape` (its data's) may be kept grouped: a matrix of whole groups."""
+    return len(shape) == 2 and shape[0] % GROUP_ROWS == 0
+
+
+def group_rows(w: QuantizedWeight, xp=np) -> GroupedRows:
+    """A quantized matrix in the grouped layout (see the top); `xp` numpy or jax.numpy."""
+    if not can_group(w.data.shape):
+        raise ValueError(f"only a matrix whose rows are a multiple of {GROUP_ROWS} is kept grouped, not {w.shape}")
+    return GroupedRows(_regroup(w.data, xp, 4, False),
+                       *(None if part is None else _regroup(part, xp, 1, False) for part in (w.scales, w.mins)))
+
+
+def ungroup_rows(w: GroupedRows, xp=np) -> QuantizedWeight:
+    """The inverse of `group_rows`: the matrix in rows."""
+    return QuantizedWeight(_regroup(w.data, xp, 4, True),
+                           *(None if part is None else _regroup(part, xp, 1, True) for part in (w.scales, w.mins)))
+
+
 def _nibbles(data):
     """uint8 [..., n / 2] in GGUF's order -> the values 0..15 as uint8 [..., n]."""
     *lead, width = data.shape
@@ -53,6 +96,8 @@ def _nibbles(data):
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The weight as floats [..., in] in `dtype` (computed in float32). Leading dimensions may be
     any (a gather of an embedding's rows keeps them)."""
+    if isinstance(w, GroupedRows):
+        w = ungroup_rows(w, jnp)
     q = (w.data if w.fmt == "int8" else _nibbles(w.data)).astype(jnp.float32)
     *lead, width = q.shape
     q = q.reshape(*lead, width // BLOCK, BLOCK)

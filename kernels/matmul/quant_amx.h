@@ -52,9 +52,10 @@ void TileProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW&
   const int64_t k_len = w.k_len;
   amx::TileProduct(pool, x, m_len, k_len, n_len, y, RowsOfW(w.row_bytes),
                    [&](int64_t n, int64_t count, uint16_t* scratch) -> const uint16_t* {
+    thread_local RowCopy copy;
     for (int64_t j = 0; j < amx::kRowsAtOnce; ++j) {
       if (j < count) {
-        DecodeRow<F>(w, n + j, scratch + j * k_len);
+        DecodeRow<F>(RowOf(w, n + j, copy), 0, scratch + j * k_len);
       } else {
         std::memset(scratch + j * k_len, 0, k_len * sizeof(uint16_t));
       }
