@@ -248,8 +248,8 @@ void DotBlock(const DotX<F>& x, const QuantW& w, float* y, int64_t n_len, int64_
   }
 }
 
-// Grouped dot form (w grouped: quant.h), under kPanelMinRows rows: a tile of up to 4 rows of x and
-// one group of w's rows, each row of the group a lane. Per block, 4 (int4) or 8 (int8) 64-byte loads
+// Grouped dot form (w grouped: quant.h), at every row count: a tile of up to 4 rows of x and one
+// group of w's rows, each row of the group a lane. Per block, 4 (int4) or 8 (int8) 64-byte loads
 // of w, each holding 4 bytes of every row (int4: decoded into its low nibbles and its high ones),
 // each multiplied by one 4-byte word of x's block broadcast: no sums across lanes, and one stretch of
 // memory per group. x is in its blocks as they are (GroupX).
