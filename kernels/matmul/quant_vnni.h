@@ -289,23 +289,30 @@ void GroupTile(const GroupX& x, int64_t m, const QuantW& w, int64_t n, float* y,
     const uint8_t* p = data + b * kLoads * 64;
     __m512i low[MR], high[MR];  // two sums per row, so that half as many integer products wait on each other
     for (int i = 0; i < MR; ++i) low[i] = high[i] = _mm512_setzero_si512();
-    for (int l = 0; l < kLoads; ++l) {
+    // per step, two vectors of unsigned bytes (int4: one load's low and high nibbles; int8: two loads
+    // shifted by 128) and the two 4-byte words of x's block (offsets `first` and `second`) they take
+    for (int l = 0; l < kLoads; l += 2 / kStepParts<F>) {
       _mm_prefetch(reinterpret_cast<const char*>(p + kGroupPrefetch + 64 * l), _MM_HINT_T0);
-      const __m512i bytes = _mm512_loadu_si512(p + 64 * l);
+      __m512i ws[2];
+      int64_t first = 4 * l, second = 4 * l + 4;
+      if constexpr (F == Format::kInt4) {
+        const __m512i bytes = _mm512_loadu_si512(p + 64 * l), nibbles = _mm512_set1_epi8(0x0F);
+        ws[0] = _mm512_and_si512(bytes, nibbles);
+        ws[1] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibbles);
+        second = 16 + 4 * l;
+      } else {
+        _mm_prefetch(reinterpret_cast<const char*>(p + kGroupPrefetch + 64 * l + 64), _MM_HINT_T0);
+        const __m512i shift = _mm512_set1_epi8(static_cast<char>(0x80));
+        ws[0] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * l), shift);
+        ws[1] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * l + 64), shift);
+      }
       for (int i = 0; i < MR; ++i) {
-        int32_t words[2];  // the 4 values of x's block that the load's bytes (int4: low, high nibbles) take
-        std::memcpy(words, x.q.data() + (m + i) * w.k_len + b * kBlock + 4 * l, 4);
-        if constexpr (F == Format::kInt4) {
-          std::memcpy(words + 1, x.q.data() + (m + i) * w.k_len + b * kBlock + 16 + 4 * l, 4);
-          const __m512i nibbles = _mm512_set1_epi8(0x0F);
-          low[i] = _mm512_dpbusd_epi32(low[i], _mm512_and_si512(bytes, nibbles), _mm512_set1_epi32(words[0]));
-          high[i] = _mm512_dpbusd_epi32(high[i], _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibbles),
-                                        _mm512_set1_epi32(words[1]));
-        } else {
-          __m512i& sum = l % 2 ? high[i] : low[i];
-          sum = _mm512_dpbusd_epi32(sum, _mm512_xor_si512(bytes, _mm512_set1_epi8(static_cast<char>(0x80))),
-                                    _mm512_set1_epi32(words[0]));
-        }
+        const int8_t* xb = x.q.data() + (m + i) * w.k_len + b * kBlock;
+        int32_t words[2];
+        std::memcpy(words, xb + first, 4);
+        std::memcpy(words + 1, xb + second, 4);
+        low[i] = _mm512_dpbusd_epi32(low[i], ws[0], _mm512_set1_epi32(words[0]));
+        high[i] = _mm512_dpbusd_epi32(high[i], ws[1], _mm512_set1_epi32(words[1]));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + b * kGroupRows)));
@@ -321,15 +328,17 @@ void GroupTile(const GroupX& x, int64_t m, const QuantW& w, int64_t n, float* y,
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
 }
 
-// y[m0:m1, n0:n1] of y [M, N] in the grouped dot form (n0 and n1 multiples of kGroupRows).
+// y[m0:m1, n0:n1] of y [M, N] in the grouped dot form (n0 and n1 multiples of kGroupRows): group by
+// group, every tile of x's rows while the group is in the L1 cache.
 template <Format F>
 void GroupBlock(const GroupX& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
                 int64_t n1) {
   static_assert(kDotTileRows == 4, "one tile per row count");
   static constexpr std::array kTiles{&GroupTile<F, 1>, &GroupTile<F, 2>, &GroupTile<F, 3>, &GroupTile<F, 4>};
-  for (int64_t m = m0; m < m1; m += kDotTileRows) {
-    const int64_t rows = std::min<int64_t>(kDotTileRows, m1 - m);
-    for (int64_t n = n0; n < n1; n += kGroupRows) kTiles[rows - 1](x, m, w, n, y + m * n_len + n, n_len);
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    for (int64_t m = m0; m < m1; m += kDotTileRows) {
+      kTiles[std::min<int64_t>(kDotTileRows, m1 - m) - 1](x, m, w, n, y + m * n_len + n, n_len);
+    }
   }
 }
 
