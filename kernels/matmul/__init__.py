@@ -108,8 +108,9 @@ def quantized_forms() -> tuple[str, ...]:
 
 def keeps_grouped(devices: int) -> bool:
     """Whether a model on `devices` devices keeps its quantized matrices grouped (`quant.group_rows`):
-    where the kernel's integer forms multiply them, on one CPU device (its grouped dot form: faster
-    than the row forms from 2 rows of x on; bench/RESULTS.md, "Grouped rows")."""
+    where the kernel's integer forms multiply them, on one CPU device (its grouped dot form measured
+    faster than the row forms up to 32 rows of x and about even at 512; bench/RESULTS.md,
+    "Quantized matrices kept grouped")."""
     return (devices == 1 and jax.default_backend() == "cpu" and implementation() == "cpu"
             and "integer" in quantized_forms())
 
