@@ -3,6 +3,7 @@
     python bench/kernels.py                 # on a TPU or GPU VM: realistic shapes, the backend's kernel
     python bench/kernels.py --dtype float32 # on CPU: bench-125m's shapes, the C++ kernel
     python bench/kernels.py --interpret     # anywhere (CPU): small shapes, kernels in Pallas' interpreter
+    python bench/kernels.py --cold          # on CPU: K and V out of the caches before each call, as in a step
 
 For each shape (a batch of sequences each adding `new` query tokens to a context of `context`
 tokens) it times every implementation and reports the bandwidth reached: the bytes of K and V
@@ -14,6 +15,7 @@ the times say nothing about speed; the run only keeps the script and the kernels
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -58,10 +60,12 @@ def make_step(num_seqs: int, new: int, context: int, head_dim: int, group: int, 
     return (q, k, v, kv_lens, page_table, query_start, np.int32(num_seqs)), kv_bytes
 
 
-def time_call(fn, args, repeats: int) -> float:
+def time_call(fn, args, repeats: int, evict=None) -> float:
     jax.block_until_ready(fn(*args))  # compile
     best = float("inf")
     for _ in range(repeats):
+        if evict is not None:
+            evict()
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - start)
@@ -74,7 +78,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--peak-gbps", type=float, default=None, help="the device's memory bandwidth (GB/s)")
+    ap.add_argument("--cold", action="store_true", help="before each call, write a buffer larger than the CPU's "
+                    "caches: in a decode step the weights read between two layers' attention evict K and V")
     args = ap.parse_args()
+    evict = None
+    if args.cold:
+        flush = np.zeros(256 << 20, np.uint8)
+        evict = functools.partial(np.add, flush, 1, out=flush)
     kind = jax.devices()[0].device_kind
     peak = args.peak_gbps or next((v for k, v in PEAK_GBPS.items() if k in kind), None)
     if args.interpret:
@@ -85,7 +95,8 @@ def main() -> None:
     else:
         kernel = BY_BACKEND.get(jax.default_backend())
         impls, shapes = ["reference", "xla"] + ([kernel] if kernel else []), FULL
-    print(f"# paged attention, {args.dtype}, on {kind} ({jax.default_backend()}), peak {peak or '?'} GB/s\n")
+    print(f"# paged attention, {args.dtype}{', cold caches' if args.cold else ''}, on {kind} "
+          f"({jax.default_backend()}), peak {peak or '?'} GB/s\n")
     print("| seqs | new | context | head_dim | group | " + " | ".join(f"{i} ms (GB/s, % peak)" for i in impls) + " |")
     print("|" + " --- |" * (5 + len(impls)))
     for shape in shapes:
@@ -95,7 +106,7 @@ def main() -> None:
         for impl in impls:
             fn = jax.jit(lambda *a, impl=impl: paged_attention(*a, sm_scale=0.1, impl=impl))
             try:
-                seconds = time_call(fn, step, args.repeats)
+                seconds = time_call(fn, step, args.repeats, evict)
             except Exception as e:  # e.g. out of memory for the reference at long contexts
                 cells.append(f"failed: {type(e).__name__}")
                 continue

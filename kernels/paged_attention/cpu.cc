@@ -193,15 +193,37 @@ inline void Slots(const Problem& p, int64_t seq, int64_t first, int64_t n, std::
   }
 }
 
+// A decode row's keys and values come from memory (the weights a step streams evict them between
+// steps), and read in order they arrive a line or two at a time. So while scoring key j, Scores asks
+// for key j + kKeysAhead's slot and value j's (needed once every score is known) by prefetches.
+constexpr int64_t kKeysAhead = 16;
+
+template <typename T>
+inline void PrefetchSlot(const T* slot, int64_t bytes, int locality) {
+  const char* p = reinterpret_cast<const char*>(slot);
+  for (int64_t b = 0; b < bytes; b += 64) {
+    if (locality == 3) {
+      __builtin_prefetch(p + b, 0, 3);
+    } else {
+      __builtin_prefetch(p + b, 0, 1);
+    }
+  }
+}
+
 // scores[h * ld + j] = q_h . key j for the query heads h of `kv_heads` KV heads (`group` each, rows
 // of q [heads, d]), key j's KV head g at base + offsets[j] + g * d. Keys go 4 at a time, each
 // block's slots read for every KV head while they are in the L1 cache.
 template <typename T>
 void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, const int64_t* offsets, int64_t n,
-            int64_t d, float* scores, int64_t ld) {
-  const int64_t whole = d / kLanes * kLanes;
+            int64_t d, float* scores, int64_t ld, const T* values) {
+  const int64_t whole = d / kLanes * kLanes, slot = kv_heads * d * sizeof(T);
+  for (int64_t j = 0; j < std::min(n, kKeysAhead); ++j) PrefetchSlot(base + offsets[j], slot, 3);
   int64_t j = 0;
   for (; j + kKeysPerBlock <= n; j += kKeysPerBlock) {
+    for (int64_t a = j; a < j + kKeysPerBlock; ++a) {
+      if (a + kKeysAhead < n) PrefetchSlot(base + offsets[a + kKeysAhead], slot, 3);
+      PrefetchSlot(values + offsets[a], slot, 1);
+    }
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T *k0 = base + offsets[j] + g * d, *k1 = base + offsets[j + 1] + g * d,
               *k2 = base + offsets[j + 2] + g * d, *k3 = base + offsets[j + 3] + g * d;
@@ -225,6 +247,7 @@ void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, cons
     }
   }
   for (; j < n; ++j) {
+    PrefetchSlot(values + offsets[j], slot, 1);
     for (int64_t h = 0; h < kv_heads * group; ++h) {
       const T* k = base + offsets[j] + h / group * d;
       const float* qh = q + h * d;
@@ -490,7 +513,7 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     for (int64_t i = 0; i < heads * d; ++i) {
       query[i] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + i]) : static_cast<const float*>(p.q)[in + i];
     }
-    Scores(query, kv_heads, group, k_pages, seen, num_keys, d, scores, kv_len);
+    Scores(query, kv_heads, group, k_pages, seen, num_keys, d, scores, kv_len, v_pages);
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kv_len;
       float max = -INFINITY;
