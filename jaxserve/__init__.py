@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import importlib
 
+from jaxserve.host_memory import reuse_freed_memory
+
+reuse_freed_memory()  # (before JAX's CPU client starts its threads)
+
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "Engine": "jaxserve.engine.core",

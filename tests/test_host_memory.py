@@ -1,0 +1,59 @@
+"""glibc's malloc set up on import (`jaxserve.host_memory`): on a CPU-only host an XLA:CPU executable's
+temporaries reuse the memory of its last call instead of faulting in fresh pages each call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jaxserve import host_memory
+
+ROOT = Path(__file__).resolve().parent.parent
+# A step-like executable whose temporaries (96 MB: two running sums) are past glibc's largest mmap threshold,
+# run a few times; then the median of the minor page faults of each of 9 more calls (a call's
+# temporaries may come before the last call's are freed, and the heap grows once more)
+SCRIPT = """
+import resource
+import statistics
+import jaxserve  # noqa: F401
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x: jnp.cumsum(x)[::64] + jnp.cumsum(x * 3.0)[::64])
+x = jnp.ones(1 << 23, jnp.float32)
+assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= 48 << 20
+for _ in range(3):
+    jax.block_until_ready(f(x))
+faults = []
+for _ in range(9):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(f(x))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(statistics.median(faults))
+"""
+
+
+def faults_per_call(**env: str) -> float:
+    environ = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAXSERVE_MALLOC", "XLA_FLAGS")}
+    out = subprocess.run([sys.executable, "-c", SCRIPT], env={**environ, "PYTHONPATH": str(ROOT), **env},
+                         capture_output=True, text=True, timeout=300, check=True)
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not host_memory.cpu_only(), reason="glibc, CPU-only host")
+def test_a_cpu_executables_temporaries_reuse_memory_across_calls():
+    assert faults_per_call(JAX_PLATFORMS="cpu") < 500  # (the temporaries are 24,576 pages)
+    assert faults_per_call(JAX_PLATFORMS="cpu", JAXSERVE_MALLOC="default") > 10_000  # glibc's defaults: fresh pages
+
+
+def test_only_a_cpu_only_host_changes_malloc(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert host_memory.cpu_only()
+    for platforms in ("tpu", "cuda", "cuda,cpu"):
+        monkeypatch.setenv("JAX_PLATFORMS", platforms)
+        assert not host_memory.cpu_only() and not host_memory.reuse_freed_memory()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAXSERVE_MALLOC", "default")
+    assert not host_memory.reuse_freed_memory()
