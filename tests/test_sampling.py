@@ -11,7 +11,7 @@ from conftest import CROWDED_ENGINE
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import MAX_LOGPROBS
 from jaxserve.sample.params import RequestSampling
-from jaxserve.sample.sampler import entropy, sample
+from jaxserve.sample.sampler import argmax, entropy, sample
 from jaxserve.sample.tensors import SampleOutput, SamplingRow, SamplingTensors
 
 VOCAB = 12
@@ -48,6 +48,18 @@ def softmax(x: np.ndarray) -> np.ndarray:
 def test_greedy_rows_take_the_argmax():
     for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.3, top_k=1)):
         assert set(draw(params, rows=64)) == {int(np.argmax(LOGITS))}
+
+
+def test_argmax_is_jnps_on_ties_infinities_and_nans():
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 4, size=(64, 1000)).astype(np.float32)  # (many ties for the maximum)
+    x[1] = -np.inf
+    x[2, [5, 700]] = np.inf
+    x[3, [9, 40]] = np.nan
+    x[4, 0] = np.nan
+    x[5, -1] = 99.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
+    np.testing.assert_array_equal(np.asarray(argmax(x[:, :3])), np.argmax(x[:, :3], axis=-1))
 
 
 def test_top_k_support():

@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxserve.sample.logits_processors import LogitsProcessor
 from jaxserve.sample.params import MAX_DRY_BREAKERS
-from jaxserve.sample.sampler import GREEDY_TEMPERATURE
+from jaxserve.sample.sampler import GREEDY_TEMPERATURE, argmax
 
 BREAKER_TOKENS = 21  # a DRY breaker's head token and the tail llama.cpp keeps (20 tokens)
 FLOAT_MAX_LOG = 88.7228391  # log of float32's largest value: DRY's exponent stops where its power would overflow
@@ -249,7 +249,7 @@ class DynamicTemperature(LlamaCppSampler):
         _, entropy, count = _entropy(logits)
         fraction = entropy / jnp.log(jnp.maximum(count, 2).astype(jnp.float32))
         dynamic = low + (high - low) * fraction ** args["dynatemp_exponent"]
-        top = jnp.arange(logits.shape[-1])[None, :] == jnp.argmax(logits, axis=-1)[:, None]
+        top = jnp.arange(logits.shape[-1])[None, :] == argmax(logits)[:, None]
         scaled = jnp.where(dynamic[:, None] > 0, logits * (temperature / jnp.maximum(dynamic, 1e-30))[:, None],
                            jnp.where(top, logits, -jnp.inf))
         return jnp.where(count[:, None] > 1, scaled, logits)  # (one candidate: nothing to scale)

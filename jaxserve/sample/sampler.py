@@ -148,7 +148,7 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
+    tokens = jnp.where(greedy, argmax(logits), drawn).astype(jnp.int32)
     carried = jnp.zeros((num_rows, 0), jnp.int32)
     if processors and processors.carried:  # (the drawn token's logprob where it was drawn: 0 for greedy rows)
         carries = jnp.any(jnp.stack([r.active for r, proc in zip(t.processors, processors.instances) if proc.carry]))
@@ -165,6 +165,15 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
     entropies = jax.lax.cond(jnp.any(t.wants_entropy), lambda: entropy(raw_logits), lambda: jnp.zeros(num_rows))
     return SampleOutput(tokens=tokens, logprobs=logprobs, ranks=ranks, top_ids=top_ids, top_logprobs=top_logprobs,
                         entropies=entropies, carried=carried, distributions=whole)
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax(x, axis=-1), the same index (the first maximum; the first NaN where there is one), as
+    two plain reductions: a max, then the least index that holds it. XLA:CPU runs argmax's reduction of
+    (value, index) pairs one element at a time: 3.3x slower over a 32 x 49152 batch of logits."""
+    best = jnp.max(x, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where((x == best) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
 
 
 def _cut(scaled: jax.Array, greedy: jax.Array, t: SamplingTensors, k: int, want_top: jax.Array

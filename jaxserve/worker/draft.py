@@ -27,6 +27,7 @@ from jaxserve.config.fields import compiled_fields
 from jaxserve.models import KVCache, ModelInputs, forward
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.rope import rope_inv_freq
+from jaxserve.sample.sampler import argmax
 from jaxserve.sched.pages import NULL_PAGE
 from jaxserve.worker.executables import ExecutableCache
 from jaxserve.worker.kv_cache import allocate_kv_cache, copy_pages
@@ -90,7 +91,7 @@ class DraftModel:
                     page_table=page_table, query_start=jnp.minimum(jnp.arange(rows + 1), num_seqs).astype(jnp.int32),
                     num_seqs=num_seqs, logits_indices=jnp.arange(rows, dtype=jnp.int32))
                 kv, logits, _ = model(weights, kv, inputs)
-                tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+                tokens = argmax(logits).astype(jnp.int32)
                 return kv, tokens, drafts.at[:, j].set(tokens)
 
             kv, _, drafts = jax.lax.fori_loop(0, self.k, one, (kv, tokens, jnp.zeros((rows, self.k), jnp.int32)))
