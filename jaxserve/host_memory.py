@@ -1,11 +1,10 @@
 """glibc's malloc set up so that a CPU step's temporaries reuse memory instead of fresh pages.
 
 XLA:CPU allocates each step's temporaries with malloc on a worker thread of its pool (tens of MB
-from a few rows on: a decode step of 32 sequences of the default model needs 55 MB). glibc serves
-an allocation that large with a fresh mmap (its threshold tops out at 32 MB), or from a thread
-arena's heap that it unmaps once free again; either way every page the step touches faults and is
-zeroed by the kernel, each step (5,600 faults a step there, about a quarter of its time on a 2-vCPU
-VM). With one arena (the main one, grown by brk), no mmap, and a trim threshold above a step's
+from a few rows on: the logits and the sampler's work on them). glibc serves an allocation that
+large with a fresh mmap (its threshold tops out at 32 MB), or from a thread arena's heap that it
+unmaps once free again; either way every page the step touches faults and is zeroed by the kernel,
+each step. With one arena (the main one, grown by brk), no mmap, and a trim threshold above a step's
 temporaries, the freed block stays mapped and the next step reuses it (bench/RESULTS.md, "Fresh
 pages per step").
 
@@ -25,7 +24,8 @@ import sys
 
 # mallopt's parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
-# free memory at the top of the heap beyond this goes back to the system: above any step's temporaries
+# free memory at the top of the heap beyond this goes back to the system: above a step's temporaries
+# at the batch sizes a CPU serves (about 1.7 MB per row of a 49,152-token vocabulary)
 TRIM_THRESHOLD = 1 << 30
 
 
