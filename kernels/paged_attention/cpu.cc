@@ -198,16 +198,10 @@ inline void Slots(const Problem& p, int64_t seq, int64_t first, int64_t n, std::
 // for key j + kKeysAhead's slot and value j's (needed once every score is known) by prefetches.
 constexpr int64_t kKeysAhead = 16;
 
-template <typename T>
-inline void PrefetchSlot(const T* slot, int64_t bytes, int locality) {
+template <int Locality, typename T>  // (__builtin_prefetch takes its locality as a constant)
+inline void PrefetchSlot(const T* slot, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(slot);
-  for (int64_t b = 0; b < bytes; b += 64) {
-    if (locality == 3) {
-      __builtin_prefetch(p + b, 0, 3);
-    } else {
-      __builtin_prefetch(p + b, 0, 1);
-    }
-  }
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
 // scores[h * ld + j] = q_h . key j for the query heads h of `kv_heads` KV heads (`group` each, rows
@@ -217,12 +211,12 @@ template <typename T>
 void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, const int64_t* offsets, int64_t n,
             int64_t d, float* scores, int64_t ld, const T* values) {
   const int64_t whole = d / kLanes * kLanes, slot = kv_heads * d * sizeof(T);
-  for (int64_t j = 0; j < std::min(n, kKeysAhead); ++j) PrefetchSlot(base + offsets[j], slot, 3);
+  for (int64_t j = 0; j < std::min(n, kKeysAhead); ++j) PrefetchSlot<3>(base + offsets[j], slot);
   int64_t j = 0;
   for (; j + kKeysPerBlock <= n; j += kKeysPerBlock) {
     for (int64_t a = j; a < j + kKeysPerBlock; ++a) {
-      if (a + kKeysAhead < n) PrefetchSlot(base + offsets[a + kKeysAhead], slot, 3);
-      PrefetchSlot(values + offsets[a], slot, 1);
+      if (a + kKeysAhead < n) PrefetchSlot<3>(base + offsets[a + kKeysAhead], slot);
+      PrefetchSlot<1>(values + offsets[a], slot);
     }
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T *k0 = base + offsets[j] + g * d, *k1 = base + offsets[j + 1] + g * d,
@@ -247,7 +241,7 @@ void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, cons
     }
   }
   for (; j < n; ++j) {
-    PrefetchSlot(values + offsets[j], slot, 1);
+    PrefetchSlot<1>(values + offsets[j], slot);
     for (int64_t h = 0; h < kv_heads * group; ++h) {
       const T* k = base + offsets[j] + h / group * d;
       const float* qh = q + h * d;
