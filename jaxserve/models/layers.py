@@ -352,12 +352,14 @@ class Decoder(nnx.Module):
                 x = x + steer[i].astype(x.dtype)
             if gather:
                 hidden = jnp.zeros((num_hidden + 1, *x.shape), cache_dtype(x.dtype)) if hidden is None else hidden
+                # (a slot is always in range: an update in place, with no bounds checks as calls of their own)
                 hidden = jax.lax.dynamic_update_index_in_dim(hidden, to_cache(x, hidden), inputs.hidden_slots[i], 0)
             k_out.append(k_pages)
             v_out.append(v_pages)
         if gather:
             final = to_cache(self.norm(x), hidden)
-            hidden = from_cache(jax.lax.dynamic_update_index_in_dim(hidden, final, inputs.hidden_slots[len(self.layers)], 0)[:num_hidden])
+            hidden = jax.lax.dynamic_update_index_in_dim(hidden, final, inputs.hidden_slots[len(self.layers)], 0)
+            hidden = from_cache(hidden[:num_hidden])
         return KVCache(k=k_out, v=v_out), x, hidden
 
     def logits(self, x: jax.Array) -> jax.Array:
