@@ -125,7 +125,7 @@ def main() -> None:
             for m in map(int, args.rows.split(",")):
                 x = jnp.asarray(rng.standard_normal(((copies,) if args.resident else ()) + (m, shape[1])), args.dtype)
                 xs = list(x) if args.resident else [x] * copies
-                times = [best_time(lambda fmt=fmt, impl=impl: jax.block_until_ready(calls[impl](xs, weights[fmt])))
+                times = [best_time(lambda call=calls[impl], ws=weights[fmt]: jax.block_until_ready(call(xs, ws)))
                          / copies for fmt, impl in columns]
                 rates = [nbytes(weights[fmt][0]) / t / 1e9 for (fmt, _), t in zip(columns, times)]
                 cells = [f"{1000 * t:.3f} | {r:.1f}" for t, r in zip(times, rates)]
