@@ -231,14 +231,14 @@ def test_serving_starts_on_the_first_bucket_and_steps_run_only_compiled_ones():
 def test_buckets_past_the_memory_map_limit_are_left_out_not_crashed_into(monkeypatch, caplog):
     """Linux's vm.max_map_count: once fewer than MAP_RESERVE maps are left, the buckets left are not
     compiled (loading or compiling the next one would crash XLA); the engine serves on those it has,
-    and the log says once how to raise the limit."""
+    the log says once how to raise the limit, and its progress lines count the failed ones apart."""
     settings = dict(model="jaxserve-tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16, seed=3)
     engine, _ = build_engine(EngineConfig(**settings), warmup=False)
     order = engine.config.warmup_order
     engine.runner.cached_prefix = lambda shapes: 0  # (ready after the first bucket alone)
     headroom = iter([10**6])  # enough for the first bucket only
     monkeypatch.setattr(warmup, "map_headroom", lambda: next(headroom, warmup.MAP_RESERVE - 1))
-    with caplog.at_level(logging.WARNING, logger=warmup.__name__):
+    with caplog.at_level(logging.INFO, logger=warmup.__name__):
         engine.warmup(background=True)
         with pytest.raises(RuntimeError, match="compiling the step for bucket") as failed:
             engine.compiler.wait(len(order))
@@ -247,6 +247,8 @@ def test_buckets_past_the_memory_map_limit_are_left_out_not_crashed_into(monkeyp
     assert engine.compile_progress == (1, len(order))
     said = [r.getMessage() for r in caplog.records if "vm.max_map_count" in r.getMessage()]
     assert len(said) == 1 and "sysctl -w vm.max_map_count=" in said[0]
+    progress = [r.getMessage() for r in caplog.records if "step buckets compiled" in r.getMessage()]
+    assert all(line.startswith(f"1 of {len(order)} ") for line in progress) and "1 failed" in " ".join(progress)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     got, shapes = generate(engine, [list(range(30, 50)), [5, 6, 7]], params)
     assert [len(tokens) for tokens in got] == [5, 5] and shapes == {order[0]}

@@ -157,14 +157,16 @@ class BucketCompiler:
                 else:
                     self._failed[shape] = failed
                 self._changed.notify_all()
-                done = len(self._compiled) + len(self._failed)
+                compiled, failures = len(self._compiled), len(self._failed)
+                done = compiled + failures
             if shape == self.shapes[0] and not self._closed:
                 for _ in range(min(self.threads, len(self.shapes)) - 1):
                     self._add_worker()
             if done == len(self.shapes):
                 self._finish()
             elif self._log_progress and done * 4 // len(self.shapes) > (done - 1) * 4 // len(self.shapes):
-                log.info("%d of %d step buckets compiled", done, len(self.shapes))
+                log.info("%d of %d step buckets compiled%s", compiled, len(self.shapes),
+                         f" ({failures} failed)" if failures else "")
 
     def _check_map_headroom(self) -> None:
         """Raises, once memory maps run short, rather than compile into a crash (see the top)."""
