@@ -20,7 +20,7 @@ from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TA
                             bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16, quantized_forms,
                             row_limit)
 from kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows, quantize,
-                                  ungroup_rows)
+                                  take_rows, ungroup_rows)
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -281,6 +281,20 @@ def test_grouped_rows_match_float64(fmt):
         assert _ffi_targets(jax.make_jaxpr(many)(x, mixed).eqns) == [QUANT_TARGETS[fmt]] * 2
     with pytest.raises(ValueError, match="multiple of 16"):
         group_rows(_random_quantized(rng, (8, 64), fmt))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_rows_taken_from_a_grouped_matrix_are_its_rows(fmt):
+    """A lookup table kept grouped (the tied embedding) gives the rows looked up exactly as in rows
+    (`take_rows`), for ids of any shape, in numpy and under jit."""
+    rng = np.random.default_rng(4)
+    w = jax.tree.map(np.asarray, _random_quantized(rng, (64, 96), fmt))
+    grouped, ids = group_rows(w), rng.integers(0, 64, (3, 5))
+    want = take_rows(w, ids)
+    assert want.data.shape == (3, 5, w.data.shape[1]) and np.array_equal(want.data[1, 2], w.data[ids[1, 2]])
+    for got in (take_rows(grouped, ids), jax.jit(take_rows)(jax.tree.map(jnp.asarray, grouped), jnp.asarray(ids))):
+        assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True) if a is not None)
+        assert np.array_equal(dequantize(got), dequantize(w)[ids])
 
 
 @pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])

@@ -142,10 +142,12 @@ def test_weight_formats():
 
 
 def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
-    """On one CPU device where the kernel's integer forms run, every quantized linear layer whose
-    rows come in whole groups is kept grouped (the same weight: grouping the layout in rows gives
-    it), and its module hands the kernel a GroupedRows; a lookup table stays in rows."""
+    """On one CPU device where the kernel's integer forms run, every quantized matrix whose rows come
+    in whole groups is kept grouped, a tied embedding (the LM head) too (the same weight: grouping
+    the layout in rows gives it), and its module hands the kernel a GroupedRows. (This model's head
+    is untied; the default model's tied one is served grouped in test_gguf.py.)"""
     from checkpoints import default_model_dir, load_params
+    from checkpoints.target import quantized_paths
     from jaxserve.models import quantizable_modules
     from jaxserve.worker import weights
     from kernels.matmul import keeps_grouped
@@ -158,7 +160,7 @@ def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
     assert not keeps_grouped(8)
     target = weights.weight_target(d, cfg, "float32", quantization="int4")[2]
     formats = weight_formats(d, cfg, "int4")
-    assert target.grouped == {p for p in formats if can_group(target.shapes[p]) and "embed" not in p}
+    assert target.grouped == {p for p in formats if can_group(target.shapes[p])}
     assert "layers.0.mlp.up_proj.weight" in target.grouped
     grouped = load_params(d, target, "float32")
     model = nnx.merge(*weights.load_weights(d, cfg, "float32", quantization="int4"))
@@ -167,7 +169,7 @@ def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
     monkeypatch.setattr(weights, "keeps_grouped", lambda devices: False)
     rows = load_params(d, weights.weight_target(d, cfg, "float32", quantization="int4")[2], "float32")
     for path in target.grouped:
-        parts = [path, path.replace(".weight", ".scales"), path.replace(".weight", ".mins")]
+        parts = quantized_paths(path)
         want = group_rows(QuantizedWeight(*(np.asarray(rows[p]) for p in parts)))
         for p, part in zip(parts, want):
             np.testing.assert_array_equal(np.asarray(grouped[p]), part)

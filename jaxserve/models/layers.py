@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
 from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
-from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize
+from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, take_rows
 from kernels.paged_attention.reference import from_cache, to_cache
 
 if TYPE_CHECKING:
@@ -236,8 +236,7 @@ class Embedding(Quantizable):
     def __call__(self, token_ids):
         table = self.matrix()
         if isinstance(table, QuantizedWeight):  # only the rows looked up are dequantized
-            return dequantize(QuantizedWeight(*(None if part is None else part[token_ids] for part in table)),
-                              self.dtype)
+            return dequantize(take_rows(table, token_ids), self.dtype)
         return table[token_ids]
 
 

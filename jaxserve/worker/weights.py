@@ -112,9 +112,9 @@ def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mes
     formats = weight_formats(model_dir, cfg, quantization)
     model = abstract_model(cfg, jnp.dtype(dtype), formats)
     grouped = frozenset()
-    if keeps_grouped(1 if mesh is None else mesh.size):  # (a lookup table's rows stay in rows)
+    if keeps_grouped(1 if mesh is None else mesh.size):  # (the tied head too: its lookups read `take_rows`)
         grouped = frozenset(path for module_path, module in quantizable_modules(model).items()
-                            if (path := f"{module_path}.{module.WEIGHT}") in formats and module.WEIGHT != "embedding"
+                            if (path := f"{module_path}.{module.WEIGHT}") in formats
                             and can_group(getattr(module, module.WEIGHT).shape))
         model = abstract_model(cfg, jnp.dtype(dtype), formats, grouped)
     graphdef, state = nnx.split(model)

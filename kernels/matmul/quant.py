@@ -86,6 +86,21 @@ def ungroup_rows(w: GroupedRows, xp=np) -> QuantizedWeight:
                            *(None if part is None else _regroup(part, xp, 1, True) for part in (w.scales, w.mins)))
 
 
+def take_rows(w: QuantizedWeight, ids) -> QuantizedWeight:
+    """Rows `ids` (an int array of any shape) of a quantized matrix, in rows, from either layout: a
+    lookup table's (the tied embedding) reads its rows where the grouped layout put them."""
+    if not isinstance(w, GroupedRows):
+        return QuantizedWeight(*(None if part is None else part[ids] for part in w))
+    group, row = ids // GROUP_ROWS, ids % GROUP_ROWS
+
+    def take(part, unit):  # (the layout `_regroup` makes: [groups, units, GROUP_ROWS, unit])
+        out, width = part.shape
+        blocks = part.reshape(out // GROUP_ROWS, width // unit, GROUP_ROWS, unit)
+        return blocks[group, :, row].reshape(*ids.shape, width)
+
+    return QuantizedWeight(take(w.data, 4), *(None if part is None else take(part, 1) for part in (w.scales, w.mins)))
+
+
 def _nibbles(data):
     """uint8 [..., n / 2] in GGUF's order -> the values 0..15 as uint8 [..., n]."""
     *lead, width = data.shape
