@@ -95,11 +95,9 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_REGISTRY.update({base: MODEL_REGISTRY[causal] for base, causal in BASE_MODELS.items()})
 
 
-def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None,
-                   grouped: frozenset[str] = frozenset()) -> nnx.Module:
+def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None) -> nnx.Module:
     """The model with shapes only (no memory): the template weights are loaded into. `formats`:
-    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`); `grouped`: those
-    kept grouped."""
+    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`)."""
     family = MODEL_REGISTRY[cfg.architecture]
 
     def build():
@@ -110,7 +108,7 @@ def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = 
             module = modules.get(module_path)
             if module is None or name != module.WEIGHT:
                 raise ValueError(f"{path} is not a matrix that can be kept quantized")
-            module.quantize(fmt, path in grouped)
+            module.quantize(fmt)
         return model
 
     return nnx.eval_shape(build)

@@ -137,12 +137,10 @@ class Quantizable(nnx.Module):
 
     WEIGHT = "weight"
     scales = mins = None  # set by `quantize`
-    grouped = False
+    grouped = False  # set where the loader keeps the matrix grouped (`worker.weights.weight_target`)
 
-    def quantize(self, fmt: str, grouped: bool = False) -> None:
-        """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded), kept grouped
-        where `grouped`."""
-        self.grouped = grouped
+    def quantize(self, fmt: str) -> None:
+        """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded)."""
         *lead, width = getattr(self, self.WEIGHT)[...].shape
         packed = width if fmt == "int8" else width // 2
         setattr(self, self.WEIGHT, nnx.Param(jnp.zeros((*lead, packed), jnp.int8 if fmt == "int8" else jnp.uint8)))

@@ -113,10 +113,11 @@ def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mes
     model = abstract_model(cfg, jnp.dtype(dtype), formats)
     grouped = frozenset()
     if keeps_grouped(1 if mesh is None else mesh.size):  # (the tied head too: its lookups read `take_rows`)
-        grouped = frozenset(path for module_path, module in quantizable_modules(model).items()
-                            if (path := f"{module_path}.{module.WEIGHT}") in formats
-                            and can_group(getattr(module, module.WEIGHT).shape))
-        model = abstract_model(cfg, jnp.dtype(dtype), formats, grouped)
+        modules = {f"{module_path}.{module.WEIGHT}": module for module_path, module in quantizable_modules(model).items()}
+        grouped = frozenset(path for path, module in modules.items()
+                            if path in formats and can_group(getattr(module, module.WEIGHT).shape))
+        for path in grouped:  # (the same parameters: only the flag `matrix()` reads)
+            modules[path].grouped = True
     graphdef, state = nnx.split(model)
     stacks = {path for path, leaf in flatten(nnx.to_pure_dict(state)).items()
               if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
