@@ -12,6 +12,7 @@ from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.sample.logits_processors import Processors, load_class
+from jaxserve.sample.tensors import Padding
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,24 @@ def test_carried_state_and_history(llms):
         assert choice.token_ids == [t % vocab for t in range(vocab - 6, vocab + 6)]
     assert len(set(no_repeat.outputs[0].token_ids)) == 40
     assert len(set(plain.outputs[0].token_ids)) < 40  # (the tiny model repeats itself when let)
+
+
+def test_rows_no_row_uses_are_paddings_of_the_defaults():
+    """A processor no row uses gets its defaults: as Paddings where a default holds one value (sent
+    once, not per step), as arrays where it does not; the same values as rows that spell them out."""
+    varied = type("Varied", (BanToken,), {"args": {"ban_token": np.int32(-1), "weights": np.arange(3, dtype=np.float32),
+                                                   "flags": np.ones(2, bool)}})
+    procs = Processors([varied, "processors:Count"], 256)
+    padded = procs.rows([None, None], 4, unused=Padding)
+    spelled = procs.rows([None, None], 4)
+    assert padded[0].args["ban_token"] == Padding((4,), -1, "int32")
+    assert padded[0].args["flags"] == Padding((4, 2), True, "bool")
+    assert padded[1].args["count_from"] == Padding((4,), 0, "int32") and padded[0].active == Padding((4,), 0, "bool")
+    assert isinstance(padded[0].args["weights"], np.ndarray)
+    for ours, theirs in zip(padded, spelled):
+        for name in theirs.args:
+            got, want = np.asarray(ours.args[name]), theirs.args[name]
+            assert got.dtype == want.dtype and np.array_equal(got, want), name
 
 
 def test_bad_processors_fail_at_start_and_bad_arguments_per_request(llms):

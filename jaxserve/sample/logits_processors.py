@@ -131,6 +131,14 @@ def fingerprint(classes) -> str:
     return ",".join(parts)
 
 
+def _uniform(default) -> tuple | None:
+    """(shape, fill, dtype) of an argument's default that holds one value throughout, else None."""
+    default = np.asarray(default)
+    if default.size and np.all(default == default.flat[0]):
+        return default.shape, default.flat[0].item(), default.dtype.name
+    return None
+
+
 @flax.struct.dataclass
 class ProcessorRows:
     """One processor's inputs to a step (B = padded rows)."""
@@ -151,6 +159,9 @@ class Processors:
             self._check_declaration(proc)
         # (processor index, argument name) of each carried value, in the order they are packed
         self.carried = [(p, name) for p, proc in enumerate(self.instances) for name in proc.carry]
+        # per processor, each argument's default as one value (its shape, fill, dtype), or None: read
+        # once here, not per step, where every step of rows that use no processor pads them all
+        self._uniform = [{name: _uniform(d) for name, d in proc.args.items()} for proc in self.instances]
 
     @property
     def arg_names(self) -> frozenset[str]:
@@ -243,7 +254,8 @@ class Processors:
         for p, proc in enumerate(self.instances):
             users = [b for b, row in enumerate(request_args) if row is not None and row[p] is not None]
             if not users and unused is not None:
-                out.append(ProcessorRows(args={name: self._unused(d, num_rows, unused) for name, d in proc.args.items()},
+                out.append(ProcessorRows(args={name: self._unused(d, self._uniform[p][name], num_rows, unused)
+                                               for name, d in proc.args.items()},
                                          active=unused((num_rows,), 0, "bool")))
                 continue
             args = {name: np.broadcast_to(np.asarray(d), (num_rows, *np.shape(d))).copy()
@@ -261,12 +273,12 @@ class Processors:
         return tuple(out)
 
     @staticmethod
-    def _unused(default, num_rows: int, unused):
+    def _unused(default, uniform: tuple | None, num_rows: int, unused):
+        if uniform is not None:
+            shape, fill, dtype = uniform
+            return unused((num_rows, *shape), fill, dtype)
         default = np.asarray(default)
-        shape = (num_rows, *default.shape)
-        if default.size and np.all(default == default.flat[0]):
-            return unused(shape, default.flat[0].item(), default.dtype.name)
-        return np.broadcast_to(default, shape).copy()
+        return np.broadcast_to(default, (num_rows, *default.shape)).copy()
 
     def uses_history(self, request_args: tuple | None) -> bool:
         return request_args is not None and any(a is not None and proc.history
