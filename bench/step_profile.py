@@ -11,8 +11,10 @@ threads that ran it: one that runs on both threads for 1 ms counts 2 ms. A custo
 wall time on the thread that called it: the helper threads its work items run on are not in the
 profile (in a 54 ms decode step the products count 44 ms, not twice that). The wall time per
 step, unprofiled, comes first, with the page faults per step (memory the step maps anew each time
-costs one per 4 KB). "calls" counts the operations the step ran (XLA's fusions and thunks and the
-custom calls, each once per step): what a step pays per call, times this.
+costs one per 4 KB), the engine thread's CPU time per step, and the part of that spent launching
+the compiled step (the call returns before the step is computed: host work per launch, on a core
+the step's threads would otherwise have). "calls" counts the operations the step ran (XLA's
+fusions and thunks and the custom calls, each once per step): what a step pays per call, times this.
 """
 
 from __future__ import annotations
@@ -98,13 +100,28 @@ def main() -> None:
     if not args.prefill:
         for _ in range(-(-args.rows * PROMPT_TOKENS // tokens) + 2):
             engine.step()
-    walls = []
+    walls, cpus, launches = [], [], []
+    executable = engine.runner._executable
+
+    def timed(shape, args):  # the compiled call, timed in the engine thread's CPU
+        call = executable(shape, args)
+
+        def run(*a):
+            start = time.thread_time()
+            out = call(*a)
+            launches.append(time.thread_time() - start)
+            return out
+        return run
+
+    engine.runner._executable = timed
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(args.steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         engine.step()
         walls.append(time.perf_counter() - start)
+        cpus.append(time.thread_time() - cpu)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    engine.runner._executable = executable
     shapes, executable = set(), engine.runner._executable  # (the buckets the profiled steps run)
     engine.runner._executable = lambda shape, *rest: shapes.add(shape) or executable(shape, *rest)
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -118,7 +135,9 @@ def main() -> None:
     cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
     print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: "
           f"{np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
-          f"{faults:.0f} page faults per step (fresh memory the step touched)\n")
+          f"{faults:.0f} page faults per step (fresh memory the step touched); the engine thread's CPU "
+          f"{np.median(cpus) * 1e3:.2f} ms per step, {np.median(launches) * 1e3:.2f} ms of it in the compiled "
+          "call's launch\n")
     print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) | calls per step |\n"
           "| --- | --- | --- |")
     for name, us in times.most_common(args.top):
