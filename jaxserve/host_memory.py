@@ -5,8 +5,9 @@ from a few rows on: the logits and the sampler's work on them). glibc serves an 
 large with a fresh mmap (its threshold tops out at 32 MB), or from a thread arena's heap that it
 unmaps once free again; either way every page the step touches faults and is zeroed by the kernel,
 each step. With one arena (the main one, grown by brk), no mmap, and a trim threshold above a step's
-temporaries, the freed block stays mapped and the next step reuses it (bench/RESULTS.md, "Fresh
-pages per step").
+temporaries, the freed block stays mapped and the next step reuses it, once the heap has grown over
+the first steps to hold the blocks that small allocations split (bench/RESULTS.md, "Fresh pages per
+step").
 
 Only where JAX can run on nothing but the CPU: a TPU or GPU host keeps glibc's defaults, since
 there the big host allocations (weights on their way to the device) should go back to the system
