@@ -13,7 +13,9 @@ profile (in a 54 ms decode step the products count 44 ms, not twice that). The w
 step, unprofiled, comes first, with the page faults per step (memory the step maps anew each time
 costs one per 4 KB), the engine thread's CPU time per step, and the part of that spent launching
 the compiled step (the call returns before the step is computed: host work per launch, on a core
-the step's threads would otherwise have). "calls" counts the operations the step ran (XLA's
+the step's threads would otherwise have); then the compiled step alone, launched with its inputs
+ready and waited for, nothing else running: its launch, and its computation (a pipelined step's
+wall time beyond that is host work the cores did not hide). "calls" counts the operations the step ran (XLA's
 fusions and thunks and the custom calls, each once per step): what a step pays per call, times this.
 """
 
@@ -121,6 +123,24 @@ def main() -> None:
         walls.append(time.perf_counter() - start)
         cpus.append(time.thread_time() - cpu)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
+    alone = []  # (launch, compute) of the compiled call with its inputs ready and nothing else running
+
+    def waited(shape, args):
+        call = executable(shape, args)
+
+        def run(*a):
+            jax.block_until_ready(a)
+            start = time.perf_counter()
+            out = call(*a)
+            launched = time.perf_counter()
+            jax.block_until_ready(out)
+            alone.append((launched - start, time.perf_counter() - launched))
+            return out
+        return run
+
+    engine.runner._executable = waited
+    for _ in range(args.steps):
+        engine.step()
     engine.runner._executable = executable
     shapes, executable = set(), engine.runner._executable  # (the buckets the profiled steps run)
     engine.runner._executable = lambda shape, *rest: shapes.add(shape) or executable(shape, *rest)
@@ -137,7 +157,9 @@ def main() -> None:
           f"{np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "
           f"{faults:.0f} page faults per step (fresh memory the step touched); the engine thread's CPU "
           f"{np.median(cpus) * 1e3:.2f} ms per step, {np.median(launches) * 1e3:.2f} ms of it in the compiled "
-          "call's launch\n")
+          f"call's launch; the compiled step alone (its inputs ready, nothing else running): a "
+          f"{np.median([a[0] for a in alone]) * 1e3:.2f} ms launch, then {np.median([a[1] for a in alone]) * 1e3:.2f} "
+          "ms until its outputs are ready\n")
     print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) | calls per step |\n"
           "| --- | --- | --- |")
     for name, us in times.most_common(args.top):
