@@ -14,7 +14,7 @@ from jaxserve import host_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 # A step-like executable whose temporaries (96 MB: two running sums) are past glibc's largest mmap threshold,
-# run 40 times; then the median of the minor page faults of each of 15 more calls. The heap grows over
+# run 60 times; then the median of the minor page faults of each of 15 more calls. The heap grows over
 # the first calls (a call's temporaries may come before the last call's are freed, and small blocks
 # split the free ones) and then stays: a server's steps run in that steady state.
 SCRIPT = """
@@ -25,7 +25,7 @@ import jax, jax.numpy as jnp
 f = jax.jit(lambda x: jnp.cumsum(x)[::64] + jnp.cumsum(x * 3.0)[::64])
 x = jnp.ones(1 << 23, jnp.float32)
 assert f.lower(x).compile().memory_analysis().temp_size_in_bytes >= 48 << 20
-for _ in range(40):
+for _ in range(60):
     jax.block_until_ready(f(x))
 faults = []
 for _ in range(15):
