@@ -15,14 +15,16 @@ costs one per 4 KB), the engine thread's CPU time per step, and the part of that
 the compiled step (the call returns before the step is computed: host work per launch, on a core
 the step's threads would otherwise have); then the compiled step alone, launched with its inputs
 ready and waited for, nothing else running: its launch, and its computation (a pipelined step's
-wall time beyond that is host work the cores did not hide). "calls" counts the operations the step ran (XLA's
-fusions and thunks and the custom calls, each once per step): what a step pays per call, times this.
+wall time beyond that is host work the cores did not hide). "calls" counts the operations the step
+ran (XLA's fusions and thunks and the custom calls, each once per step): what a step pays per call,
+times this.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import re
@@ -102,20 +104,29 @@ def main() -> None:
     if not args.prefill:
         for _ in range(-(-args.rows * PROMPT_TOKENS // tokens) + 2):
             engine.step()
-    walls, cpus, launches = [], [], []
+    walls, cpus, launches, alone_launches, alone_computes = [], [], [], [], []
     executable = engine.runner._executable
 
-    def timed(shape, args):  # the compiled call, timed in the engine thread's CPU
-        call = executable(shape, args)
+    def through(timing):  # the engine's compiled calls, each made as timing(call, *args)
+        return lambda shape, args: functools.partial(timing, executable(shape, args))
 
-        def run(*a):
-            start = time.thread_time()
-            out = call(*a)
-            launches.append(time.thread_time() - start)
-            return out
-        return run
+    def launch_cpu(call, *a):  # the launch, in the engine thread's CPU
+        start = time.thread_time()
+        out = call(*a)
+        launches.append(time.thread_time() - start)
+        return out
 
-    engine.runner._executable = timed
+    def alone(call, *a):  # the inputs ready, then the launch and the computation, nothing else running
+        jax.block_until_ready(a)
+        start = time.perf_counter()
+        out = call(*a)
+        launched = time.perf_counter()
+        jax.block_until_ready(out)
+        alone_launches.append(launched - start)
+        alone_computes.append(time.perf_counter() - launched)
+        return out
+
+    engine.runner._executable = through(launch_cpu)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(args.steps):
         start, cpu = time.perf_counter(), time.thread_time()
@@ -123,22 +134,7 @@ def main() -> None:
         walls.append(time.perf_counter() - start)
         cpus.append(time.thread_time() - cpu)
     faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / args.steps
-    alone = []  # (launch, compute) of the compiled call with its inputs ready and nothing else running
-
-    def waited(shape, args):
-        call = executable(shape, args)
-
-        def run(*a):
-            jax.block_until_ready(a)
-            start = time.perf_counter()
-            out = call(*a)
-            launched = time.perf_counter()
-            jax.block_until_ready(out)
-            alone.append((launched - start, time.perf_counter() - launched))
-            return out
-        return run
-
-    engine.runner._executable = waited
+    engine.runner._executable = through(alone)
     for _ in range(args.steps):
         engine.step()
     engine.runner._executable = executable
@@ -158,7 +154,7 @@ def main() -> None:
           f"{faults:.0f} page faults per step (fresh memory the step touched); the engine thread's CPU "
           f"{np.median(cpus) * 1e3:.2f} ms per step, {np.median(launches) * 1e3:.2f} ms of it in the compiled "
           f"call's launch; the compiled step alone (its inputs ready, nothing else running): a "
-          f"{np.median([a[0] for a in alone]) * 1e3:.2f} ms launch, then {np.median([a[1] for a in alone]) * 1e3:.2f} "
+          f"{np.median(alone_launches) * 1e3:.2f} ms launch, then {np.median(alone_computes) * 1e3:.2f} "
           "ms until its outputs are ready\n")
     print("| operation | ms per step (fusions: summed over threads; custom calls: wall time) | calls per step |\n"
           "| --- | --- | --- |")
