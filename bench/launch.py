@@ -5,14 +5,15 @@ thread's CPU time per call of a trivial program whose arguments come as a decode
 
 A step's launch parses, checks and holds every argument array and makes every output array, on the
 engine thread, before the step is computed (bench/step_profile.py reports that thread's CPU per step
-and the launch's part of it). The default model's step takes its weights as 693 arrays (per layer,
-seven quantized matrices of three parts each and two norms) and its KV cache as one K and one V
-array per layer, donated and given back. Each column here is a program that reads one value of each
-kind of argument (so that every array is an argument) and writes one slot of each KV array (so that
-each is donated and given back), called with its arguments arranged one way:
+and the launch's part of it). On one CPU device the default model's step takes its weights as 272
+arrays (per layer, seven quantized matrices kept grouped, each one array, and two norms; 693 when a
+matrix's data, scales and mins were three) and its KV cache as one K and one V array per layer,
+donated and given back. Each column here is a program that reads one value of each kind of argument
+(so that every array is an argument) and writes one slot of each KV array (so that each is donated
+and given back), called with its arguments arranged one way:
 
-- weights as the model keeps them (21 matrix parts and 2 norms per layer), a matrix's three parts
-  as one array (9 per layer), or one array per layer;
+- weights with a matrix's three parts apart (21 matrix parts and 2 norms per layer), a matrix as
+  one array (9 per layer, as the model keeps them), or one array per layer;
 - the KV cache as two arrays per layer, or one K and one V array for all layers.
 
 Before each call the host writes a 128 MB buffer, as a step's weights evict the caches between
@@ -59,7 +60,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="the default model's 30")
     args = ap.parse_args()
     n = args.layers
-    weights = {"as kept (23 a layer)": 23 * n + 3, "parts as one (9 a layer)": 9 * n + 2, "one a layer": n + 2}
+    weights = {"parts apart (23 a layer)": 23 * n + 3, "a matrix one array (9 a layer)": 9 * n + 2,
+               "one a layer": n + 2}
     kv = {"KV per layer": 2 * n, "KV stacked": 2}
     calls = {(w, k): program(num_w, num_kv, n) for w, num_w in weights.items() for k, num_kv in kv.items()}
     evict = np.ones(32 << 20, np.float32)

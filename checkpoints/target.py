@@ -61,7 +61,8 @@ class ParamTarget:
     formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
     # paths kept as their bfloat16 values' raw bits (uint16): see `kernels.matmul.grouped.kept_as_bits`
     as_bits: frozenset[str] = frozenset()
-    # quantized matrices (weight paths) kept grouped (`kernels.matmul.quant.group_rows`): grouped once loaded
+    # quantized matrices (weight paths) kept grouped (`kernels.matmul.quant.group_rows`): loaded in
+    # rows (`shapes`), then each one array (`group`)
     grouped: frozenset[str] = frozenset()
 
     @functools.cached_property
@@ -84,12 +85,12 @@ class ParamTarget:
         return array.view(np.uint16) if path in self.as_bits else array
 
     def group(self, loaded: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        """`loaded` (parameters by path, in rows) with the parts of each matrix of `grouped` grouped (a copy)."""
+        """`loaded` (parameters by path, in rows: `shapes`) with each matrix of `grouped` grouped,
+        its parts one array at its weight's path (`GroupedRows`), as the model keeps it (a copy)."""
         loaded = dict(loaded)
         for path in self.grouped:
             parts = quantized_paths(path)
-            weight = group_rows(QuantizedWeight(*(loaded.get(p) for p in parts)), jnp)
-            loaded.update((p, array) for p, array in zip(parts, weight) if array is not None)
+            loaded[path] = group_rows(QuantizedWeight(*(loaded.pop(p, None) for p in parts)), jnp).data
         return loaded
 
     def fits(self, target: str) -> bool:

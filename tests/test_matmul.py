@@ -19,8 +19,8 @@ from conftest import needs_cpu_backend
 from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, _operands,
                             bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16, quantized_forms,
                             row_limit)
-from kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows, quantize,
-                                  take_rows, ungroup_rows)
+from kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows, nbytes,
+                                  quantize, take_rows, ungroup_rows)
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -261,7 +261,7 @@ def test_grouped_rows_match_float64(fmt):
         w = _random_quantized(rng, (d_out, d_in), fmt)
         grouped = group_rows(w)
         assert isinstance(grouped, GroupedRows) and grouped.shape == w.shape
-        assert not np.array_equal(grouped.data, w.data)
+        assert grouped.scales is None and grouped.mins is None and nbytes(grouped) == nbytes(w)  # (one array)
         assert all(np.array_equal(a, b) for a, b in zip(ungroup_rows(grouped), w) if a is not None)
         assert np.array_equal(dequantize(grouped), dequantize(w))
         x = jnp.asarray(rng.standard_normal((rows, d_in)), jnp.bfloat16)
@@ -278,7 +278,7 @@ def test_grouped_rows_match_float64(fmt):
         for got, one in zip(jax.jit(many)(x, ws), ws, strict=True):
             assert np.array_equal(got, jax.jit(matmul_t)(x, one))
         mixed = [grouped, w]  # (a grouped weight and one in rows: one call each)
-        assert _ffi_targets(jax.make_jaxpr(many)(x, mixed).eqns) == [QUANT_TARGETS[fmt]] * 2
+        assert _ffi_targets(jax.make_jaxpr(many)(x, mixed).eqns) == [MANY_TARGET, QUANT_TARGETS[fmt]]
     with pytest.raises(ValueError, match="multiple of 16"):
         group_rows(_random_quantized(rng, (8, 64), fmt))
 
@@ -319,6 +319,7 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
         targets = {fmt: f"test_{flags}_{target}" for fmt, target in QUANT_TARGETS.items()}
         for fmt, target in targets.items():
             assert build._register(QUANT_SOURCE, f"Jaxserve{fmt.capitalize()}MatmulT", target)
+        assert build._register(QUANT_SOURCE, "JaxserveManyMatmulT", many_target := f"test_{flags}_{MANY_TARGET}")
     finally:
         build._library.cache_clear()
     rng = np.random.default_rng(5)
@@ -331,10 +332,11 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
                 call = jax.ffi.ffi_call(targets[fmt], jax.ShapeDtypeStruct((rows, d_out), jnp.float32))
                 x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
                 tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms))
-                error = np.abs(np.asarray(call(x, *operands, row_group=np.int64(0)), np.float64) - x64 @ w64.T)
+                error = np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T)
                 assert (error <= tolerance).all(), (fmt, x_dtype, rows, (error / tolerance).max())
                 if "integer" in forms and d_out % GROUP_ROWS == 0:
-                    grouped = call(x, *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
+                    many = jax.ffi.ffi_call(many_target, [jax.ShapeDtypeStruct((rows, d_out), jnp.float32)])
+                    grouped, = many(x, *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
                     error = np.abs(np.asarray(grouped, np.float64) - x64 @ w64.T)
                     assert (error <= tolerance).all(), (fmt, x_dtype, rows, "grouped", (error / tolerance).max())
 
@@ -365,19 +367,23 @@ def test_quantized_matmul_t_checks_its_operands():
     needs_cpu_backend()
     assert implementation() == "cpu"
     call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
+    with pytest.raises(Exception, match="scales and mins must be float16"):
+        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
+    with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
+        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()
+    many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
     rows, grouped = np.int64(0), np.int64(GROUP_ROWS)  # the layouts (`row_group`)
     with pytest.raises(Exception, match="row_group must be 0"):
-        call(jnp.ones((1, 64)), w.data, w.scales, w.mins, row_group=np.int64(4)).block_until_ready()
-    if "integer" in quantized_forms():  # (a grouped weight's rows come in whole groups)
-        with pytest.raises(Exception, match="a multiple of 16"):
-            call(jnp.ones((1, 64)), w.data, w.scales, w.mins, row_group=grouped).block_until_ready()
-    with pytest.raises(Exception, match="scales and mins float16"):
-        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins, row_group=rows).block_until_ready()
-    with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
-        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins, row_group=rows).block_until_ready()
-    many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
+        jax.block_until_ready(many(jnp.ones((1, 64)), *_operands(w), *_operands(w), row_group=np.int64(4)))
     with pytest.raises(Exception, match="each y needs its weight's data, scales and, int4, mins"):
         jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales, row_group=rows))
-    with pytest.raises(Exception, match="scales and mins float16"):
+    with pytest.raises(Exception, match="scales and mins must be float16"):
         jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales,
                                    w.mins.astype(jnp.float32), row_group=rows))
+    if "integer" in quantized_forms():  # (a grouped weight is one array, its rows in whole groups)
+        one = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)])
+        packed = jnp.zeros((8, 40), jnp.uint8)  # (K = 64: 32 bytes of data, 4 of scales and 4 of mins a row)
+        with pytest.raises(Exception, match="a multiple of 16"):
+            jax.block_until_ready(one(jnp.ones((1, 64)), packed, row_group=grouped))
+        with pytest.raises(Exception, match="a grouped weight must be"):
+            jax.block_until_ready(one(jnp.ones((1, 64)), packed[:, :32], row_group=grouped))

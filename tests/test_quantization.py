@@ -144,7 +144,7 @@ def test_weight_formats():
 def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
     """On one CPU device where the kernel's integer forms run, every quantized matrix whose rows come
     in whole groups is kept grouped, a tied embedding (the LM head) too (the same weight: grouping
-    the layout in rows gives it), and its module hands the kernel a GroupedRows. (This model's head
+    the layout in rows gives it) as one array, and its module hands the kernel a GroupedRows. (This model's head
     is untied; the default model's tied one is served grouped in test_gguf.py.)"""
     from checkpoints import default_model_dir, load_params
     from checkpoints.target import quantized_paths
@@ -168,11 +168,11 @@ def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
         assert isinstance(module.matrix(), GroupedRows) == (f"{path}.{module.WEIGHT}" in target.grouped)
     monkeypatch.setattr(weights, "keeps_grouped", lambda devices: False)
     rows = load_params(d, weights.weight_target(d, cfg, "float32", quantization="int4")[2], "float32")
-    for path in target.grouped:
+    for path in target.grouped:  # (one array at the weight's path, its scales' and mins' paths gone)
         parts = quantized_paths(path)
         want = group_rows(QuantizedWeight(*(np.asarray(rows[p]) for p in parts)))
-        for p, part in zip(parts, want):
-            np.testing.assert_array_equal(np.asarray(grouped[p]), part)
+        np.testing.assert_array_equal(np.asarray(grouped[path]), want.data)
+        assert not set(parts[1:]) & set(grouped)
 
 
 def test_an_orbax_copy_keeps_the_matrices_quantized(tmp_path):

@@ -95,9 +95,11 @@ BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCaus
 MODEL_REGISTRY.update({base: MODEL_REGISTRY[causal] for base, causal in BASE_MODELS.items()})
 
 
-def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None) -> nnx.Module:
+def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None,
+                   grouped: frozenset[str] = frozenset()) -> nnx.Module:
     """The model with shapes only (no memory): the template weights are loaded into. `formats`:
-    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`)."""
+    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`); of those,
+    `grouped` are kept grouped (`Quantizable.group`)."""
     family = MODEL_REGISTRY[cfg.architecture]
 
     def build():
@@ -109,6 +111,8 @@ def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = 
             if module is None or name != module.WEIGHT:
                 raise ValueError(f"{path} is not a matrix that can be kept quantized")
             module.quantize(fmt)
+            if path in grouped:
+                module.group()
         return model
 
     return nnx.eval_shape(build)

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
 from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
-from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, take_rows
+from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
 from kernels.paged_attention.reference import from_cache, to_cache
 
 if TYPE_CHECKING:
@@ -132,12 +132,12 @@ class RMSNorm(nnx.Module):
 class Quantizable(nnx.Module):
     """A module with one matrix [out, in] (its parameter WEIGHT; [experts, out, in] for stacked
     experts) that may be kept quantized: then the parameter holds the quantized data, beside
-    `scales` (and `mins`, int4), with the same leading dimensions; kept grouped (`GroupedRows`) where
-    `grouped`."""
+    `scales` (and `mins`, int4), with the same leading dimensions; or, kept grouped (`group`), the
+    three as one array (`GroupedRows`)."""
 
     WEIGHT = "weight"
     scales = mins = None  # set by `quantize`
-    grouped = False  # set where the loader keeps the matrix grouped (`worker.weights.weight_target`)
+    grouped = False  # set by `group`
 
     def quantize(self, fmt: str) -> None:
         """Swap the float matrix for the parameters of format `fmt` (zeros, to be loaded)."""
@@ -147,13 +147,23 @@ class Quantizable(nnx.Module):
         self.scales = nnx.Param(jnp.zeros((*lead, width // BLOCK), jnp.float16))
         self.mins = nnx.Param(jnp.zeros((*lead, width // BLOCK), jnp.float16)) if fmt == "int4" else None
 
+    def group(self) -> None:
+        """Keep the quantized matrix grouped (where the loader does: `worker.weights.weight_target`):
+        its parts become the one parameter WEIGHT (zeros, to be loaded)."""
+        parts = (getattr(self, self.WEIGHT), self.scales, self.mins)
+        rows = QuantizedWeight(*(None if part is None else jnp.zeros(part.shape, part.dtype) for part in parts))
+        setattr(self, self.WEIGHT, nnx.Param(group_rows(rows, jnp).data))
+        self.scales = self.mins = None
+        self.grouped = True
+
     def matrix(self) -> jax.Array | QuantizedWeight:
-        """What `matmul_t` takes: the float matrix, or its quantized parts."""
+        """What `matmul_t` takes: the float matrix, or its quantized parts (grouped: its one array)."""
         weight = getattr(self, self.WEIGHT)[...]
+        if self.grouped:
+            return GroupedRows(weight, None)
         if self.scales is None:
             return weight
-        kind = GroupedRows if self.grouped else QuantizedWeight
-        return kind(weight, self.scales[...], None if self.mins is None else self.mins[...])
+        return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
 
 
 MASKED_MIN_ROWS = 4  # on CPU, LoRA products of steps of this many rows or more are "masked" (`lora_delta`)

@@ -111,18 +111,18 @@ def weight_target(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mes
     matrices kept as `weight_formats` says, each weight into its sharding on `mesh`)."""
     formats = weight_formats(model_dir, cfg, quantization)
     model = abstract_model(cfg, jnp.dtype(dtype), formats)
-    grouped = frozenset()
-    if keeps_grouped(1 if mesh is None else mesh.size):  # (the tied head too: its lookups read `take_rows`)
-        modules = {f"{module_path}.{module.WEIGHT}": module for module_path, module in quantizable_modules(model).items()}
-        grouped = frozenset(path for path, module in modules.items()
-                            if path in formats and can_group(getattr(module, module.WEIGHT).shape))
-        for path in grouped:  # (the same parameters: only the flag `matrix()` reads)
-            modules[path].grouped = True
-    graphdef, state = nnx.split(model)
+    state = nnx.state(model)  # (in rows: what the loaders read checkpoints into; `ParamTarget.group`)
     stacks = {path for path, leaf in flatten(nnx.to_pure_dict(state)).items()
               if leaf.ndim == 3 and kept_as_bits(leaf.dtype)}  # (experts' stacks: see `kept_as_bits`)
-    return graphdef, state, dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks),
-                                                grouped=grouped)
+    target = dataclasses.replace(param_target(cfg, state, mesh, formats), as_bits=frozenset(stacks))
+    if keeps_grouped(1 if mesh is None else mesh.size):  # (the tied head too: its lookups read `take_rows`)
+        modules = {f"{path}.{module.WEIGHT}": module for path, module in quantizable_modules(model).items()}
+        grouped = frozenset(path for path, module in modules.items()
+                            if path in formats and can_group(getattr(module, module.WEIGHT).shape))
+        model = abstract_model(cfg, jnp.dtype(dtype), formats, grouped)
+        target = dataclasses.replace(target, grouped=grouped)
+    graphdef, state = nnx.split(model)
+    return graphdef, state, target
 
 
 def load_weights(model_dir: str | Path, cfg: ModelConfig, dtype: str, mesh: Mesh | None = None,

@@ -160,10 +160,7 @@ def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, imp
     dtype = jnp.dtype(dtype or x.dtype)
     if not _quantized_kernel(x, dtype, impl):
         return matmul_t_reference(x, dequantize(weight, x.dtype), dtype)
-    *lead, k = x.shape
-    rows, n = math.prod(lead), weight.shape[0]
-    call = jax.ffi.ffi_call(QUANT_TARGETS[weight.fmt], jax.ShapeDtypeStruct((rows, n), dtype))
-    return call(x.reshape(rows, k), *_operands(weight), row_group=_row_group(weight)).reshape(*lead, n)
+    return _kernel_products(x, [weight], dtype)[0]
 
 
 def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None) -> list[jax.Array]:
@@ -176,10 +173,20 @@ def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None =
     if (len(weights) < 2 or len(formats) > 1 or None in formats or not _quantized_kernel(x, dtype, impl)
             or any(x.shape[-1] != w.shape[1] for w in weights)):  # (a product alone says what does not fit)
         return [matmul_t(x, w, dtype, impl=impl) for w in weights]
+    return _kernel_products(x, weights, dtype)
+
+
+def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype) -> list[jax.Array]:
+    """The C++ kernel's products of x by quantized weights of one format and layout: one weight in
+    rows by its format's handler, several (or grouped ones, each one array) by the handler of many."""
     *lead, k = x.shape
-    rows = math.prod(lead)
-    call = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights])
-    ys = call(x.reshape(rows, k), *(part for w in weights for part in _operands(w)), row_group=_row_group(weights[0]))
+    rows, row_group = math.prod(lead), _row_group(weights[0])
+    ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights]
+    operands = [part for w in weights for part in _operands(w)]
+    if len(weights) == 1 and not row_group:
+        ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), *operands)]
+    else:
+        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), *operands, row_group=row_group)
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, weights)]
 
 
@@ -196,4 +203,5 @@ def _row_group(weight: QuantizedWeight) -> np.int64:
 
 
 def _operands(weight: QuantizedWeight) -> tuple[jax.Array, ...]:
-    return (weight.data, weight.scales) + ((weight.mins,) if weight.fmt == "int4" else ())
+    """The kernel's operands of a weight: data, scales (and mins, int4) in rows; grouped, its one array."""
+    return tuple(part for part in weight if part is not None)

@@ -15,9 +15,10 @@
 //   x rounded to bfloat16, multiplied by the tile unit.
 // - Float form (FloatTile, below), on CPUs without AVX512-VNNI: each block of w dequantized in
 //   registers and multiplied by x in float32; nothing rounded.
-// A weight may come grouped (quant.h; the attribute `row_group` 16, else 0 for rows), where the
-// integer forms run: they then take the grouped dot form at every row count, and the tile form
-// decodes each row copied out of its group.
+// A weight may come grouped (quant.h; the handler of many's attribute `row_group` 16, else 0 for
+// rows), where the integer forms run: as one operand, its data, scales and mins one after the other
+// (quant.py's `GroupedRows`). The integer forms then take the grouped dot form at every row count,
+// and the tile form decodes each row copied out of its group.
 
 #include <algorithm>
 #include <cstdint>
@@ -167,33 +168,41 @@ void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const std::vector<Targ
   }
 }
 
-// One weight's operands as the handler receives them, and its y.
+// One weight's operands as the handler receives them, and its y: in rows, data, scales and (int4)
+// mins; grouped, `data` alone holds all three.
 struct Operands {
-  ffi::AnyBuffer data, scales;
-  std::optional<ffi::AnyBuffer> mins;  // int4 only
+  ffi::AnyBuffer data;
+  std::optional<ffi::AnyBuffer> scales, mins;
   ffi::Result<ffi::AnyBuffer> y;
 };
 
-// Why the operands do not fit the format, or "".
-std::string CheckOperands(Format format, ffi::AnyBuffer& x, Operands& o) {
+// Why the operands do not fit the format and layout (`grouped`: the weight as one operand), or "".
+std::string CheckOperands(Format format, bool grouped, ffi::AnyBuffer& x, Operands& o) {
   if ((x.element_type() != ffi::DataType::F32 && !IsBf16(x.element_type())) ||
       (o.y->element_type() != ffi::DataType::F32 && !IsBf16(o.y->element_type()))) {
     return "x and y must be float32 or bfloat16";
   }
   const bool int8 = format == Format::kInt8;
-  if (o.data.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::U8) ||
-      o.scales.element_type() != ffi::DataType::F16 || o.mins.has_value() == int8 ||
-      (o.mins && o.mins->element_type() != ffi::DataType::F16)) {
-    return int8 ? "data must be int8 and scales float16" : "data must be uint8, scales and mins float16";
+  if (o.data.element_type() != (int8 ? ffi::DataType::S8 : ffi::DataType::U8)) {
+    return int8 ? "data must be int8" : "data must be uint8";
   }
-  auto xd = x.dimensions(), dd = o.data.dimensions(), sd = o.scales.dimensions(), yd = o.y->dimensions();
-  if (xd.size() != 2 || dd.size() != 2 || sd.size() != 2 || yd.size() != 2) return "every operand must be 2-D";
-  const int64_t k_len = xd[1], n_len = dd[0];
-  const bool mins_fit = !o.mins || (o.mins->dimensions().size() == 2 && o.mins->dimensions()[0] == sd[0] &&
-                                     o.mins->dimensions()[1] == sd[1]);
-  if (k_len % kBlock || dd[1] != (int8 ? k_len : k_len / 2) || sd[0] != n_len || sd[1] != k_len / kBlock ||
-      !mins_fit || yd[0] != xd[0] || yd[1] != n_len) {
-    return "x must be [M, K] (K a multiple of 32), data [N, K] (int4: K / 2), scales and mins [N, K / 32], y [M, N]";
+  auto xd = x.dimensions(), dd = o.data.dimensions(), yd = o.y->dimensions();
+  if (xd.size() != 2 || dd.size() != 2 || yd.size() != 2) return "every operand must be 2-D";
+  const int64_t k_len = xd[1], n_len = dd[0], row_bytes = int8 ? k_len : k_len / 2, blocks = k_len / kBlock;
+  if (k_len % kBlock || yd[0] != xd[0] || yd[1] != n_len) return "x must be [M, K] (K a multiple of 32), y [M, N]";
+  if (grouped) {
+    return dd[1] == row_bytes + (int8 ? 2 : 4) * blocks ? "" : "a grouped weight must be [N, K + K / 16] (int4: "
+                                                              "[N, K / 2 + K / 8]): its data, scales and mins";
+  }
+  if (!o.scales || o.scales->element_type() != ffi::DataType::F16 || o.mins.has_value() == int8 ||
+      (o.mins && o.mins->element_type() != ffi::DataType::F16)) {
+    return int8 ? "scales must be float16" : "scales and mins must be float16";
+  }
+  auto fits = [&](ffi::AnyBuffer& part) {
+    return part.dimensions().size() == 2 && part.dimensions()[0] == n_len && part.dimensions()[1] == blocks;
+  };
+  if (dd[1] != row_bytes || !fits(*o.scales) || (o.mins && !fits(*o.mins))) {
+    return "data must be [N, K] (int4: K / 2), scales and mins [N, K / 32]";
   }
   return "";
 }
@@ -216,7 +225,7 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
   }
   int64_t wide = 0;  // floats of the bfloat16 ys
   for (Operands& o : weights) {
-    if (std::string why = CheckOperands(format, x, o); !why.empty()) {
+    if (std::string why = CheckOperands(format, grouped, x, o); !why.empty()) {
       return ffi::Error::InvalidArgument("quantized matmul (cpu): " + why);
     }
     if (grouped && o.data.dimensions()[0] % kGroupRows) {
@@ -227,12 +236,17 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
   std::unique_ptr<float[]> buffer(new float[wide]);
   std::vector<Target> targets;
   int64_t used = 0;  // of the buffer
+  const int64_t blocks = k_len / kBlock, row_bytes = format == Format::kInt8 ? k_len : k_len / 2;
   for (Operands& o : weights) {
-    const QuantW w{static_cast<const uint8_t*>(o.data.untyped_data()),
-                   static_cast<const uint16_t*>(o.scales.untyped_data()),
-                   o.mins ? static_cast<const uint16_t*>(o.mins->untyped_data()) : nullptr,
-                   k_len, k_len / kBlock, format == Format::kInt8 ? k_len : k_len / 2, grouped};
     const int64_t n_len = o.data.dimensions()[0];
+    const uint8_t* data = static_cast<const uint8_t*>(o.data.untyped_data());
+    // (grouped: the scales, then the mins, after the data)
+    const uint16_t* scales = grouped ? reinterpret_cast<const uint16_t*>(data + n_len * row_bytes)
+                                     : static_cast<const uint16_t*>(o.scales->untyped_data());
+    const uint16_t* mins = format == Format::kInt8 ? nullptr
+                           : grouped               ? scales + n_len * blocks
+                                                   : static_cast<const uint16_t*>(o.mins->untyped_data());
+    const QuantW w{data, scales, mins, k_len, blocks, row_bytes, grouped};
     float* y = static_cast<float*>(o.y->untyped_data());
     if (IsBf16(o.y->element_type())) {
       y = buffer.get() + used;
@@ -254,32 +268,35 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
   return ffi::Error::Success();
 }
 
+// One weight in rows.
 ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t row_group) {
+                       ffi::Result<ffi::AnyBuffer> y) {
   std::vector<Operands> weights{{data, scales, std::nullopt, y}};
-  return Multiply(Format::kInt8, pool, x, weights, row_group);
+  return Multiply(Format::kInt8, pool, x, weights, 0);
 }
 
 ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y, int64_t row_group) {
+                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
   std::vector<Operands> weights{{data, scales, mins, y}};
-  return Multiply(Format::kInt4, pool, x, weights, row_group);
+  return Multiply(Format::kInt4, pool, x, weights, 0);
 }
 
-// Several weights of one format against the same x, each with its own y: the operands data, scales
-// (and mins, int4) of each weight in turn; the format follows from the first data's dtype.
+// Several weights of one format and layout against the same x, each with its own y (or one grouped
+// weight): the operands of each weight in turn, in rows data, scales (and mins, int4), grouped its
+// one array; the format follows from the first data's dtype.
 ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs parts, ffi::RemainingRets ys,
                        int64_t row_group) {
   const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
-  const size_t per_weight = int8 ? 2 : 3;
+  const size_t per_weight = row_group == kGroupRows ? 1 : int8 ? 2 : 3;
   if (ys.size() == 0 || parts.size() != per_weight * ys.size()) {
     return ffi::Error::InvalidArgument("quantized matmul (cpu): each y needs its weight's data, scales and, "
-                                       "int4, mins");
+                                       "int4, mins (grouped: its one array)");
   }
   std::vector<Operands> weights;
   for (size_t i = 0; i < ys.size(); ++i) {
-    auto part = [&](size_t j) { return *parts.get<ffi::AnyBuffer>(per_weight * i + j); };
-    weights.push_back({part(0), part(1), int8 ? std::optional<ffi::AnyBuffer>() : part(2),
+    auto part = [&](size_t j) { return std::optional(*parts.get<ffi::AnyBuffer>(per_weight * i + j)); };
+    const bool has_mins = per_weight == 3;
+    weights.push_back({*part(0), per_weight > 1 ? part(1) : std::nullopt, has_mins ? part(2) : std::nullopt,
                        *ys.get<ffi::AnyBuffer>(i)});
   }
   return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, weights, row_group);
@@ -293,8 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8MatmulT, jaxserve::quant::Int8MatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("row_group"));
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                               xla::ffi::Ffi::Bind()
@@ -303,14 +319,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
                                   .Arg<xla::ffi::AnyBuffer>()  // mins
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Attr<int64_t>("row_group"));
+                                  .Ret<xla::ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
-                                  .RemainingArgs()             // each weight's data, scales (, mins)
+                                  .RemainingArgs()             // each weight's data, scales (, mins), or one array
                                   .RemainingRets()             // each weight's y
                                   .Attr<int64_t>("row_group"));
 

@@ -13,11 +13,13 @@ GGUF's Q8_0, Q4_0 and Q4_1 do, so those blocks load as they are (`checkpoints.gg
 A weight may have leading dimensions ([experts, out, in]: a Mixture-of-Experts layer's stacked
 matrices); its parts then have them too. A weight's format follows from its data's dtype (`fmt`).
 
-A matrix may also be kept grouped (`GroupedRows`, made by `group_rows`): the same parts and shapes,
-but in each group of GROUP_ROWS rows the rows' 4-byte words of data are interleaved (word j of the
-group's row r at word GROUP_ROWS j + r of the group), and so are their scales and mins (block b of
-row r at GROUP_ROWS b + r). The CPU kernel's decode products then read one row per lane of each
-vector, with no sums across lanes (`quant.cc`; bench/RESULTS.md).
+A matrix may also be kept grouped (`GroupedRows`, made by `group_rows`): in each group of GROUP_ROWS
+rows the rows' 4-byte words of data are interleaved (word j of the group's row r at word
+GROUP_ROWS j + r of the group), and so are their scales and mins (block b of row r at
+GROUP_ROWS b + r). The CPU kernel's decode products then read one row per lane of each vector, with
+no sums across lanes (`quant.cc`; bench/RESULTS.md). The three parts are kept as one array, one
+after the other, so that a step takes one array a matrix: each array costs its launch host time
+(bench/RESULTS.md, "The engine thread's CPU in a one-stream step").
 """
 
 from __future__ import annotations
@@ -50,9 +52,26 @@ class QuantizedWeight(NamedTuple):
 
 
 class GroupedRows(QuantizedWeight):
-    """A QuantizedWeight [out, in] kept grouped (see the top; `group_rows`), out a multiple of GROUP_ROWS."""
+    """A quantized matrix [out, in] kept grouped (see the top; `group_rows`), out a multiple of
+    GROUP_ROWS: `data` of the data's dtype, [out, row bytes], holds the grouped data, then the
+    grouped scales, then (int4) the grouped mins, as raw bytes; `scales` and `mins` are None."""
 
     __slots__ = ()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, width = self.data.shape  # (a row's bytes: in + 2 in / BLOCK; int4 in / 2 + 4 in / BLOCK)
+        return out, width * 16 // 17 if self.fmt == "int8" else width * 8 // 5
+
+    def parts(self, xp=np) -> tuple:
+        """The grouped data [out, in or in / 2] and the grouped scales (and mins) [out, in / BLOCK],
+        read out of `data`."""
+        out, width = self.shape
+        flat = self.data.reshape(-1)
+        data_bytes, half_bytes = out * (width if self.fmt == "int8" else width // 2), out * width // BLOCK * 2
+        halves = [_as_float16(flat[start:start + half_bytes].reshape(-1, 2), xp).reshape(out, width // BLOCK)
+                  for start in range(data_bytes, flat.shape[0], half_bytes)]
+        return flat[:data_bytes].reshape(out, -1), *halves
 
 
 GROUP_ROWS = 16
@@ -76,29 +95,48 @@ def group_rows(w: QuantizedWeight, xp=np) -> GroupedRows:
     """A quantized matrix in the grouped layout (see the top); `xp` numpy or jax.numpy."""
     if not can_group(w.data.shape):
         raise ValueError(f"only a matrix whose rows are a multiple of {GROUP_ROWS} is kept grouped, not {w.shape}")
-    return GroupedRows(_regroup(w.data, xp, 4, False),
-                       *(None if part is None else _regroup(part, xp, 1, False) for part in (w.scales, w.mins)))
+    data = _regroup(w.data, xp, 4, False)
+    halves = [_as_bytes(_regroup(h, xp, 1, False), data.dtype, xp) for h in (w.scales, w.mins) if h is not None]
+    return GroupedRows(xp.concatenate([data.reshape(-1), *halves]).reshape(data.shape[0], -1), None)
 
 
 def ungroup_rows(w: GroupedRows, xp=np) -> QuantizedWeight:
     """The inverse of `group_rows`: the matrix in rows."""
-    return QuantizedWeight(_regroup(w.data, xp, 4, True),
-                           *(None if part is None else _regroup(part, xp, 1, True) for part in (w.scales, w.mins)))
+    data, *halves = w.parts(xp)
+    return QuantizedWeight(_regroup(data, xp, 4, True), *(_regroup(part, xp, 1, True) for part in halves))
+
+
+def _as_float16(pairs, xp):
+    """Bytes [..., 2] (either integer dtype) -> the float16 [...] they hold."""
+    if xp is np:
+        return np.ascontiguousarray(pairs).view(np.uint8).view(np.float16)[..., 0]
+    return jax.lax.bitcast_convert_type(pairs, jnp.float16)
+
+
+def _as_bytes(halves, dtype, xp):
+    """float16 [...] -> their bytes in `dtype` (int8 or uint8), flat."""
+    if xp is np:
+        return np.ascontiguousarray(halves).view(dtype).reshape(-1)
+    return jax.lax.bitcast_convert_type(halves, dtype).reshape(-1)
 
 
 def take_rows(w: QuantizedWeight, ids) -> QuantizedWeight:
     """Rows `ids` (an int array of any shape) of a quantized matrix, in rows, from either layout: a
-    lookup table's (the tied embedding) reads its rows where the grouped layout put them."""
+    lookup table's (the tied embedding) reads its rows where the grouped layout put them, by their
+    bytes' offsets in its one array (a gather of those bytes only)."""
     if not isinstance(w, GroupedRows):
         return QuantizedWeight(*(None if part is None else part[ids] for part in w))
-    group, row = ids // GROUP_ROWS, ids % GROUP_ROWS
-
-    def take(part, unit):  # (the layout `_regroup` makes: [groups, units, GROUP_ROWS, unit])
-        out, width = part.shape
-        blocks = part.reshape(out // GROUP_ROWS, width // unit, GROUP_ROWS, unit)
-        return blocks[group, :, row].reshape(*ids.shape, width)
-
-    return QuantizedWeight(take(w.data, 4), *(None if part is None else take(part, 1) for part in (w.scales, w.mins)))
+    xp = np if isinstance(w.data, np.ndarray) else jnp
+    out, width = w.shape
+    row_bytes, blocks, flat = (width if w.fmt == "int8" else width // 2), width // BLOCK, w.data.reshape(-1)
+    group, lane = (ids // GROUP_ROWS)[..., None, None], (ids % GROUP_ROWS)[..., None, None]
+    # word j of a group's row `lane` at byte 4 (GROUP_ROWS j + lane) of its group; its blocks likewise
+    words = GROUP_ROWS * row_bytes * group + 4 * (GROUP_ROWS * np.arange(row_bytes // 4)[:, None] + lane)
+    data = flat[words + np.arange(4)].reshape(*ids.shape, row_bytes)
+    blocks_at = 2 * (GROUP_ROWS * blocks * group + GROUP_ROWS * np.arange(blocks)[:, None] + lane) + np.arange(2)
+    starts = range(out * row_bytes, flat.shape[0], out * blocks * 2)  # (the scales', then the mins')
+    halves = [_as_float16(flat[start + blocks_at], xp) for start in starts]
+    return QuantizedWeight(data, *halves)
 
 
 def _nibbles(data):
