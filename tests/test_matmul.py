@@ -4,11 +4,13 @@ compiler."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 import os
 import platform
 import shutil
 import subprocess
+import time
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +248,29 @@ def test_matmul_t_many_equals_one_product_each(fmt, x_dtype, out_dtype):
     mixed = [_random_quantized(rng, (8, 64), fmt), _random_quantized(rng, (8, 64), other), jnp.ones((8, 64))]
     assert _ffi_targets(jax.make_jaxpr(matmul_t_many)(x, mixed).eqns) == [
         QUANT_TARGETS[fmt], QUANT_TARGETS[other], TARGET]
+
+
+def test_one_row_products_from_several_threads_at_once_are_the_same():
+    """A one-row product hands its second half to the kernels' own helper thread, which one call
+    holds at a time (others take XLA's pool): calls from several threads at once, some after the
+    helper has gone to sleep, give the values of one call alone bit for bit."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.standard_normal((1, 576)), jnp.bfloat16)
+    ws = [group_rows(_random_quantized(rng, (d_out, 576), "int4")) for d_out in (1536, 1536)]
+    many = jax.jit(lambda x, ws: matmul_t_many(x, ws))
+    want = [np.asarray(y) for y in many(x, ws)]
+
+    def calls(thread: int) -> bool:
+        same = True
+        for i in range(40):
+            if (i + thread) % 8 == 0:
+                time.sleep(0.002)  # (the helper sleeps after 200 us without work)
+            same &= all(np.array_equal(y, w) for y, w in zip(many(x, ws), want, strict=True))
+        return same
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(calls, range(4)))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -7,10 +7,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -89,12 +92,98 @@ inline void InRegister(Lanes& v) {
 #endif
 }
 
+// Helper threads of the kernels' own, which keep looking for work for a while after each call
+// before they sleep. Handing work to a sleeping thread (XLA's pool's, say) costs the caller a
+// futex wake, about 8 us in a VM, as long as half of a one-row product; a helper still looking
+// starts within a microsecond. While looking it yields the core to any other runnable thread.
+// One set per process: a function-local static of an inline function is one object across the
+// kernels' libraries (GNU unique symbol).
+class Helpers {
+ public:
+  static Helpers& Get() {
+    static Helpers* helpers = new Helpers();  // never destroyed: its threads outlive main's exit
+    return *helpers;
+  }
+
+  // task() on the caller and on up to `count` helpers, returning when every call of it has
+  // returned; false (task not called) when another caller holds the helpers.
+  template <typename Task>
+  bool Run(int64_t count, Task& task) {
+    std::unique_lock<std::mutex> hold(holder_, std::try_to_lock);
+    if (!hold.owns_lock()) return false;
+    Start(count);
+    call_ = [](void* t) { (*static_cast<Task*>(t))(); };
+    task_ = &task;
+    wanted_ = count;
+    joined_.store(0, std::memory_order_release);
+    generation_.fetch_add(1);
+    if (sleeping_.load() > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wake_.notify_all();
+    }
+    task();
+    joined_.fetch_or(kClosed);  // no helper joins from here on; wait for those that did
+    while ((joined_.load(std::memory_order_acquire) & ~kClosed) != 0) std::this_thread::yield();
+    return true;
+  }
+
+ private:
+  static constexpr int64_t kClosed = int64_t{1} << 40;
+  static constexpr auto kLookFor = std::chrono::microseconds(200);  // a step's calls come closer than this
+
+  void Start(int64_t count) {
+    while (static_cast<int64_t>(threads_) < count) {
+      std::thread([this] { Loop(); }).detach();
+      ++threads_;
+    }
+  }
+
+  void Loop() {
+    uint64_t seen = generation_.load();
+    for (;;) {
+      const auto since = std::chrono::steady_clock::now();
+      uint64_t now;
+      while ((now = generation_.load()) == seen) {
+        std::this_thread::yield();
+        if (std::chrono::steady_clock::now() - since > kLookFor) {
+          std::unique_lock<std::mutex> lock(sleep_mutex_);
+          sleeping_.fetch_add(1);
+          wake_.wait(lock, [&] { return generation_.load() != seen; });
+          sleeping_.fetch_sub(1);
+        }
+      }
+      seen = now;
+      int64_t state = joined_.load();
+      while (!(state & kClosed) && state < wanted_.load()) {
+        if (joined_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel)) {
+          call_(task_);  // the job of the caller holding the helpers now, which waits for this call
+          joined_.fetch_sub(1, std::memory_order_release);
+          break;
+        }
+      }
+    }
+  }
+
+  std::mutex holder_;
+  size_t threads_ = 0;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<int64_t> joined_{kClosed};  // helpers in the current job, kClosed once the caller is done
+  std::atomic<int64_t> wanted_{0};
+  void (*call_)(void*) = nullptr;
+  void* task_ = nullptr;
+  std::mutex sleep_mutex_;
+  std::condition_variable wake_;
+  std::atomic<int> sleeping_{0};
+};
+
 // fn(item, scratch) for every item in [0, n), on the calling thread and on up to
-// pool.num_threads() - 1 helpers from XLA's intra-op pool, each with its own scratch vector.
-// Items are claimed from an atomic counter, so a helper that starts late finds none left (it
-// never touches `fn` then) and nothing waits on a thread the pool has not started.
+// pool.num_threads() - 1 helpers from XLA's intra-op pool, or for `brief` work (a call of tens of
+// microseconds, whose hand-off would cost as much) from the kernels' own Helpers where no other
+// call holds them; each with its own scratch vector. Items are claimed from an atomic counter,
+// so a helper that starts late finds none left (it never touches `fn` then) and nothing waits on
+// a thread that has not started.
 template <typename Fn>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn, bool brief = false) {
   struct Counters {
     std::atomic<int64_t> next{0}, done{0};
   };
@@ -107,6 +196,8 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Fn& fn) {
     }
   };
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  if (helpers <= 0) return run();
+  if (brief && Helpers::Get().Run(helpers, run)) return;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(run)(run));  // (a copy: Schedule takes F&&)
   run();
   while (counters->done.load(std::memory_order_acquire) < n) {
@@ -138,6 +229,11 @@ inline void RoundToBf16(ffi::ThreadPool& pool, const float* y, int64_t count, ui
 // (ParallelFor). Where x is one block (decode), the blocks of w are resized so that the items
 // split evenly over the threads where they can (3 items on 2 threads leave one thread waiting for
 // the other). (With several blocks of x, rounding the split over them could add items instead.)
+// A few rows of x (a decode of a few streams) make brief work: at one row a product's half is
+// 10-20 us. (With more, the kernels' own helper would contend with XLA's threads, which then
+// run the step's fusions in parallel: a 32-row decode step took 20-40 % longer.)
+constexpr int64_t kBriefRows = 4;
+
 template <typename Fn>
 void ForEachBlock(ffi::ThreadPool& pool, int64_t m_len, int64_t n_len, int64_t rows_of_x, int64_t rows_of_w,
                   int64_t tile_cols, const Fn& fn) {
@@ -153,7 +249,7 @@ void ForEachBlock(ffi::ThreadPool& pool, int64_t m_len, int64_t n_len, int64_t r
   ParallelFor(pool, m_blocks * n_blocks, [&](int64_t item, std::vector<float>& scratch) {
     const int64_t m0 = item % m_blocks * rows_of_x, n0 = item / m_blocks * rows;
     fn(m0, std::min(m_len, m0 + rows_of_x), n0, std::min(n_len, n0 + rows), scratch);
-  });
+  }, m_len <= kBriefRows);
 }
 
 }  // namespace jaxserve
