@@ -9,7 +9,7 @@ bench-125m in floats against llama.cpp's f32 and f16, bench-125m with `--quantiz
 llama.cpp's Q8_0 of the same weights, and the real default model (SmolLM2-135M-Instruct) served by
 both from the same Q4_1 GGUF file, and that file dequantized to bfloat16 (`peers.bf16_checkpoint`)
 served by jaxserve and by vLLM's CPU build (`peers.vllm_python`; eager, both cores).
-`--only NAME,...` runs some of the servers (the names of the tables).
+`--only NAME,...` runs some of the servers (the names of the tables; "transformers" for its runs).
 transformers is timed in-process (`model.generate`, batch 1 and 32, same prompts and lengths).
 Prints the tables; `--write` also puts them into bench/RESULTS.md between the serving markers.
 """
@@ -152,6 +152,7 @@ def main() -> None:
     }
     if args.only:
         servers = {k: v for k, v in servers.items() if k in args.only.split(",")}
+    hf_models = (("float32", f32), ("bfloat16", bf16)) if not args.only or "transformers" in args.only else ()
     results, startups = {}, {}
     for run_index in range(1, args.runs + 1):
         for name, cmd in servers.items():
@@ -165,7 +166,7 @@ def main() -> None:
                 results[(run_index, name)] = {r["workload"]: r for r in run(url, ["W1", "W2", "W3"],
                                                                             offset=1000 * run_index)}
             print(f"  {fmt(results[(run_index, name)])}", flush=True)
-        for dtype, model in (("float32", f32), ("bfloat16", bf16)):
+        for dtype, model in hf_models:
             results[(run_index, f"transformers {dtype}")] = transformers_generate(model, dtype, 1000 * run_index)
             print(f"run {run_index}: transformers {dtype}: {results[(run_index, f'transformers {dtype}')]}",
                   flush=True)
@@ -208,8 +209,9 @@ def render(results: dict, startups: dict, limits: dict, pairs: list[tuple], runs
               "jaxserve's, so > 1 is better for jaxserve everywhere), and jaxserve against the bounds "
               "(W1 decode / bandwidth bound at the copy rate, and at the read-only rate; the peer's W1 against "
               "the first; W2 tok/s / compute bound):", "",
-              "| run | pair | W1 decode | W2 tok/s | W2 vs transformers generate | W3 TTFT p50 | W1 / bandwidth bound | "
-              "W1 / read bound | peer W1 / bandwidth bound | W2 / compute bound |", "| --- |" + " --- |" * 9]
+              "| run | pair | W1 decode | W2 tok/s | W2 vs transformers generate | W3 TTFT p50 | "
+              "W1 / bandwidth bound | W1 / read bound | peer W1 / bandwidth bound | W2 / compute bound |",
+              "| --- |" + " --- |" * 9]
     for run_index in range(1, runs + 1):
         for ours, peer, dtype, config, bytes_per_weight in pairs:
             if (run_index, ours) not in results or (run_index, peer) not in results:
