@@ -30,7 +30,8 @@
 // only the order of the sums changes).
 // - From 16 rows on, PairPanelTile: x in panels of 16 rows whose lane r holds row r's pair (k, k + 1)
 //   as one 32-bit word, one pair of a row of w broadcast per k pair, 3 panels x 8 rows of w per tile
-//   (24 accumulators of the 32 AVX-512 registers), at every row count.
+//   (24 accumulators of the 32 AVX-512 registers), at every row count. The tile rounds a bfloat16 y
+//   itself, and y is written in its own dtype (no float32 copy to zero, then round).
 // - Under 16 rows, PairTile: 32 values of k of a row of x and of w per instruction, both as they lie
 //   in memory (no shifts, no reordered copy of x).
 //
@@ -42,6 +43,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -305,10 +307,11 @@ void PackPairPanels(const uint16_t* x, int64_t rows, int64_t k_len, uint32_t* ou
 }
 
 // c[i][j][0:16] = sum_k panels[i][k][0:16] w[j * ldw + k] for i < MP, j < NR: MP panels of x
-// (panel_words apart) against NR rows of a bfloat16 w, one pair of k per step.
-template <int MP, int NR>
+// (panel_words apart) against NR rows of a bfloat16 w, one pair of k per step; c in float32, or
+// rounded to bfloat16 (to nearest even, values under float32's normal range flushed to zero).
+template <int MP, int NR, typename C>
 void PairPanelTile(const uint32_t* panels, int64_t panel_words, const uint16_t* w, int64_t ldw, int64_t pairs,
-                   float* c) {
+                   C* c) {
   __m512 acc[MP][NR];
   for (int i = 0; i < MP; ++i) {
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -324,37 +327,48 @@ void PairPanelTile(const uint32_t* panels, int64_t panel_words, const uint16_t* 
     }
   }
   for (int i = 0; i < MP; ++i) {
-    for (int j = 0; j < NR; ++j) _mm512_storeu_ps(c + (i * kPairTileCols + j) * kPanelRows, acc[i][j]);
+    for (int j = 0; j < NR; ++j) {
+      C* out = c + (i * kPairTileCols + j) * kPanelRows;
+      if constexpr (std::is_same_v<C, float>) {
+        _mm512_storeu_ps(out, acc[i][j]);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+      }
+    }
   }
 }
 
-template <int MP, int... NR>
+template <typename C, int MP, int... NR>
 constexpr auto PairPanelTiles(std::integer_sequence<int, NR...>) {
-  return std::array{&PairPanelTile<MP, NR + 1>...};
+  return std::array{&PairPanelTile<MP, NR + 1, C>...};
 }
 
-// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16.
-// Tile t takes rows n0 + t + c * stride of w, c < kPairTileCols (see the top of the file).
-void PairPanelBlock(const uint32_t* panels, const uint16_t* w, float* y, int64_t n_len, int64_t k_len, int64_t m0,
+// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16, y
+// float32 or bfloat16 (rounded by the tile, see PairPanelTile). Tile t takes rows n0 + t + c * stride
+// of w, c < kPairTileCols (see the top of the file). Every tile of a group of panels runs before the
+// next group's: the group's rows of y then stay in the cache while its tiles' outputs are scattered
+// over them (group by group for each tile, the stores missed the cache: a tenth of the products).
+template <typename Y>
+void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_len, int64_t k_len, int64_t m0,
                     int64_t m1, int64_t n0, int64_t n1) {
   static_assert(kPairPanels == 3, "one row of kTiles per panel count");
   static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
-  static constexpr std::array kTiles{PairPanelTiles<1>(kCols), PairPanelTiles<2>(kCols), PairPanelTiles<3>(kCols)};
+  static constexpr std::array kTiles{PairPanelTiles<Y, 1>(kCols), PairPanelTiles<Y, 2>(kCols),
+                                     PairPanelTiles<Y, 3>(kCols)};
   const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
   const int64_t stride = CeilDiv(n1 - n0, kPairTileCols);
-  float c[kPairPanels * kPairTileCols * kPanelRows];
-  for (int64_t t = 0; t < stride; ++t) {
-    const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
-    for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
-      const int64_t panels_here = std::min<int64_t>(kPairPanels, CeilDiv(m1 - m, kPanelRows));
+  Y c[kPairPanels * kPairTileCols * kPanelRows];
+  for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
+    const int64_t panels_here = std::min<int64_t>(kPairPanels, CeilDiv(m1 - m, kPanelRows));
+    const int64_t rows = std::min(panels_here * kPanelRows, m1 - m);
+    for (int64_t t = 0; t < stride; ++t) {
+      const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
       kTiles[panels_here - 1][cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len,
                                         stride * k_len, pairs, c);
-      for (int64_t i = 0; i < panels_here; ++i) {
-        for (int64_t j = 0; j < cols; ++j) {
-          for (int64_t r = 0; r < std::min(kPanelRows, m1 - m - i * kPanelRows); ++r) {
-            y[(m + i * kPanelRows + r) * n_len + n + j * stride] = c[(i * kPairTileCols + j) * kPanelRows + r];
-          }
-        }
+      for (int64_t r = 0; r < rows; ++r) {
+        const Y* cr = c + r / kPanelRows * kPairTileCols * kPanelRows + r % kPanelRows;
+        Y* yr = y + (m + r) * n_len + n;
+        for (int64_t j = 0; j < cols; ++j) yr[j * stride] = cr[j * kPanelRows];
       }
     }
   }
@@ -432,22 +446,31 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
     return ffi::Error::Success();
   }
 #endif
-  // y in float32: the result buffer itself, or a copy to be rounded
-  std::vector<float> x_wide, y_wide(y_bf16 ? m_len * n_len : 0);
-  float* ys = y_bf16 ? y_wide.data() : static_cast<float*>(y->untyped_data());
-
 #if defined(__AVX512BF16__)
-  if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {
-    std::vector<uint32_t> pairs(CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2);
-    PackPairPanels(x_bits, m_len, k_len, pairs.data());
+  if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {  // (y written in its own dtype)
+    std::unique_ptr<uint32_t[]> pairs(new uint32_t[CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2]);
+    PackPairPanels(x_bits, m_len, k_len, pairs.get());
     const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
         std::max<int64_t>(1, kBytesOfX / (2 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
-    ForEachBlock(pool, m_len, n_len, rows_of_x, kPairRowsOfW, kPairTileCols,
-                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-      PairPanelBlock(pairs.data(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
-    });
-  } else
+    auto blocks = [&](auto* ys) {
+      ForEachBlock(pool, m_len, n_len, rows_of_x, kPairRowsOfW, kPairTileCols,
+                   [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+        PairPanelBlock(pairs.get(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+      });
+    };
+    if (y_bf16) {
+      blocks(static_cast<uint16_t*>(y->untyped_data()));
+    } else {
+      blocks(static_cast<float*>(y->untyped_data()));
+    }
+    return ffi::Error::Success();
+  }
 #endif
+  // y in float32: the result buffer itself, or a copy to be rounded (every form writes all of it)
+  std::vector<float> x_wide;
+  std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
+  float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
+
   if (m_len >= kPanelMinRows) {
     x_wide.resize((m_len + kPanelRows - 1) / kPanelRows * kPanelRows * k_len);
     if (x_bf16) {
