@@ -2,11 +2,18 @@
 sequence fits beside them: LoRA adapters (`max_loras` slots), steerings (`max_steering_slots`
 slots) and the layers whose hidden states are gathered (`max_hidden_states_layers`, all rows'
 together). A sequence that does not fit waits, and those behind it that fit go first (vLLM's rule
-for adapters)."""
+for adapters). And how many tokens to keep out of a step whose padding to its token bucket
+would cost more than running them in the next one (`bucket_cut`)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from collections.abc import Iterable
+
 from jaxserve.sched.sequence import Sequence
+
+CUT_MIN_TOKENS = 64  # below, a step costs less than its tokens' share (reading the weights): padding is cheap
 
 
 class BatchLimits:
@@ -31,3 +38,21 @@ class BatchLimits:
         if seq.sampling.steering is not None:
             self.steerings.add(seq.sampling.steering.key)
         self.layers.update(seq.sampling.hidden_layers)
+
+
+def bucket_cut(config, total: int, budget: int, waiting: Iterable[Sequence], num_running: int) -> tuple[int, int]:
+    """A step's (total, budget) tokens, `budget` of them left once the running rows have theirs,
+    cut so that the step ends on the token bucket below instead of being padded to the one above:
+    a step whose tokens, the waiting prompts' included, would end in the lower half between two
+    buckets of at least CUT_MIN_TOKENS stops at the lower one, its last prompt chunked (the rest
+    comes first in the next step). Padded tokens cost as much as computed ones there. A prompt's
+    cached prefix, unknown before it is matched, counts as tokens to compute."""
+    used, seats = total - budget, max(config.max_num_seqs - num_running, 0)
+    n = used + min(budget, sum(seq.num_wanted_tokens - seq.num_computed_tokens
+                               for seq in itertools.islice(waiting, seats)))
+    buckets = config.token_buckets
+    i = bisect.bisect_right(buckets, n) - 1  # the largest bucket of at most n tokens
+    if i < 0 or i + 1 == len(buckets) or buckets[i] < max(used + 1, CUT_MIN_TOKENS):
+        return total, budget
+    low, high = buckets[i], buckets[i + 1]
+    return (low, low - used) if 2 * (n - low) < high - low else (total, budget)

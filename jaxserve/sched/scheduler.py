@@ -55,7 +55,7 @@ import itertools
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.sched.limits import BatchLimits
+from jaxserve.sched.limits import BatchLimits, bucket_cut
 from jaxserve.sched.pages import PageAllocator
 from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, hidden_layer_slots,
                                  prompt_targets, record_hidden_states,
@@ -186,6 +186,7 @@ class Scheduler:
             batch.rows.append(ScheduledSeq.take(seq, n, len(batch.rows)))
             budget -= n
         budget -= self._add_drafts(batch, drafts or {}, budget)
+        total, budget = bucket_cut(self.config, total, budget, self.waiting, len(self.running))
         limits = BatchLimits(self.config, self.running)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
