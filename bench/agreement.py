@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import machine_line  # noqa: E402
 

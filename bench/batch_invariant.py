@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoints import DEFAULT_MODEL_NAME  # noqa: E402
 from common import free_port, machine_line, server  # noqa: E402

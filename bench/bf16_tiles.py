@@ -29,7 +29,7 @@ import numpy as np
 from quant_matmul import make_weights
 from roofline import best_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {"q, o (576 -> 576)": (576, 576), "k, v (576 -> 192)": (192, 576), "up, gate (576 -> 1536)": (1536, 576),
           "down (1536 -> 576)": (576, 1536)}  # [out, in]
@@ -40,8 +40,8 @@ PAIRS_TARGET = "bench_pairs_matmul_t"
 
 def register_pairs() -> None:
     """cpu.cc built once more without AMX, registered as PAIRS_TARGET (its own cache directory)."""
-    from kernels.cpu import build
-    from kernels.matmul import SOURCE
+    from jaxserve_kernels.cpu import build
+    from jaxserve_kernels.matmul import SOURCE
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,8 +73,8 @@ def main() -> None:
     import torch
 
     from common import machine_line
-    from kernels.cpu import build
-    from kernels.matmul import SOURCE, implementation, matmul_t
+    from jaxserve_kernels.cpu import build
+    from jaxserve_kernels.matmul import SOURCE, implementation, matmul_t
 
     assert implementation() == "cpu", "the CPU kernels could not be built"
     tiles = bool(build.library(SOURCE).JaxserveMatmulTiles())  # (else the kernel runs its pair forms)

@@ -26,9 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import cache_dtype, paged_attention  # noqa: E402
-from kernels.paged_attention import BY_BACKEND  # noqa: E402
-from kernels.paged_attention.reference import to_cache  # noqa: E402
+from jaxserve_kernels import cache_dtype, paged_attention  # noqa: E402
+from jaxserve_kernels.paged_attention import BY_BACKEND  # noqa: E402
+from jaxserve_kernels.paged_attention.reference import to_cache  # noqa: E402
 
 PEAK_GBPS = {"TPU v4": 1200, "TPU v5 lite": 819, "TPU v5e": 819, "TPU v5p": 2765, "TPU v6 lite": 1640,
              "H100": 3350, "H200": 4800, "A100": 2039, "L4": 300}

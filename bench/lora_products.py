@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from jaxserve.models.layers import LoraRows, lora_delta  # noqa: E402
-from kernels import matmul_t  # noqa: E402
+from jaxserve_kernels import matmul_t  # noqa: E402
 
 DIMS = {"default": (576, 1536, 192, 30), "8b": (4096, 14336, 1024, 32)}  # hidden, intermediate, kv width, layers
 

@@ -7,8 +7,8 @@ The products of one bench-125m decode step (12 layers of q, k, v, o, gate, up, d
 chained through the layers, for M = 1 ... 128 token rows. Each configuration is jitted once and
 timed (best of 10). PyTorch's `x @ W.T` on the [out, in] weights is the peer, in the same run.
 jaxserve stores its weights [out, in] (`jaxserve.models.layers.Linear`) because of this table. The
-"jaxserve cpu kernel" columns run `kernels.matmul_t` with the C++ CPU kernel on the same [out, in]
-weights; the "jaxserve default" ones `kernels.matmul_t` as the model calls it (the kernel up to its
+"jaxserve cpu kernel" columns run `jaxserve_kernels.matmul_t` with the C++ CPU kernel on the same [out, in]
+weights; the "jaxserve default" ones `jaxserve_kernels.matmul_t` as the model calls it (the kernel up to its
 row limit, then XLA's float32 dot). `--only` keeps the columns whose names contain one of the
 given strings (prefill row counts are slow for PyTorch's bfloat16).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 from roofline import best_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LAYERS, HIDDEN, KV, INTER, VOCAB = 12, 768, 256, 2048, 32000
 SHAPES = dict(q=(HIDDEN, HIDDEN), k=(KV, HIDDEN), v=(KV, HIDDEN), o=(HIDDEN, HIDDEN), gate=(INTER, HIDDEN),
@@ -46,12 +46,12 @@ def decode_products(x, layers, head, mm):
 
 
 def xla_step(layers, head, dtype: str, layout: str, impl: str | None = "xla"):
-    """impl "cpu": jaxserve's CPU kernel (`kernels.matmul`, [out, in] only) instead of XLA's dot;
-    None: `kernels.matmul_t`'s default choice."""
+    """impl "cpu": jaxserve's CPU kernel (`jaxserve_kernels.matmul`, [out, in] only) instead of XLA's dot;
+    None: `jaxserve_kernels.matmul_t`'s default choice."""
     import jax
     import jax.numpy as jnp
 
-    from kernels.matmul import matmul_t
+    from jaxserve_kernels.matmul import matmul_t
 
     def put(w):  # w is [out, in]
         return jnp.asarray(w if layout == "out,in" else w.T, dtype)

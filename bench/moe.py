@@ -5,7 +5,7 @@ model's decode against the dense model of the same active parameter count.
 
 1. Products: x [M, hidden] routed top-2 over 8 experts (random routing) through stacked experts
    [8, out, in], as one MoE layer's gate projection is. Side by side in one run:
-   - `kernels.grouped_matmul_t`, the CPU's default ("chunked": only the experts that have rows are
+   - `jaxserve_kernels.grouped_matmul_t`, the CPU's default ("chunked": only the experts that have rows are
      read), on the stack as a model keeps it (a bfloat16 one as raw bits);
    - `jax.lax.ragged_dot` (XLA's CPU lowering: every row against every expert, masked);
    - the per-expert loop: every expert over every row, the rows it does not take masked out (a MoE
@@ -28,7 +28,7 @@ import numpy as np
 from common import machine_line
 from roofline import best_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 EXPERTS, TOP_K = 8, 2
 SHAPE = (2048, 1024)  # [out, in] of one expert's gate projection
@@ -42,8 +42,8 @@ def products(rows: list[int], dtype: str, repeat: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from kernels import grouped_matmul_t
-    from kernels.matmul.grouped import kept_as_bits
+    from jaxserve_kernels import grouped_matmul_t
+    from jaxserve_kernels.matmul.grouped import kept_as_bits
 
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((EXPERTS, *SHAPE), np.float32) * 0.02, dtype)

@@ -1,4 +1,4 @@
-"""Quantized weights against bfloat16 ones: y = x w^T through `kernels.matmul_t` on the CPU backend.
+"""Quantized weights against bfloat16 ones: y = x w^T through `jaxserve_kernels.matmul_t` on the CPU backend.
 
     python bench/quant_matmul.py [--runs 2] [--rows 1,4,32,512] [--dtype bfloat16] [--reference] [--resident 200]
                                  [--grouped]
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from roofline import best_time
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {"SmolLM2-135M up (576 -> 1536)": (1536, 576), "SmolLM2-135M down (1536 -> 576)": (576, 1536),
           "SmolLM2-135M head (576 -> 49152)": (49152, 576), "125M up (768 -> 3072)": (3072, 768)}  # [out, in]
@@ -40,7 +40,7 @@ def make_weights(rng, shape, fmt: str, copies: int) -> list:
     import jax
     import jax.numpy as jnp
 
-    from kernels.matmul.quant import BLOCK, QuantizedWeight
+    from jaxserve_kernels.matmul.quant import BLOCK, QuantizedWeight
 
     out, width = shape
     scales = jnp.asarray(rng.uniform(0.001, 0.01, (out, width // BLOCK)), jnp.float16)
@@ -73,7 +73,7 @@ def products(impl: str | None):
     else computed)."""
     import jax
 
-    from kernels.matmul import matmul_t
+    from jaxserve_kernels.matmul import matmul_t
 
     return jax.jit(lambda xs, ws: [matmul_t(x, w, impl=impl) for x, w in zip(xs, ws)])
 
@@ -93,8 +93,8 @@ def main() -> None:
     import jax.numpy as jnp
 
     from common import machine_line
-    from kernels.matmul import implementation, native_bf16, quantized_forms
-    from kernels.matmul.quant import group_rows, nbytes
+    from jaxserve_kernels.matmul import implementation, native_bf16, quantized_forms
+    from jaxserve_kernels.matmul.quant import group_rows, nbytes
 
     assert implementation() == "cpu", "the CPU kernels could not be built"
     rng = np.random.default_rng(0)

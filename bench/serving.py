@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `kernels` the package, not bench/kernels.py
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from checkpoints import DEFAULT_MODEL_NAME, builtin  # noqa: E402
 from checkpoints.gguf import model_view  # noqa: E402

@@ -21,7 +21,7 @@ import zipfile
 from pathlib import Path
 
 from checkpoints.default_model import NAME as OFFLINE_NAME
-from kernels.cache import cache_root
+from jaxserve_kernels.cache import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from checkpoints.byte_level import bytes_to_unicode
-from kernels.cache import cache_root
+from jaxserve_kernels.cache import cache_root
 
 NAME = "jaxserve-tiny"
 VERSION = 1  # bump when the generated files change, so old caches are not reused

@@ -7,7 +7,7 @@ into the cache, beside a pointer to the file (VIEW_MARKER); `load_gguf_params` r
 from the file itself (`gguf`, llama.cpp's own reader, memory maps it).
 
 A tensor goes to the format its parameter is kept in (`ParamTarget.formats`): blocks of Q8_0,
-Q4_0 and Q4_1 are the int8 and int4 formats of `kernels.matmul.quant` as they lie; other types
+Q4_0 and Q4_1 are the int8 and int4 formats of `jaxserve_kernels.matmul.quant` as they lie; other types
 are dequantized, then quantized again where kept quantized, or cast to the float dtype.
 
 A Mixture-of-Experts layer's experts lie stacked in one tensor per projection, [experts, out, in]
@@ -32,8 +32,8 @@ from gguf import GGMLQuantizationType
 from checkpoints.gguf_file import architecture, header, reader, tensors
 from checkpoints.gguf_metadata import NORMS_PLUS_ONE, end_of_generation, hf_config, write_tokenizer
 from checkpoints.target import ParamTarget, param_paths
-from kernels.cache import cache_root
-from kernels.matmul.quant import BLOCK, QuantizedWeight
+from jaxserve_kernels.cache import cache_root
+from jaxserve_kernels.matmul.quant import BLOCK, QuantizedWeight
 
 log = logging.getLogger(__name__)
 

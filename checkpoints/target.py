@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
-from kernels.matmul.quant import QuantizedWeight, group_rows, quantize
+from jaxserve_kernels.matmul.quant import QuantizedWeight, group_rows, quantize
 
 SLICE = re.compile(r"(.+)\[(\d+)\]")
 
@@ -56,12 +56,12 @@ class ParamTarget:
     sharding: Callable[[str], Sharding] | None = None  # parameter path -> its sharding; None: the default device
     # a host array onto its sharding (the caller's, e.g. one that fills each process's devices itself)
     place: Callable[[np.ndarray, Sharding], jax.Array] = jax.device_put
-    # weight path -> the quantized format it is kept in (kernels.matmul.quant); its scales and mins
+    # weight path -> the quantized format it is kept in (jaxserve_kernels.matmul.quant); its scales and mins
     # are parameters of their own (`quantized_paths`)
     formats: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    # paths kept as their bfloat16 values' raw bits (uint16): see `kernels.matmul.grouped.kept_as_bits`
+    # paths kept as their bfloat16 values' raw bits (uint16): see `jaxserve_kernels.matmul.grouped.kept_as_bits`
     as_bits: frozenset[str] = frozenset()
-    # quantized matrices (weight paths) kept grouped (`kernels.matmul.quant.group_rows`): loaded in
+    # quantized matrices (weight paths) kept grouped (`jaxserve_kernels.matmul.quant.group_rows`): loaded in
     # rows (`shapes`), then each one array (`group`)
     grouped: frozenset[str] = frozenset()
 

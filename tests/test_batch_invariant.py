@@ -29,7 +29,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.models import ModelInputs
 from jaxserve.models.invariant import ROWS, tile_inputs
 from jaxserve.sched.sequence import Sequence, TokenLogprobs
-from kernels import paged_attention
+from jaxserve_kernels import paged_attention
 
 # A 32-token budget cuts the target's 45-token prompt into chunks whose sizes depend on what else
 # the step holds; 32 sequences at once is the largest batch.

@@ -210,7 +210,7 @@ def test_fused_tensors_split_and_expert_slices_stack(tmp_path):
     from safetensors.numpy import save_file
 
     from checkpoints import ParamTarget, load_params
-    from kernels.matmul.quant import QuantizedWeight, dequantize
+    from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize
 
     rng = np.random.default_rng(0)
     fused = rng.standard_normal((5, 64)).astype(np.float32)

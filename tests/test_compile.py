@@ -117,11 +117,11 @@ def test_a_restart_loads_every_bucket_from_the_executable_cache(tmp_path, monkey
 
 def test_executable_key_covers_every_source_file():
     """An executable saved by one version of the model code must never load under another: the key
-    hashes every source file of jaxserve/ and kernels/ (it once hashed none, from a path one folder
+    hashes every source file of jaxserve/ and jaxserve_kernels/ (it once hashed none, from a path one folder
     short, and executables outlived changes to the layers)."""
     from jaxserve.models import layers
     from jaxserve.worker.executables import source_files
-    from kernels.paged_attention import cpu
+    from jaxserve_kernels.paged_attention import cpu
 
     _, files = source_files()
     for module in (layers, cpu):

@@ -29,7 +29,7 @@ from test_parity import _hf_greedy, assert_same_greedy, chunked_logits
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model, view_file
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.tokenizer import Tokenizer
-from kernels.matmul.quant import nbytes
+from jaxserve_kernels.matmul.quant import nbytes
 
 QUESTION = "What is the capital of France? Answer in one word."
 PROMPTS = [QUESTION, "Write a haiku about the sea.", "List three prime numbers.", "Hi!",
@@ -43,7 +43,7 @@ MAX_KL = 0.01
 def _int8_activations() -> bool:
     """Whether the CPU kernel rounds the activations of prefill rows to int8, as llama.cpp does (its
     integer forms without the tile form: AVX512-VNNI without AMX)."""
-    from kernels.matmul import quantized_forms
+    from jaxserve_kernels.matmul import quantized_forms
 
     forms = quantized_forms() if jax.default_backend() == "cpu" else ()
     return "integer" in forms and "tile" not in forms
@@ -422,7 +422,7 @@ def test_quantized_expert_stacks_load_as_blocks(kind, data_dtype, hf_checkpoint,
 
     from jaxserve.models.config import ModelConfig
     from jaxserve.worker.weights import load_weights
-    from kernels.matmul.quant import QuantizedWeight, dequantize
+    from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize
 
     model, _ = hf_checkpoint("qwen2-moe")
     view = write_gguf(model, "qwen2moe", tmp_path / "m.gguf", kind)
@@ -448,7 +448,7 @@ def test_phi3_fused_blocks_split_as_they_lie(kind, hf_checkpoint, tmp_path):
 
     from jaxserve.models.config import ModelConfig
     from jaxserve.worker.weights import load_weights
-    from kernels.matmul.quant import dequantize
+    from jaxserve_kernels.matmul.quant import dequantize
 
     model, _ = hf_checkpoint("phi3")
     view = write_gguf(model, "phi3", tmp_path / "m.gguf", kind)
@@ -493,7 +493,7 @@ def test_other_types_are_quantized_again_within_the_formats_step(kind, tmp_path,
 
     from checkpoints import ParamTarget
     from checkpoints.gguf import load_gguf_params
-    from kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
+    from jaxserve_kernels.matmul.quant import BLOCK, QuantizedWeight, dequantize
 
     view, want = _one_tensor_file(tmp_path / "m.gguf", kind)
     fmt = OTHER_TYPES[kind][2]

@@ -1,4 +1,4 @@
-"""Grouped products (kernels/matmul/grouped.py) against float64 numpy, one expert at a time: random
+"""Grouped products (jaxserve_kernels/matmul/grouped.py) against float64 numpy, one expert at a time: random
 group sizes with empty groups and rows past the groups, float and quantized weights; the TPU and
 GPU path lowered for those platforms from this CPU."""
 
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import grouped_matmul_t, matmul_t
-from kernels.matmul.grouped import chunk_rows
-from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
+from jaxserve_kernels import grouped_matmul_t, matmul_t
+from jaxserve_kernels.matmul.grouped import chunk_rows
+from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -92,7 +92,7 @@ def test_ragged_path_lowers_for_tpu_and_gpu(platform):
 @pytest.mark.parametrize("impl", ["chunked", "ragged", "reference"])
 def test_a_bfloat16_stack_given_as_its_raw_bits(impl):
     """The form a model keeps a bfloat16 stack in on CPU (`kept_as_bits`) multiplies as the values."""
-    from kernels.matmul.grouped import BITS
+    from jaxserve_kernels.matmul.grouped import BITS
 
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((12, 64)), jnp.bfloat16)
@@ -107,8 +107,8 @@ def test_a_bfloat16_stack_given_as_its_raw_bits(impl):
 def test_the_cpu_kernel_reads_each_matrix_in_place_in_the_stack(dtype):
     """On CPU, "chunked" hands the kernel the whole stack and the group (`stack_matmul_t`), never a
     copy of the matrix; the product equals matmul_t of the matrix, for every group, the last included."""
-    from kernels.matmul import STACK_TARGET, implementation
-    from kernels.matmul.grouped import stack_matmul_t
+    from jaxserve_kernels.matmul import STACK_TARGET, implementation
+    from jaxserve_kernels.matmul.grouped import stack_matmul_t
 
     if jax.default_backend() != "cpu" or implementation() != "cpu":
         pytest.skip("the CPU kernel runs on the CPU backend, where it can be built")

@@ -19,8 +19,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import cache_dtype, paged_attention
-from kernels.paged_attention.reference import to_cache
+from jaxserve_kernels import cache_dtype, paged_attention
+from jaxserve_kernels.paged_attention.reference import to_cache
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -52,7 +52,7 @@ def ragged_batch(rng, seqs, *, num_kv_heads, group, head_dim=32, page_size=8, wi
 def as_float32(args):
     """The same step in float32 (bfloat16 values, exactly), as the reference's input."""
     q, k, v, *rest = args
-    from kernels.paged_attention.reference import from_cache
+    from jaxserve_kernels.paged_attention.reference import from_cache
     return (q.astype(jnp.float32), from_cache(k).astype(jnp.float32), from_cache(v).astype(jnp.float32), *rest)
 
 
@@ -86,8 +86,8 @@ def test_kernel_matches_reference(kernel, group, dtype):
 def test_kernel_block_sizes_and_a_decode_only_step(kernel):
     """Tiles of 1 row (decode only), and block sizes other than the defaults: several tiles per
     sequence, blocks of keys that end inside a page table."""
-    from kernels.paged_attention.gpu import paged_attention_gpu
-    from kernels.paged_attention.tpu import paged_attention_tpu
+    from jaxserve_kernels.paged_attention.gpu import paged_attention_gpu
+    from jaxserve_kernels.paged_attention.tpu import paged_attention_tpu
 
     fn = {"tpu": paged_attention_tpu, "gpu": paged_attention_gpu}[kernel]
     rng = np.random.default_rng(7)
@@ -159,7 +159,7 @@ def test_tpu_kernel_through_the_engine_matches_the_default_attention(tmp_path, m
 
     from jaxserve import LLM, SamplingParams
 
-    dispatch = importlib.import_module("kernels.paged_attention")  # the module, not its function of that name
+    dispatch = importlib.import_module("jaxserve_kernels.paged_attention")  # the module, not its function of that name
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(dispatch.ENV, raising=False)

@@ -18,7 +18,7 @@ from jaxserve.config.engine import EngineConfig
 from jaxserve.models.config import ModelConfig
 from jaxserve.sched.pages import NULL_PAGE, PageAllocator
 from jaxserve.worker.kv_cache import allocate_kv_cache
-from kernels import cache_dtype
+from jaxserve_kernels import cache_dtype
 
 
 def hashes(n: int) -> list[bytes]:

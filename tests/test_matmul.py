@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from conftest import needs_cpu_backend
 
-from kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET, _operands,
-                            bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16, quantized_forms,
-                            row_limit)
-from kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows, nbytes,
-                                  quantize, take_rows, ungroup_rows)
+from jaxserve_kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
+                                     _operands, bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16,
+                                     quantized_forms, row_limit)
+from jaxserve_kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows,
+                                           nbytes, quantize, take_rows, ungroup_rows)
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -154,8 +154,8 @@ def test_matmul_t_keeps_leading_dimensions():
 def test_without_a_compiler_the_cpu_kernels_fall_back_to_xla(kernel, monkeypatch, tmp_path, caplog):
     """The CPU kernels are built on first use; where they cannot be, the CPU backend's default becomes
     the XLA implementation (with a warning), and asking for "cpu" by name is an error."""
-    from kernels import implementation as attention_implementation
-    from kernels.cpu import build
+    from jaxserve_kernels import implementation as attention_implementation
+    from jaxserve_kernels.cpu import build
 
     needs_cpu_backend()
     resolve = attention_implementation if kernel == "attention" else implementation
@@ -330,7 +330,7 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
     needs_cpu_backend()
     if platform.machine() != "x86_64" or ("integer" in forms and "integer" not in quantized_forms()):
         pytest.skip("this CPU cannot run that build")
-    from kernels.cpu import build
+    from jaxserve_kernels.cpu import build
 
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     wrapper = tmp_path / "cxx"

@@ -69,7 +69,7 @@ def test_bfloat16_experts_are_kept_as_raw_bits_on_cpu(hf_checkpoint):
     """On CPU a bfloat16 stack of experts is kept as its raw bits (`kept_as_bits`: XLA would widen
     the whole stack to index one expert); the router stays bfloat16 values, and the logits stay
     within bfloat16's error of float32's."""
-    from kernels.matmul.grouped import BITS
+    from jaxserve_kernels.matmul.grouped import BITS
 
     needs_cpu_backend()
 

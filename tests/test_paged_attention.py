@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import needs_cpu_backend
 
-from kernels import paged_attention, write_kv
+from jaxserve_kernels import paged_attention, write_kv
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
 
@@ -105,8 +105,8 @@ def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
     it on CPU), also under a float32 q (`kv_cache_dtype`)."""
     if impl == "cpu":
         needs_cpu_backend()
-    from kernels import cache_dtype
-    from kernels.paged_attention.reference import to_cache
+    from jaxserve_kernels import cache_dtype
+    from jaxserve_kernels.paged_attention.reference import to_cache
 
     rng = np.random.default_rng(1)
     num_heads, num_kv_heads, page_size, num_pages, width = 8, 2, 8, 64, 8

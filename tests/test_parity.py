@@ -25,7 +25,7 @@ from jaxserve.models import ModelInputs, forward, rope_table
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.worker.weights import load_weights
-from kernels import cache_dtype
+from jaxserve_kernels import cache_dtype
 
 TIE_MARGIN = 1e-3
 # bfloat16 keeps 8 significant bits: these models' logprobs move by a few hundredths under it

@@ -31,7 +31,7 @@ from checkpoints.target import param_paths
 from jaxserve.models import MODEL_REGISTRY
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.weights import weight_formats
-from kernels.matmul.quant import QuantizedWeight, dequantize, quantize
+from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize, quantize
 
 HERE = Path(__file__).resolve().parent
 
@@ -150,8 +150,8 @@ def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):
     from checkpoints.target import quantized_paths
     from jaxserve.models import quantizable_modules
     from jaxserve.worker import weights
-    from kernels.matmul import keeps_grouped
-    from kernels.matmul.quant import GroupedRows, can_group, group_rows
+    from jaxserve_kernels.matmul import keeps_grouped
+    from jaxserve_kernels.matmul.quant import GroupedRows, can_group, group_rows
 
     d = default_model_dir()
     cfg = ModelConfig.from_hf(d)
@@ -205,7 +205,7 @@ def test_quantized_products_lower_for_tpu_and_gpu(platform, fmt):
     import jax
     import jax.numpy as jnp
 
-    from kernels import matmul_t
+    from jaxserve_kernels import matmul_t
 
     w = quantize(np.random.default_rng(0).normal(size=(96, 128)).astype(np.float32), fmt)
     x = jnp.ones((4, 128), jnp.bfloat16)

@@ -360,7 +360,7 @@ def test_update_weights_on_eight_devices(trained):
 def test_quantizing_on_the_device_equals_the_host(fmt):
     """The engine quantizes a trainer's weights on the device to the very values it quantizes a
     checkpoint's to on the host (XLA must divide, not multiply by a reciprocal)."""
-    from kernels.matmul.quant import quantize
+    from jaxserve_kernels.matmul.quant import quantize
 
     w = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32) * 3
     w[7, :64] = 0

@@ -20,7 +20,7 @@ import pytest
 import trustme
 from server import free_port, serving
 
-from kernels import implementation as attention_implementation
+from jaxserve_kernels import implementation as attention_implementation
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,7 @@ DATA_PARALLEL_BACKENDS = ("thread", "ray")
 PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
 
 
-# how weights may be kept (`EngineConfig.quantization`): formats of kernels.matmul.quant, a GGUF
+# how weights may be kept (`EngineConfig.quantization`): formats of jaxserve_kernels.matmul.quant, a GGUF
 # file's own types, or floats
 QUANTIZATIONS = ("int8", "int4", "gguf", "none")
 
@@ -360,7 +360,7 @@ class EngineConfig:
         """Padded numbers of rows for a step of `token_bucket` tokens T: min(T, max_num_seqs)
         (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
         step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
-        rows instead of max_num_seqs, and a tiled attention (kernels/paged_attention/tiles.py) cuts
+        rows instead of max_num_seqs, and a tiled attention (jaxserve_kernels/paged_attention/tiles.py) cuts
         its chunks into tiles of 16 rows instead of T / max_num_seqs. Smaller steps cost too little
         to pay for more compilations. With speculative decoding, also min(T, max_num_samples): each
         draft token is sampled after, in a row of the sampler of its own (`Runner.prepare`)."""

@@ -25,7 +25,7 @@ from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.lora import adapter_bytes
 from jaxserve.worker.weights import weight_formats
-from kernels import implementation as attention_implementation
+from jaxserve_kernels import implementation as attention_implementation
 
 log = logging.getLogger(__name__)
 

@@ -98,7 +98,7 @@ MODEL_REGISTRY.update({base: MODEL_REGISTRY[causal] for base, causal in BASE_MOD
 def abstract_model(cfg: ModelConfig, dtype, formats: Mapping[str, str] | None = None,
                    grouped: frozenset[str] = frozenset()) -> nnx.Module:
     """The model with shapes only (no memory): the template weights are loaded into. `formats`:
-    the path of each matrix kept quantized -> its format (`kernels.matmul.quant`); of those,
+    the path of each matrix kept quantized -> its format (`jaxserve_kernels.matmul.quant`); of those,
     `grouped` are kept grouped (`Quantizable.group`)."""
     family = MODEL_REGISTRY[cfg.architecture]
 

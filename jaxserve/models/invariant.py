@@ -5,7 +5,7 @@ XLA compiles a reduction (a product's sums, a norm's mean, a softmax's normalise
 it is given, and the order in which it adds a row's terms may change with the number of rows: on
 CPU, XLA multiplies one row as a matrix-vector product and more rows as a matrix product, a norm
 over [T, D] reduces one way for small T and another for large T, and the C++ matmul kernels change
-form at 16 rows (kernels/matmul/cpu.cc). Within one compiled shape the order is the same for every
+form at 16 rows (jaxserve_kernels/matmul/cpu.cc). Within one compiled shape the order is the same for every
 row, whatever the other rows hold (tests/test_batch_invariant.py shows both). So in this mode
 a step computes everything in tiles of a fixed number of rows (ROWS), each through the same
 compiled computation, whatever the step's bucket, its sequences and their chunking:

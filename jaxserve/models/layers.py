@@ -2,11 +2,11 @@
 
 A model works on one ragged step: T tokens from up to B sequences, each a prefill chunk or one
 decode token (`ModelInputs`). Attention (`attend`) writes the step's keys and values into the
-paged cache (`KVCache`), then reads it through `kernels.paged_attention`. Linear weights are
+paged cache (`KVCache`), then reads it through `jaxserve_kernels.paged_attention`. Linear weights are
 stored [out, in], as Hugging Face stores them, so checkpoints load without a transpose.
 
 A linear layer's or an embedding's matrix may be kept quantized (`Quantizable`, formats of
-`kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
+`jaxserve_kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
 the weights' formats for their quantized parameters before any weight is loaded.
 
 LoRA adapters (`LoraRows`, `Linear.lora`): the step's rows each name an adapter slot, and every
@@ -30,9 +30,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.rope import apply_rope
-from kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
-from kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
-from kernels.paged_attention.reference import from_cache, to_cache
+from jaxserve_kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
+from jaxserve_kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
+from jaxserve_kernels.paged_attention.reference import from_cache, to_cache
 
 if TYPE_CHECKING:
     from jaxserve.models.config import ModelConfig
@@ -173,7 +173,7 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: s
                skip_idle: bool | None = None) -> jax.Array:
     """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
     slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. One pass for all
-    slots: "grouped", two grouped products over the rows sorted by slot (`kernels.grouped_matmul_t`:
+    slots: "grouped", two grouped products over the rows sorted by slot (`jaxserve_kernels.grouped_matmul_t`:
     `ragged_dot` on TPU and GPU), or "masked", every row through every slot's A at once, masked to
     its own slot's ranks, then through B. `skip_idle`: a step with no adapted row skips them (a
     conditional). The defaults are what measured fastest (bench/RESULTS.md, "LoRA adapters"): on CPU
@@ -203,7 +203,7 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: s
 
 class Linear(Quantizable):
     """y = x W^T + b. The product accumulates in float32 and returns the input dtype
-    (`kernels.matmul_t`, which picks the backend's implementation). With adapters attached
+    (`jaxserve_kernels.matmul_t`, which picks the backend's implementation). With adapters attached
     (`attach_adapters`) and the step's `LoraRows`, each row adds its adapter's product."""
 
     lora: tuple[jax.Array, jax.Array] | None = None  # the slots' (A, B) stacks (`lora_delta`), for one trace
@@ -225,7 +225,7 @@ class Linear(Quantizable):
 
 def project(x, linears: list[Linear], adapters: LoraRows | None = None) -> list[jax.Array]:
     """[linear(x, adapters) for linear in linears]: the layers of one input (q, k and v; gate and up),
-    their products in one call where the kernel takes them together (`kernels.matmul_t_many`)."""
+    their products in one call where the kernel takes them together (`jaxserve_kernels.matmul_t_many`)."""
     ys = matmul_t_many(x, [linear.matrix() for linear in linears])
     return [linear.finish(x, y, adapters) for linear, y in zip(linears, ys)]
 

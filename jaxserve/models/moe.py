@@ -8,7 +8,7 @@ sigmoid gate). Some layers may keep a dense MLP instead (Qwen's `mlp_only_layers
 
 Each expert matrix is stacked over the experts, [experts, out, in] (Hugging Face's [out, in] per
 expert), in a `Quantizable` module of its own, so it may be kept quantized like any linear layer;
-the router stays in floats. Tokens are sorted by expert and multiplied by `kernels.grouped_matmul_t`:
+the router stays in floats. Tokens are sorted by expert and multiplied by `jaxserve_kernels.grouped_matmul_t`:
 no token meets an expert it was not routed to.
 
 Under tensor parallelism the experts' matrices are split along their intermediate dimension, as a
@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
                                     Quantizable, RMSNorm, gated, mlp_rules)
-from kernels import AXIS, grouped_matmul_t, matmul_t
+from jaxserve_kernels import AXIS, grouped_matmul_t, matmul_t
 
 if TYPE_CHECKING:
     from jaxserve.models.config import ModelConfig

@@ -5,7 +5,7 @@ the unrolled decoder still cost the bulk of a warm start-up. Here
 each bucket's compiled executable is serialized (`jax.experimental.serialize_executable`) under a
 key that hashes everything it depends on and that is known without tracing:
 
-- the source of the packages that define the step (`jaxserve`, `kernels`) and the versions of
+- the source of the packages that define the step (`jaxserve`, `jaxserve_kernels`) and the versions of
   jax, jaxlib and flax;
 - the backend, its devices, `XLA_FLAGS` and the attention and matmul implementations (resolving
   them also registers the CPU kernels' custom calls, which a loaded executable may call);
@@ -36,13 +36,13 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from kernels import implementation as attention_implementation
-from kernels.cache import cache_root
-from kernels.matmul import implementation as matmul_implementation
+from jaxserve_kernels import implementation as attention_implementation
+from jaxserve_kernels.cache import cache_root
+from jaxserve_kernels.matmul import implementation as matmul_implementation
 
 log = logging.getLogger(__name__)
 
-SOURCE_PACKAGES = ("jaxserve", "kernels")
+SOURCE_PACKAGES = ("jaxserve", "jaxserve_kernels")
 SOURCE_SUFFIXES = (".py", ".cc", ".h")
 MAX_ENTRIES = 256  # beyond this, the least recently used entries are deleted
 ENVIRONMENT_VARIABLES = ("XLA_FLAGS", "JAXSERVE_ATTENTION", "JAXSERVE_MATMUL")

@@ -14,7 +14,7 @@ from jax.sharding import Sharding
 from jaxserve.config.engine import EngineConfig
 from jaxserve.models import KVCache
 from jaxserve.models.config import ModelConfig
-from kernels import cache_dtype
+from jaxserve_kernels import cache_dtype
 
 
 def allocate_kv_cache(model: ModelConfig, engine: EngineConfig, sharding: Sharding | None = None) -> KVCache:

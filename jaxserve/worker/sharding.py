@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig
-from kernels import AXIS
+from jaxserve_kernels import AXIS
 
 
 def initialize_distributed(coordinator_address: str | None = None, num_processes: int | None = None,

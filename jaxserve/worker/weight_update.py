@@ -30,8 +30,8 @@ from checkpoints import ParamTarget, load_params, quantized_paths
 from checkpoints.hf import state_path_of
 from checkpoints.target import SLICE
 from jaxserve.worker.weights import flatten
-from kernels.matmul.grouped import BITS
-from kernels.matmul.quant import GroupedRows, QuantizedWeight, dequantize, group_rows, quantize
+from jaxserve_kernels.matmul.grouped import BITS
+from jaxserve_kernels.matmul.quant import GroupedRows, QuantizedWeight, dequantize, group_rows, quantize
 
 
 def leaf_paths(state: nnx.State) -> list[str]:

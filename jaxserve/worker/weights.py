@@ -19,9 +19,9 @@ from checkpoints.orbax_io import convert, is_orbax_dir, saved_formats
 from jaxserve.models import MODEL_REGISTRY, abstract_model, quantizable_modules
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.sharding import place, weight_sharding
-from kernels.matmul.grouped import kept_as_bits
-from kernels.matmul import keeps_grouped
-from kernels.matmul.quant import can_group, check_quantizable
+from jaxserve_kernels.matmul.grouped import kept_as_bits
+from jaxserve_kernels.matmul import keeps_grouped
+from jaxserve_kernels.matmul.quant import can_group, check_quantizable
 
 log = logging.getLogger(__name__)
 

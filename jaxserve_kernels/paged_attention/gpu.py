@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.paged_attention import tiles as T
-from kernels.paged_attention.reference import MASKED, from_cache
+from jaxserve_kernels.paged_attention import tiles as T
+from jaxserve_kernels.paged_attention.reference import MASKED, from_cache
 
 MIN_ROWS = 16  # Triton's smallest matrix product
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.paged_attention import tiles as T
-from kernels.paged_attention.reference import MASKED, from_cache
+from jaxserve_kernels.paged_attention import tiles as T
+from jaxserve_kernels.paged_attention.reference import MASKED, from_cache
 
 LANES = 128  # the running max and sum are kept broadcast over one vreg's lanes
 

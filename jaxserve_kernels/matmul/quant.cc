@@ -1,4 +1,4 @@
-// y = x w^T for XLA:CPU with w quantized (kernels/matmul/quant.py): "int8" (GGUF's Q8_0) or "int4"
+// y = x w^T for XLA:CPU with w quantized (jaxserve_kernels/matmul/quant.py): "int8" (GGUF's Q8_0) or "int4"
 // (GGUF's Q4_1), both in blocks of 32 values of K with a float16 scale d (and, for int4, a float16
 // min m: w = d q + m). x [M, K] in float32 or bfloat16, accumulated in float32, y [M, N] in float32
 // or bfloat16. An XLA FFI custom call of the same family as cpu.cc (see matmul/__init__.py); its

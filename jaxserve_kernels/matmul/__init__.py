@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.cpu import build
-from kernels.matmul.quant import GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize
+from jaxserve_kernels.cpu import build
+from jaxserve_kernels.matmul.quant import GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize
 
 ENV = "JAXSERVE_MATMUL"
 IMPLEMENTATIONS = ("xla", "cpu")

@@ -5,7 +5,7 @@ XLA:CPU runs the jnp formulations poorly: each query tile gathers its sequence's
 at a few GFLOP/s. The custom call reads each key and value straight from its page, only those a
 query row can see, on XLA's own intra-op threads.
 
-`load()` builds it (`kernels/cpu/build.py`: with the system's C++ compiler, once per machine) and
+`load()` builds it (`jaxserve_kernels/cpu/build.py`: with the system's C++ compiler, once per machine) and
 registers the target with XLA. Without a compiler it returns False and the caller keeps the XLA
 implementation.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kernels.cpu import build
+from jaxserve_kernels.cpu import build
 
 TARGET = "jaxserve_paged_attention"
 SOURCE = Path(__file__).with_name("cpu.cc")

@@ -24,9 +24,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.matmul import KERNEL_DTYPES, STACK_TARGET, matmul_t, row_limit
-from kernels.matmul import implementation as matmul_implementation
-from kernels.matmul.quant import QuantizedWeight, dequantize
+from jaxserve_kernels.matmul import KERNEL_DTYPES, STACK_TARGET, matmul_t, row_limit
+from jaxserve_kernels.matmul import implementation as matmul_implementation
+from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize
 
 IMPLEMENTATIONS = ("ragged", "chunked", "reference")
 BY_BACKEND = {"cpu": "chunked", "gpu": "ragged", "tpu": "ragged"}  # jax.default_backend() -> implementation

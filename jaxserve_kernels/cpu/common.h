@@ -1,4 +1,4 @@
-// What the CPU kernels (XLA FFI custom calls built by kernels/cpu/build.py) share: 8-lane float
+// What the CPU kernels (XLA FFI custom calls built by jaxserve_kernels/cpu/build.py) share: 8-lane float
 // vectors, bfloat16 as raw 16-bit words, and work items shared with XLA's intra-op threads (the
 // products' blocks of x and w among them: ForEachBlock).
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from kernels.cache import cache_root
+from jaxserve_kernels.cache import cache_root
 
 COMMON = Path(__file__).with_name("common.h")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")

@@ -24,11 +24,11 @@ import os
 import jax
 from jax.sharding import PartitionSpec as P
 
-from kernels.paged_attention import cpu
-from kernels.paged_attention.gpu import paged_attention_gpu, unsupported_on_gpu
-from kernels.paged_attention.reference import cache_dtype, paged_attention_reference, write_kv
-from kernels.paged_attention.tpu import paged_attention_tpu
-from kernels.paged_attention.xla import paged_attention_tiled
+from jaxserve_kernels.paged_attention import cpu
+from jaxserve_kernels.paged_attention.gpu import paged_attention_gpu, unsupported_on_gpu
+from jaxserve_kernels.paged_attention.reference import cache_dtype, paged_attention_reference, write_kv
+from jaxserve_kernels.paged_attention.tpu import paged_attention_tpu
+from jaxserve_kernels.paged_attention.xla import paged_attention_tiled
 
 IMPLEMENTATIONS = {"reference": paged_attention_reference, "xla": paged_attention_tiled,
                    "cpu": cpu.paged_attention_cpu, "tpu": paged_attention_tpu, "gpu": paged_attention_gpu}

@@ -545,7 +545,7 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
 
 // y = x w[group]^T for a stack w [G, N, K] (a Mixture-of-Experts layer's experts; bfloat16 may come
 // as its raw bits, uint16) and group i32[]: the matrix is read where it lies in the stack, where
-// XLA would first copy it out (see kernels/matmul/grouped.py).
+// XLA would first copy it out (see jaxserve_kernels/matmul/grouped.py).
 ffi::Error StackMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer group,
                         ffi::Result<ffi::AnyBuffer> y) {
   const bool w_bf16 = IsBf16(w.element_type()) || w.element_type() == ffi::DataType::U16;

@@ -13,8 +13,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.paged_attention import tiles as T
-from kernels.paged_attention.reference import MASKED, from_cache, paged_attention_reference
+from jaxserve_kernels.paged_attention import tiles as T
+from jaxserve_kernels.paged_attention.reference import MASKED, from_cache, paged_attention_reference
 
 GATHERED_TOKENS = 1 << 16  # keys gathered at once, over the tiles processed together
 
