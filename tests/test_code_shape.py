@@ -4,6 +4,7 @@ an API that uses only public names of the engine. (Kernels and tests are exempt 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -48,7 +49,7 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess:
 
 
 def test_imports_point_down():
-    """The import-linter contracts in pyproject.toml: api -> jaxserve -> checkpoints -> kernels, the
+    """The import-linter contracts in pyproject.toml: api -> jaxserve -> checkpoints -> jaxserve_kernels, the
     engine's stages in order, models and checkpoints independent; no import goes up, so none cycles."""
     run = _lint_imports(ROOT)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -64,6 +65,15 @@ def test_an_upward_import_breaks_the_contracts(tmp_path):
     run = _lint_imports(tmp_path)
     assert run.returncode == 1, run.stdout + run.stderr
     assert "jaxserve.sample is not allowed to import jaxserve.engine" in run.stdout
+
+
+def test_no_other_installed_distribution_has_our_package_names():
+    """Each top-level package name is ours alone: where another distribution installs one of the same name,
+    one of the two shadows the other (transformers 5.25 brought Hugging Face's `kernels`, then this project's
+    kernels' name, and every tokenizer load failed from the checkout)."""
+    owners = importlib.metadata.packages_distributions()
+    clashes = {name: others for name in PACKAGES if (others := sorted(set(owners.get(name, [])) - {"jaxserve"}))}
+    assert not clashes, clashes
 
 
 def test_no_module_over_400_lines_outside_kernels_and_tests():
