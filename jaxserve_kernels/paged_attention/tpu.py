@@ -31,6 +31,24 @@ def _head(buf, kv_head: int):
     return from_cache(buf[:, :, kv_head, :]).reshape(pages * page_size, head_dim)
 
 
+def _attend_head(h: int, q_ref, k, v, mask, m_ref, l_ref, acc_ref, *, sm_scale: float, soft_cap: float | None):
+    """One KV head's rows of the tile over one block of keys k and values v: the online softmax's
+    running max (m_ref), sum (l_ref) and weighted values (acc_ref) updated in place."""
+    q = q_ref[0, h].astype(k.dtype)
+    s = jnp.einsum("rd,kd->rk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask, s, MASKED)
+    m_prev, l_prev = m_ref[h], l_ref[h]  # [R, LANES], every lane the same
+    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+    p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
+    alpha = jnp.exp(m_prev - m_next)
+    m_ref[h] = m_next
+    l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    pv = jnp.einsum("rk,kd->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
+
+
 def _kernel(seq_ref, pos_ref, kv_lens_ref, page_table_ref,  # scalar prefetch, in SMEM
             q_ref, k_hbm, v_hbm,  # [1, KVH, R, D] in VMEM; [num_pages, page_size, KVH, D] in HBM
             o_ref,  # [1, KVH, R, D]
@@ -83,20 +101,8 @@ def _kernel(seq_ref, pos_ref, kv_lens_ref, page_table_ref,  # scalar prefetch, i
         if sliding_window is not None:
             mask &= key_pos > row_pos - sliding_window
         for h in range(num_kv_heads):
-            k, v = _head(k_buf.at[slot], h), _head(v_buf.at[slot], h)
-            q = q_ref[0, h].astype(k.dtype)
-            s = jnp.einsum("rd,kd->rk", q, k, preferred_element_type=jnp.float32) * sm_scale
-            if soft_cap is not None:
-                s = soft_cap * jnp.tanh(s / soft_cap)
-            s = jnp.where(mask, s, MASKED)
-            m_prev, l_prev = m_ref[h], l_ref[h]  # [R, LANES], every lane the same
-            m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            p = jnp.where(mask, jnp.exp(s - m_next[:, :1]), 0.0)
-            alpha = jnp.exp(m_prev - m_next)
-            m_ref[h] = m_next
-            l_ref[h] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-            pv = jnp.einsum("rk,kd->rd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-            acc_ref[h] = alpha[:, :1] * acc_ref[h] + pv
+            _attend_head(h, q_ref, _head(k_buf.at[slot], h), _head(v_buf.at[slot], h), mask, m_ref, l_ref, acc_ref,
+                         sm_scale=sm_scale, soft_cap=soft_cap)
         return carry
 
     jax.lax.fori_loop(start, end, body, 0)
