@@ -11,6 +11,7 @@ import platform
 import shutil
 import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -322,13 +323,23 @@ def test_rows_taken_from_a_grouped_matrix_are_its_rows(fmt):
         assert np.array_equal(dequantize(got), dequantize(w)[ids])
 
 
-@pytest.mark.parametrize("flags,forms", [("-march=x86-64-v3", ("float",)), ("-mno-amx-tile", ("integer",))])
-def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, monkeypatch, tmp_path):
-    """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: the float form,
-    nothing rounded) or without AMX (the integer forms at every row count, the panel form from 16
-    rows on), where this CPU can run that build."""
+def _cpu_flags() -> set[str]:
+    """The instruction sets Linux reports for this CPU (/proc/cpuinfo's flags)."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+
+
+@pytest.mark.parametrize("flags,forms,needs", [("-march=x86-64-v2", ("float",), ()),
+                                               ("-march=x86-64-v3", ("integer", "float"), ("avx2", "fma", "f16c")),
+                                               ("-mno-amx-tile", ("integer",), ("avx512_vnni", "avx512bw"))])
+def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms, needs, monkeypatch, tmp_path):
+    """Built with `flags` after -march=native, for a CPU without AVX (x86-64-v2: the float form,
+    nothing rounded), with AVX2 but not AVX-512 (x86-64-v3: the grouped dot form in bytes for grouped
+    weights, the float form for weights in rows) or without AMX (the integer forms at every row
+    count, the panel form from 16 rows on), where this CPU can run that build (its flags `needs`)."""
     needs_cpu_backend()
-    if platform.machine() != "x86_64" or ("integer" in forms and "integer" not in quantized_forms()):
+    if platform.machine() != "x86_64" or not _cpu_flags().issuperset(needs):
         pytest.skip("this CPU cannot run that build")
     from jaxserve_kernels.cpu import build
 
@@ -350,7 +361,7 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
     rng = np.random.default_rng(5)
     for fmt in ("int8", "int4"):
         for x_dtype in ("float32", "bfloat16"):
-            for rows, d_in, d_out in [(1, 96, 7), (4, 64, 9), (17, 544, 33), (50, 96, 101)]:
+            for rows, d_in, d_out in [(1, 96, 7), (4, 64, 9), (17, 544, 33), (50, 96, 101), (3, 544, 32), (6, 96, 48)]:
                 x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
                 w = _random_quantized(rng, (d_out, d_in), fmt)
                 operands = [w.data, w.scales] + ([w.mins] if fmt == "int4" else [])

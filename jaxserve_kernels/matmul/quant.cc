@@ -13,14 +13,17 @@
 //   once; the panel form from 16 rows on, where the CPU has no tiles.
 // - Tile form (quant_amx.h), on AMX, from kTileMinRows rows on: w dequantized to bfloat16 by rows,
 //   x rounded to bfloat16, multiplied by the tile unit.
-// - Float form (FloatTile, below), on CPUs without AVX512-VNNI: each block of w dequantized in
-//   registers and multiplied by x in float32; nothing rounded.
+// - Grouped dot form in bytes (quant_avx2.h), on AVX2 without AVX512-VNNI, for grouped weights: x
+//   quantized to int8 per block as above, multiplied by pairs of bytes into int16 sums.
+// - Float form (FloatTile, below), on CPUs without AVX512-VNNI, for weights in rows: each block of w
+//   dequantized in registers and multiplied by x in float32; nothing rounded.
 // A weight may come grouped (quant.h; the handler of many's attribute `row_group` 16, else 0 for
-// rows), where the integer forms run: as one operand, its data, scales and mins one after the other
-// (quant.py's `GroupedRows`). The integer forms then take the grouped dot form at every row count,
-// and the tile form decodes each row copied out of its group.
+// rows), where an integer form runs (on AVX512-VNNI or AVX2): as one operand, its data, scales and
+// mins one after the other (quant.py's `GroupedRows`). It then takes the grouped dot form at every
+// row count (GroupProducts), and the tile form decodes each row copied out of its group.
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -32,6 +35,7 @@
 #include "common.h"
 #include "quant.h"
 #include "quant_amx.h"
+#include "quant_avx2.h"
 #include "quant_vnni.h"
 
 namespace jaxserve::quant {
@@ -138,6 +142,50 @@ void FloatProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW
 
 #endif  // not AVX512-VNNI
 
+#if defined(JAXSERVE_QUANT_GROUPED)
+template <Format F, typename X>
+void QuantizeGroupX(const X* x, int64_t rows, int64_t k_len, GroupX& out) {
+  const int64_t blocks = k_len / kBlock;
+  out.q.resize(rows * k_len);
+  out.d.resize(rows * blocks);
+  out.t.resize(rows * blocks);
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    const XBlock block = QuantizeBlock<F>(x + i * kBlock);  // (this instruction set's)
+    std::memcpy(out.q.data() + i * kBlock, block.q, kBlock);
+    out.d[i] = block.d;
+    out.t[i] = block.t;
+  }
+}
+
+// y[m0:m1, n0:n1] of y [M, N] in the grouped dot form (n0 and n1 multiples of kGroupRows): group by
+// group, every tile of x's rows while the group is in the L1 cache.
+template <Format F>
+void GroupBlock(const GroupX& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
+                int64_t n1) {
+  static_assert(kXTileRows == 4, "one tile per row count");
+  static constexpr std::array kTiles{&GroupTile<F, 1>, &GroupTile<F, 2>, &GroupTile<F, 3>, &GroupTile<F, 4>};
+  for (int64_t n = n0; n < n1; n += kGroupRows) {
+    for (int64_t m = m0; m < m1; m += kXTileRows) {
+      kTiles[std::min<int64_t>(kXTileRows, m1 - m) - 1](x, m, w, n, y + m * n_len + n, n_len);
+    }
+  }
+}
+
+// The grouped dot form of the targets' weights (all grouped, one format, one K) against the same x,
+// quantized once, their rows split into work items of whole groups (ForEachTargetBlock). It measured
+// faster than the VNNI panel form up to 512 rows of x (bench/RESULTS.md, "Quantized matrices kept
+// grouped").
+template <Format F, typename X>
+void GroupProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
+  GroupX xg;
+  QuantizeGroupX<F>(x, m_len, targets[0].w.k_len, xg);
+  ForEachTargetBlock(pool, m_len, targets, kGroupRows,
+                     [&](const Target& t, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    GroupBlock<F>(xg, t.w, t.y, t.n_len, m0, m1, n0, n1);
+  });
+}
+#endif
+
 #if defined(JAXSERVE_QUANT_TILES)
 constexpr int64_t kTileMinRows = 8;  // from this many rows of x on, the tile form where permitted
 #endif
@@ -150,6 +198,9 @@ void Products(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vecto
     for (const Target& t : targets) TileProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
     return;
   }
+#endif
+#if defined(JAXSERVE_QUANT_GROUPED)
+  if (targets[0].w.grouped) return GroupProducts<F>(pool, x, m_len, targets);  // (all of them or none)
 #endif
 #if defined(JAXSERVE_QUANT_INTEGER)
   IntegerProducts<F>(pool, x, m_len, targets);
@@ -214,14 +265,14 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
                     int64_t row_group) {
   const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
   const bool grouped = row_group == kGroupRows;
-#if defined(JAXSERVE_QUANT_INTEGER)
+#if defined(JAXSERVE_QUANT_GROUPED)
   const bool layouts_ok = row_group == 0 || grouped;
 #else
   const bool layouts_ok = row_group == 0;  // (the float form reads rows only)
 #endif
   if (!layouts_ok) {
     return ffi::Error::InvalidArgument("quantized matmul (cpu): row_group must be 0 (rows) or 16 (grouped, where "
-                                       "the integer forms run)");
+                                       "an integer form runs)");
   }
   int64_t wide = 0;  // floats of the bfloat16 ys
   for (Operands& o : weights) {
@@ -329,13 +380,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                                   .RemainingRets()             // each weight's y
                                   .Attr<int64_t>("row_group"));
 
-// The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top).
+// The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top;
+// on AVX2, the integer form for grouped weights, the float form for weights in rows).
 extern "C" const char* JaxserveQuantMatmulForms() {
 #if defined(JAXSERVE_QUANT_TILES)
   if (jaxserve::quant::TilesPermitted()) return "integer,tile";
 #endif
 #if defined(JAXSERVE_QUANT_INTEGER)
   return "integer";
+#elif defined(JAXSERVE_QUANT_BYTES)
+  return "integer,float";
 #else
   return "float";
 #endif

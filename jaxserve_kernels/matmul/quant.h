@@ -14,14 +14,21 @@
 #endif
 
 #include "amx.h"
+#include "common.h"
 
 // The forms a build has (see the top of quant.cc): integer ones where the compiler targets
-// AVX512-VNNI, the tile form where it also targets AMX-BF16.
+// AVX512-VNNI, the tile form where it also targets AMX-BF16; on AVX2 without them, the grouped dot
+// form in bytes (quant_avx2.h). Either integer build multiplies grouped weights.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define JAXSERVE_QUANT_INTEGER 1
 #if defined(JAXSERVE_AMX)
 #define JAXSERVE_QUANT_TILES 1
 #endif
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define JAXSERVE_QUANT_BYTES 1
+#endif
+#if defined(JAXSERVE_QUANT_INTEGER) || defined(JAXSERVE_QUANT_BYTES)
+#define JAXSERVE_QUANT_GROUPED 1
 #endif
 
 namespace jaxserve::quant {
@@ -73,6 +80,24 @@ struct QuantW {
   bool grouped = false;
 };
 
+// w's bytes this far ahead of a group's loads are prefetched by the grouped dot forms: the hardware's
+// prefetcher restarts at every 4 KB page, and a product of one row of x reads each byte of w once.
+constexpr int64_t kGroupPrefetch = 4096;
+constexpr int kXTileRows = 4;  // x rows of one dot-form tile
+
+// One block of x quantized for the integer forms (QuantizeBlock, per instruction set): q = round(x / d)
+// with d = max |x| / 127, and the block's term t (see the top of quant_vnni.h and of quant_avx2.h).
+struct XBlock {
+  int8_t q[kBlock];
+  float d, t;
+};
+
+// x for the grouped dot forms: its blocks as they are.
+struct GroupX {
+  std::vector<int8_t> q;    // [rows, K]
+  std::vector<float> d, t;  // [rows, K / 32]: each block's scale and term
+};
+
 // A row of a grouped weight copied out in rows (the forms that decode w row by row read it so).
 struct RowCopy {
   std::vector<uint8_t> data;
@@ -105,6 +130,23 @@ struct Target {
   int64_t n_len;
   float* y;
 };
+
+// fn(target, m0, m1, n0, n1) over the rows of all the targets' weights split into work items as one
+// weight's would be (ForEachBlock; `tile_cols` a multiple of every item's rows), an item cut where a
+// weight ends: q, k and v, or gate and up, take one call and one handing of work to the threads.
+template <typename Fn>
+void ForEachTargetBlock(ffi::ThreadPool& pool, int64_t m_len, const std::vector<Target>& targets, int64_t tile_cols,
+                        const Fn& fn) {
+  std::vector<int64_t> starts{0};  // where each weight's rows start among all of them
+  for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
+  ForEachBlock(pool, m_len, starts.back(), m_len, RowsOfW(targets[0].w.row_bytes), tile_cols,
+               [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const int64_t lo = std::max(n0, starts[i]), hi = std::min(n1, starts[i + 1]);
+      if (lo < hi) fn(targets[i], m0, m1, lo - starts[i], hi - starts[i]);
+    }
+  });
+}
 
 }  // namespace jaxserve::quant
 

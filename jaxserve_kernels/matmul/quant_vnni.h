@@ -60,13 +60,6 @@ inline void LoadBlock(const uint16_t* p, __m512 v[2]) {
   }
 }
 
-// One block of x quantized: q = round(x / d) with d = max |x| / 127, and the block's term t (see the
-// top of the file).
-struct XBlock {
-  int8_t q[kBlock];
-  float d, t;
-};
-
 template <Format F, typename X>
 inline XBlock QuantizeBlock(const X* x) {
   __m512 v[2];
@@ -224,7 +217,6 @@ void DotTile(const DotX<F>& x, int64_t m, const QuantW& w, int64_t n, int64_t st
   }
 }
 
-constexpr int kDotTileRows = 4;
 template <Format F, int MR, int... NR>
 constexpr auto DotTiles(std::integer_sequence<int, NR...>) {
   return std::array{&DotTile<F, MR, NR + 1>...};
@@ -234,13 +226,13 @@ constexpr auto DotTiles(std::integer_sequence<int, NR...>) {
 template <Format F>
 void DotBlock(const DotX<F>& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
               int64_t n1) {
-  static_assert(kDotTileRows == 4, "one row of kTiles per row count");
+  static_assert(kXTileRows == 4, "one row of kTiles per row count");
   static constexpr auto kCols = std::make_integer_sequence<int, kTileCols>();
   static constexpr std::array kTiles{DotTiles<F, 1>(kCols), DotTiles<F, 2>(kCols), DotTiles<F, 3>(kCols),
                                      DotTiles<F, 4>(kCols)};
   const int64_t stride = CeilDiv(n1 - n0, kTileCols);
-  for (int64_t m = m0; m < m1; m += kDotTileRows) {
-    const int64_t rows = std::min<int64_t>(kDotTileRows, m1 - m);
+  for (int64_t m = m0; m < m1; m += kXTileRows) {
+    const int64_t rows = std::min<int64_t>(kXTileRows, m1 - m);
     for (int64_t t = 0; t < stride; ++t) {
       const int64_t n = n0 + t, cols = CeilDiv(n1 - n, stride);
       kTiles[rows - 1][cols - 1](x, m, w, n, stride, y + m * n_len + n, n_len);
@@ -252,30 +244,7 @@ void DotBlock(const DotX<F>& x, const QuantW& w, float* y, int64_t n_len, int64_
 // group of w's rows, each row of the group a lane. Per block, 4 (int4) or 8 (int8) 64-byte loads
 // of w, each holding 4 bytes of every row (int4: decoded into its low nibbles and its high ones),
 // each multiplied by one 4-byte word of x's block broadcast: no sums across lanes, and one stretch of
-// memory per group. x is in its blocks as they are (GroupX).
-struct GroupX {
-  std::vector<int8_t> q;    // [rows, K]
-  std::vector<float> d, t;  // [rows, K / 32]: each block's scale and term (see the top)
-};
-
-template <Format F, typename X>
-void QuantizeGroupX(const X* x, int64_t rows, int64_t k_len, GroupX& out) {
-  const int64_t blocks = k_len / kBlock;
-  out.q.resize(rows * k_len);
-  out.d.resize(rows * blocks);
-  out.t.resize(rows * blocks);
-  for (int64_t i = 0; i < rows * blocks; ++i) {
-    const XBlock block = QuantizeBlock<F>(x + i * kBlock);
-    std::memcpy(out.q.data() + i * kBlock, block.q, kBlock);
-    out.d[i] = block.d;
-    out.t[i] = block.t;
-  }
-}
-
-// w's bytes this far ahead of a group's loads are prefetched: the hardware's prefetcher restarts at
-// every 4 KB page, and a product of one row of x reads each byte of w once.
-constexpr int64_t kGroupPrefetch = 4096;
-
+// memory per group. x is in its blocks as they are (quant.h's GroupX).
 // y[i, 0:16] = x[m + i] . w[n + 0:16] for i < MR (n a group's first row; y rows ldy apart).
 template <Format F, int MR>
 void GroupTile(const GroupX& x, int64_t m, const QuantW& w, int64_t n, float* y, int64_t ldy) {
@@ -326,20 +295,6 @@ void GroupTile(const GroupX& x, int64_t m, const QuantW& w, int64_t n, float* y,
     }
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, acc[i]);
-}
-
-// y[m0:m1, n0:n1] of y [M, N] in the grouped dot form (n0 and n1 multiples of kGroupRows): group by
-// group, every tile of x's rows while the group is in the L1 cache.
-template <Format F>
-void GroupBlock(const GroupX& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
-                int64_t n1) {
-  static_assert(kDotTileRows == 4, "one tile per row count");
-  static constexpr std::array kTiles{&GroupTile<F, 1>, &GroupTile<F, 2>, &GroupTile<F, 3>, &GroupTile<F, 4>};
-  for (int64_t n = n0; n < n1; n += kGroupRows) {
-    for (int64_t m = m0; m < m1; m += kDotTileRows) {
-      kTiles[std::min<int64_t>(kDotTileRows, m1 - m) - 1](x, m, w, n, y + m * n_len + n, n_len);
-    }
-  }
 }
 
 // Panel form. x in panels of 16 rows, per block: lane r of quad c holds values 4c to 4c + 3 of row
@@ -464,36 +419,17 @@ void PanelBlock(const PanelBlockX* panels, const QuantW& w, float* y, int64_t n_
   }
 }
 
-// The dot form of the targets' weights (one format, one K) against the same x: x quantized once, and
-// the rows of all the weights split into work items as one weight's would be, an item cut where a
-// weight ends (q, k and v, or gate and up, take one call and one handing of work to the threads).
-// Grouped weights (all of them or none) take the grouped form, their items whole groups.
+// The dot form of the targets' weights (one format, one K, in rows) against the same x: x quantized
+// once, and the rows of all the weights split into work items as one weight's would be
+// (ForEachTargetBlock: q, k and v, or gate and up, take one call and one handing of work to the threads).
 template <Format F, typename X>
 void DotProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
-  const bool grouped = targets[0].w.grouped;
   DotX<F> xq;
-  GroupX xg;
-  if (grouped) {
-    QuantizeGroupX<F>(x, m_len, targets[0].w.k_len, xg);
-  } else {
-    QuantizeDotX<F>(x, m_len, targets[0].w.k_len, xq);
-  }
-  std::vector<int64_t> starts{0};  // where each weight's rows start among all of them
-  for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
-  auto body = [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-    for (size_t i = 0; i < targets.size(); ++i) {
-      const int64_t lo = std::max(n0, starts[i]), hi = std::min(n1, starts[i + 1]);
-      const Target& t = targets[i];
-      if (lo >= hi) continue;
-      if (grouped) {
-        GroupBlock<F>(xg, t.w, t.y, t.n_len, m0, m1, lo - starts[i], hi - starts[i]);
-      } else {
-        DotBlock<F>(xq, t.w, t.y, t.n_len, m0, m1, lo - starts[i], hi - starts[i]);
-      }
-    }
-  };
-  ForEachBlock(pool, m_len, starts.back(), m_len, RowsOfW(targets[0].w.row_bytes),
-               grouped ? kGroupRows : kTileCols, body);
+  QuantizeDotX<F>(x, m_len, targets[0].w.k_len, xq);
+  ForEachTargetBlock(pool, m_len, targets, kTileCols,
+                     [&](const Target& t, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
+    DotBlock<F>(xq, t.w, t.y, t.n_len, m0, m1, n0, n1);
+  });
 }
 
 template <Format F, typename X>
@@ -511,12 +447,11 @@ void PanelProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW
   });
 }
 
-// The integer forms: the dot form under kPanelMinRows rows, else the panel form, weight by weight
-// (there the products, not the handing of work, set the time). Grouped weights take the grouped dot
-// form at every row count: it measured faster than the panel form on rows up to 512 rows of x.
+// The integer forms of weights in rows: the dot form under kPanelMinRows rows, else the panel form,
+// weight by weight (there the products, not the handing of work, set the time).
 template <Format F, typename X>
 void IntegerProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
-  if (m_len < kPanelMinRows || targets[0].w.grouped) return DotProducts<F>(pool, x, m_len, targets);
+  if (m_len < kPanelMinRows) return DotProducts<F>(pool, x, m_len, targets);
   for (const Target& t : targets) PanelProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
 }
 
