@@ -68,11 +68,15 @@ def test_an_upward_import_breaks_the_contracts(tmp_path):
 
 
 def test_no_other_installed_distribution_has_our_package_names():
-    """Each top-level package name is ours alone: where another distribution installs one of the same name,
-    one of the two shadows the other (transformers 5.25 brought Hugging Face's `kernels`, then this project's
-    kernels' name, and every tokenizer load failed from the checkout)."""
+    """Each top-level name is ours alone: where another distribution installs one of the same name, one of
+    the two shadows the other (transformers 5.25 brought Hugging Face's `kernels`, then this project's
+    kernels' name, and every tokenizer load failed from the checkout). The scripts' and tests' helper
+    modules count too: bench/ and tests/ come first on the path where they run (bench/kernels.py shadowed
+    it for every benchmark that builds a model)."""
     owners = importlib.metadata.packages_distributions()
-    clashes = {name: others for name in PACKAGES if (others := sorted(set(owners.get(name, [])) - {"jaxserve"}))}
+    helpers = [path.stem for folder in ("bench", "tests") for path in sorted((ROOT / folder).glob("*.py"))]
+    names = [*PACKAGES, "run_server", *helpers]
+    clashes = {name: others for name in names if (others := sorted(set(owners.get(name, [])) - {"jaxserve"}))}
     assert not clashes, clashes
 
 

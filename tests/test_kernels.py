@@ -137,13 +137,13 @@ def test_kernel_lowers_for_its_platform(kernel, dtype, kv_dtype):
 
 @pytest.mark.slow
 def test_kernel_benchmark_runs_in_interpret_mode():
-    """bench/kernels.py is for TPU/GPU VMs; its interpret mode keeps it working here."""
+    """bench/paged_attention.py is for TPU/GPU VMs; its interpret mode keeps it working here."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, "bench/kernels.py", "--interpret", "--repeats", "1"], cwd=root,
+    out = subprocess.run([sys.executable, "bench/paged_attention.py", "--interpret", "--repeats", "1"], cwd=root,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 ") or line.startswith("| 4 ")]

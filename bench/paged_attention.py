@@ -1,9 +1,9 @@
 """Paged-attention kernels against the XLA implementation and the reference, per shape.
 
-    python bench/kernels.py                 # on a TPU or GPU VM: realistic shapes, the backend's kernel
-    python bench/kernels.py --dtype float32 # on CPU: bench-125m's shapes, the C++ kernel
-    python bench/kernels.py --interpret     # anywhere (CPU): small shapes, kernels in Pallas' interpreter
-    python bench/kernels.py --cold          # on CPU: K and V out of the caches before each call, as in a step
+    python bench/paged_attention.py                 # on a TPU or GPU VM: realistic shapes, the backend's kernel
+    python bench/paged_attention.py --dtype float32 # on CPU: bench-125m's shapes, the C++ kernel
+    python bench/paged_attention.py --interpret     # anywhere (CPU): small shapes, kernels in Pallas' interpreter
+    python bench/paged_attention.py --cold          # on CPU: K and V out of the caches before each call, as in a step
 
 For each shape (a batch of sequences each adding `new` query tokens to a context of `context`
 tokens) it times every implementation and reports the bandwidth reached: the bytes of K and V
