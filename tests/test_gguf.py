@@ -42,7 +42,7 @@ MAX_KL = 0.01
 
 def _int8_activations() -> bool:
     """Whether the CPU kernel rounds the activations of prefill rows to int8, as llama.cpp does (its
-    integer forms without the tile form: AVX512-VNNI without AMX)."""
+    integer forms without the tile form: AVX512-VNNI without AMX, or AVX2)."""
     from jaxserve_kernels.matmul import quantized_forms
 
     forms = quantized_forms() if jax.default_backend() == "cpu" else ()

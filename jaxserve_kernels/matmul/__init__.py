@@ -18,8 +18,9 @@ Products accumulate in float32 and return the requested dtype. Implementations:
 A quantized weight (`quant.py`: int8 or int4 blocks of 32 values with float16 scales) is multiplied
 by `quantized_matmul_t`: with "cpu", by a second C++ kernel (`quant.cc`) at every row count, which
 reads the weight as it is stored (about a third of bfloat16's bytes for int4): on a CPU with
-AVX512-VNNI it quantizes x to int8 per block of 32 for integer products, as llama.cpp does, and on
-one with AMX it multiplies bfloat16 tiles from 8 rows on (`quantized_forms`); with "xla", by XLA's
+AVX512-VNNI (or AVX2, for weights kept grouped) it quantizes x to int8 per block of 32 for integer
+products, as llama.cpp does, and on one with AMX it multiplies bfloat16 tiles from 8 rows on
+(`quantized_forms`); with "xla", by XLA's
 dot of x and the weight dequantized to x's dtype (`dequantize`).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
@@ -109,8 +110,9 @@ def quantized_forms() -> tuple[str, ...]:
 def keeps_grouped(devices: int) -> bool:
     """Whether a model on `devices` devices keeps its quantized matrices grouped (`quant.group_rows`):
     where the kernel's integer forms multiply them, on one CPU device (its grouped dot form measured
-    faster than the row forms up to 32 rows of x and about even at 512; bench/RESULTS.md,
-    "Quantized matrices kept grouped")."""
+    faster than the row forms up to 32 rows of x and about even at 512 on AVX512-VNNI, 2-3x the float
+    form's speed on AVX2; bench/RESULTS.md, "Quantized matrices kept grouped", "The quantized products
+    on AVX2")."""
     return (devices == 1 and jax.default_backend() == "cpu" and implementation() == "cpu"
             and "integer" in quantized_forms())
 

@@ -1,5 +1,6 @@
 // What the forms of the quantized matmul (quant.cc) share: the weight's operands, as the handler
-// receives them, and its float16 scales widened.
+// receives them, and its float16 scales widened; what the integer forms share (x's quantized blocks,
+// the grouped layout) and the work items of several weights in one call (ForEachTargetBlock).
 
 #ifndef JAXSERVE_KERNELS_MATMUL_QUANT_H_
 #define JAXSERVE_KERNELS_MATMUL_QUANT_H_

@@ -10,8 +10,8 @@
 //   forms' shift by 128 would overflow a pair's int16 sum (2 x 255 x 127). Nothing is shifted, so the
 //   block term is zero.
 // A tile is up to 4 rows of x against one half of a group (8 rows of w, one int32 lane each; a 64-byte
-// word of the group holds both halves): each 32-byte load of w takes one 4-byte word of x broadcast
-// per row of x, and no sums cross lanes.
+// word of the group holds both halves): each 32-byte load of w takes a 4-byte word of x broadcast per
+// row of x (int4: two, one for its low nibbles and one for its high ones), and no sums cross lanes.
 
 #ifndef JAXSERVE_KERNELS_MATMUL_QUANT_AVX2_H_
 #define JAXSERVE_KERNELS_MATMUL_QUANT_AVX2_H_
@@ -25,12 +25,6 @@
 namespace jaxserve::quant {
 
 constexpr int64_t kHalfRows = kGroupRows / 2;  // w rows of one tile: one int32 lane each
-
-inline __m256 LoadEight(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 LoadEight(const uint16_t* p) {  // 8 bfloat16 widened to float32
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 
 inline float MaxOf(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -51,14 +45,14 @@ inline XBlock QuantizeBlock(const X* x) {
   __m256 amax = _mm256_setzero_ps();
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int g = 0; g < 4; ++g) {
-    v[g] = LoadEight(x + 8 * g);
+    v[g] = Load(x + 8 * g);  // (common.h's Lanes are a __m256)
     amax = _mm256_max_ps(amax, _mm256_and_ps(v[g], magnitude));
   }
   const float top = MaxOf(amax);
   const __m256 inverse = _mm256_set1_ps(top > 0 ? 127 / top : 0);
   __m256i q[4];
   for (int g = 0; g < 4; ++g) q[g] = _mm256_cvtps_epi32(_mm256_mul_ps(v[g], inverse));
-  // packing works within 128-bit lanes: the bytes come out as words 0, 4, 1, 5, ... of the block
+  // packing works within 128-bit lanes: its 4-byte words come out as the block's 0, 2, 4, 6, 1, 3, 5, 7
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
   XBlock out;
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.q),
@@ -119,7 +113,7 @@ void HalfTile(const GroupX& x, int64_t m, const QuantW& w, int64_t n, int64_t ha
   for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < w.blocks; ++b) {
     const uint8_t* p = data + b * kBlockBytes;
-    for (int64_t ahead = 0; ahead < kBlockBytes; ahead += 64) {
+    for (int64_t ahead = 0; ahead < kBlockBytes && half == 0; ahead += 64) {  // (the first half reads all)
       _mm_prefetch(reinterpret_cast<const char*>(p + kGroupPrefetch + ahead), _MM_HINT_T0);
     }
     const int8_t* xb[MR];
