@@ -1,18 +1,21 @@
 """glibc's malloc set up so that a CPU step's temporaries reuse memory instead of fresh pages.
 
-XLA:CPU allocates each step's temporaries with malloc on a worker thread of its pool (tens of MB
-from a few rows on: the logits and the sampler's work on them). glibc serves an allocation that
-large with a fresh mmap (its threshold tops out at 32 MB), or from a thread arena's heap that it
-unmaps once free again; either way every page the step touches faults and is zeroed by the kernel,
-each step. With one arena (the main one, grown by brk), no mmap, and a trim threshold above a step's
-temporaries, the freed block stays mapped and the next step reuses it, once the heap has grown over
-the first steps to hold the blocks that small allocations split (bench/RESULTS.md, "Fresh pages per
-step").
+XLA:CPU allocates each step's temporaries with one malloc on a worker thread of its pool (tens of MB
+from a few rows on: the logits and the sampler's work on them). glibc serves a block that large with a
+fresh mmap (its threshold tops out at 32 MB), or from a heap of the thread's arena that it unmaps once
+free again; either way every page the step touches faults and is zeroed by the kernel, each step. With
+no mmap, a trim threshold above a step's temporaries, and a top pad of a whole thread heap (an arena
+keeps a free heap only while the pad asks for that much room), the freed block stays mapped and the
+next step reuses it. A block past a thread heap's 64 MB (the default model's step from about 38 rows)
+is still mapped afresh each step: a thread's arena maps it whatever the settings.
+
+Each thread keeps an arena of its own, as glibc does by default: with one arena shared by the server's
+threads (the event loop, the engine's launches, XLA's pool), the served speed was lower and less steady
+(bench/RESULTS.md, "glibc's arenas in the server").
 
 Only where JAX can run on nothing but the CPU: a TPU or GPU host keeps glibc's defaults, since
 there the big host allocations (weights on their way to the device) should go back to the system
-once freed. Set before JAX creates its CPU client's threads (a thread keeps the arena it first
-used): `jaxserve` calls it on import.
+once freed. `jaxserve` calls it on import.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import os
 import sys
 
 # mallopt's parameters (glibc's malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 # free memory at the top of the heap beyond this goes back to the system: above a step's temporaries
 # at the batch sizes a CPU serves (about 1.7 MB per row of a 49,152-token vocabulary)
 TRIM_THRESHOLD = 1 << 30
+# glibc's HEAP_MAX_SIZE on 64-bit hosts: the most a thread arena's heap holds
+TOP_PAD = 64 << 20
 
 
 def cpu_only() -> bool:
@@ -48,4 +53,4 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return all(mallopt(param, value) == 1 for param, value in
-               ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)))
+               ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
