@@ -350,6 +350,9 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
         pytest.skip("this CPU cannot run that build")
     from jaxserve_kernels.cpu import build
 
+    # this CPU's own build loaded first, as in any process that ran a product before: each build in the
+    # process must still call its own tiles (common.h, Helpers)
+    assert build.library(QUANT_SOURCE) is not None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     wrapper = tmp_path / "cxx"
     wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')

@@ -97,7 +97,9 @@ inline void InRegister(Lanes& v) {
 // futex wake, about 8 us in a VM, as long as half of a one-row product; a helper still looking
 // starts within a microsecond. While looking it yields the core to any other runnable thread.
 // One set per process: a function-local static of an inline function is one object across the
-// kernels' libraries (GNU unique symbol).
+// kernels' libraries (GNU unique symbol). For that reason a table of a build's own functions (a
+// block's tiles) is never such a static: a second build in the process (the tests build the kernels
+// for other CPUs) would call the first build's tiles, which may lay their operands out otherwise.
 class Helpers {
  public:
   static Helpers& Get() {

@@ -153,7 +153,7 @@ inline void StoreTransposed(const float* c, int64_t rows, int64_t cols, Y* y, in
 template <typename Y, typename Rows>
 void TileBlock(const uint32_t* panels, int64_t k_len, const Rows& rows, Y* y, int64_t n_len, int64_t m0,
                int64_t m1, int64_t n0, int64_t n1, std::vector<float>& scratch) {
-  static constexpr std::array kProducts{&TileSums<1, 1>, &TileSums<1, 2>, &TileSums<2, 1>, &TileSums<2, 2>};
+  constexpr std::array kProducts{&TileSums<1, 1>, &TileSums<1, 2>, &TileSums<2, 1>, &TileSums<2, 2>};
   const int64_t panel_words = kTileRows * k_len / 2;
   scratch.resize(kTileRows * k_len);  // kRowsAtOnce rows of bfloat16
   uint16_t* room = reinterpret_cast<uint16_t*>(scratch.data());

@@ -353,8 +353,8 @@ void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_l
                     int64_t m1, int64_t n0, int64_t n1) {
   static_assert(kPairPanels == 3, "one row of kTiles per panel count");
   static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
-  static constexpr std::array kTiles{PairPanelTiles<Y, 1>(kCols), PairPanelTiles<Y, 2>(kCols),
-                                     PairPanelTiles<Y, 3>(kCols)};
+  constexpr std::array kTiles{PairPanelTiles<Y, 1>(kCols), PairPanelTiles<Y, 2>(kCols),
+                              PairPanelTiles<Y, 3>(kCols)};
   const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
   const int64_t stride = CeilDiv(n1 - n0, kPairTileCols);
   Y c[kPairPanels * kPairTileCols * kPanelRows];

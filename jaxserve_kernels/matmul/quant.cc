@@ -163,7 +163,7 @@ template <Format F>
 void GroupBlock(const GroupX& x, const QuantW& w, float* y, int64_t n_len, int64_t m0, int64_t m1, int64_t n0,
                 int64_t n1) {
   static_assert(kXTileRows == 4, "one tile per row count");
-  static constexpr std::array kTiles{&GroupTile<F, 1>, &GroupTile<F, 2>, &GroupTile<F, 3>, &GroupTile<F, 4>};
+  constexpr std::array kTiles{&GroupTile<F, 1>, &GroupTile<F, 2>, &GroupTile<F, 3>, &GroupTile<F, 4>};
   for (int64_t n = n0; n < n1; n += kGroupRows) {
     for (int64_t m = m0; m < m1; m += kXTileRows) {
       kTiles[std::min<int64_t>(kXTileRows, m1 - m) - 1](x, m, w, n, y + m * n_len + n, n_len);

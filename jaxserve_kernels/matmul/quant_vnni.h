@@ -228,8 +228,8 @@ void DotBlock(const DotX<F>& x, const QuantW& w, float* y, int64_t n_len, int64_
               int64_t n1) {
   static_assert(kXTileRows == 4, "one row of kTiles per row count");
   static constexpr auto kCols = std::make_integer_sequence<int, kTileCols>();
-  static constexpr std::array kTiles{DotTiles<F, 1>(kCols), DotTiles<F, 2>(kCols), DotTiles<F, 3>(kCols),
-                                     DotTiles<F, 4>(kCols)};
+  constexpr std::array kTiles{DotTiles<F, 1>(kCols), DotTiles<F, 2>(kCols), DotTiles<F, 3>(kCols),
+                              DotTiles<F, 4>(kCols)};
   const int64_t stride = CeilDiv(n1 - n0, kTileCols);
   for (int64_t m = m0; m < m1; m += kXTileRows) {
     const int64_t rows = std::min<int64_t>(kXTileRows, m1 - m);
@@ -397,7 +397,7 @@ void PanelBlock(const PanelBlockX* panels, const QuantW& w, float* y, int64_t n_
                 int64_t n0, int64_t n1, std::vector<float>& scratch) {
   static_assert(kPanels == 2, "one row of kTiles per panel count");
   static constexpr auto kCols = std::make_integer_sequence<int, kPanelTileCols>();
-  static constexpr std::array kTiles{PanelTiles<1>(kCols), PanelTiles<2>(kCols)};
+  constexpr std::array kTiles{PanelTiles<1>(kCols), PanelTiles<2>(kCols)};
   const int64_t stride = CeilDiv(n1 - n0, kPanelTileCols);
   float c[kPanels * kPanelTileCols * kPanelRows];
   for (int64_t t = 0; t < stride; ++t) {
