@@ -97,7 +97,7 @@ def main() -> None:
     engine = llm.engine
     rng = np.random.default_rng(0)
     # prefill: enough prompts that every profiled step is a full chunk; decode: `rows` sequences
-    prompts = (args.steps * 2 + 4) * tokens // PROMPT_TOKENS if args.prefill else args.rows
+    prompts = (args.steps * 3 + 4) * tokens // PROMPT_TOKENS if args.prefill else args.rows
     params = SamplingParams(max_tokens=1 if args.prefill else 64 + 2 * args.steps, temperature=0, ignore_eos=True)
     for i in range(prompts):
         engine.add_request(str(i), rng.integers(100, 30000, PROMPT_TOKENS).tolist(), params)

@@ -270,6 +270,32 @@ def gated(activation, gate: jax.Array, up: jax.Array) -> jax.Array:
     return activation(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
+def only_if(asked: jax.Array, fn, *operands):
+    """fn(*operands) where `asked`, else the first operand unchanged: a conditional, so that a step pays
+    nothing for what no row asks; on GPU always fn (there a conditional costs more than it skips)."""
+    if jax.default_backend() == "gpu":
+        return fn(*operands)
+    return jax.lax.cond(asked, fn, lambda first, *_: first, *operands)
+
+
+def steer_rows(x: jax.Array, vectors: jax.Array, slots: jax.Array, steered: jax.Array) -> jax.Array:
+    """x plus each row's steering vector (vectors [S + 1, hidden], the last zeros; slots i32[T]), where
+    some row of the step is `steered`."""
+    return only_if(steered, lambda x: x + jnp.take(vectors, slots, axis=0).astype(x.dtype), x)
+
+
+def gather_state(hidden: jax.Array, x: jax.Array, slot: jax.Array, num_hidden: int, norm=None) -> jax.Array:
+    """`hidden` ([num_hidden + 1, T, hidden], the cache's element type) with slot `slot` set to the rows
+    of x (after `norm`), unless no row asks for them (slot num_hidden). Unconditional, XLA:CPU fused a
+    step's writes into one pass over every layer's output (bench/RESULTS.md, "The residual stream")."""
+    def write(hidden, x):
+        x = x if norm is None else norm(x)
+        # (a slot is always in range: an update in place, with no bounds checks as calls of their own)
+        return jax.lax.dynamic_update_index_in_dim(hidden, to_cache(x, hidden), slot, 0)
+
+    return only_if(slot < num_hidden, write, hidden, x)
+
+
 def attend(q, k, v, k_pages, v_pages, inputs: ModelInputs, *, sm_scale: float | None = None,
            sliding_window: int | None = None, soft_cap: float | None = None):
     """Write the step's keys and values into the cache, then attend over it.
@@ -349,23 +375,21 @@ class Decoder(nnx.Module):
         # (made in the dtype of the layers' outputs, as the KV cache's bits on CPU (`cache_dtype`): a
         # write that converts is not done in place, and XLA:CPU widens a bfloat16 one over the buffer)
         hidden = None
-        steer = None  # [L, T, hidden] each row's vector per layer, gathered once
+        steered = None  # whether any row of the step is steered
         if self.steering is not None and inputs.steer is not None:
-            steer = jnp.take(self.steering, inputs.steer, axis=1)
+            steered = jnp.any(inputs.steer < self.steering.shape[1] - 1)
         k_out, v_out = [], []
         for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv.k, kv.v)):
             x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            if steer is not None:
-                x = x + steer[i].astype(x.dtype)
+            if steered is not None:
+                x = steer_rows(x, self.steering[i], inputs.steer, steered)
             if gather:
                 hidden = jnp.zeros((num_hidden + 1, *x.shape), cache_dtype(x.dtype)) if hidden is None else hidden
-                # (a slot is always in range: an update in place, with no bounds checks as calls of their own)
-                hidden = jax.lax.dynamic_update_index_in_dim(hidden, to_cache(x, hidden), inputs.hidden_slots[i], 0)
+                hidden = gather_state(hidden, x, inputs.hidden_slots[i], num_hidden)
             k_out.append(k_pages)
             v_out.append(v_pages)
         if gather:
-            final = to_cache(self.norm(x), hidden)
-            hidden = jax.lax.dynamic_update_index_in_dim(hidden, final, inputs.hidden_slots[len(self.layers)], 0)
+            hidden = gather_state(hidden, x, inputs.hidden_slots[len(self.layers)], num_hidden, self.norm)
             hidden = from_cache(hidden[:num_hidden])
         return KVCache(k=k_out, v=v_out), x, hidden
 

@@ -235,7 +235,8 @@ class Runner:
         return StepOutput(token_ids=out.tokens[:rows], logprobs=out.logprobs[:rows], ranks=out.ranks[:rows],
                           top_ids=out.top_ids[:rows], top_logprobs=out.top_logprobs[:rows],
                           entropies=out.entropies[:rows], prompt=prompt, carried=out.carried[:rows],
-                          distributions=None if distributions is None else distributions[:rows], hidden=hidden)
+                          distributions=None if distributions is None else distributions[:rows],
+                          hidden=None if hidden is None else np.asarray(hidden, np.float32))
 
     def shape(self, batch: ScheduledBatch) -> tuple[int, int, int]:
         """The step's buckets: (tokens, sequences, page-table width), the smallest that fit it; while

@@ -44,8 +44,9 @@ class LaunchedStep(NamedTuple):
     # f32[B, V] the whole distributions of the rows that ask for more than K top logprobs
     # (`SampleOutput.distributions`); None where max_logprobs allows no more than K
     distributions: jax.Array | None = None
-    # f32[H, T, hidden] the residual stream after the step's asked layers (`ModelInputs.hidden_slots`),
-    # at every token; None where the engine gathers none (max_hidden_states_layers 0)
+    # [H, T, hidden] the residual stream after the step's asked layers (`ModelInputs.hidden_slots`),
+    # at every token, in the activations' dtype (widened on the host, only when asked for); None where
+    # the engine gathers none (max_hidden_states_layers 0)
     hidden: jax.Array | None = None
 
 
@@ -141,7 +142,7 @@ def make_step_fn(graphdef: nnx.GraphDef, state_treedef, kv_sharding: NamedShardi
             out = sample_rows(logits, sampling)
         previous = jnp.pad(out.tokens, (0, previous.shape[0] - out.tokens.shape[0]))
         launched = LaunchedStep(samples=out.packed(), prompt=prompt, distributions=out.distributions,
-                                hidden=None if gathered is None else gathered.astype(jnp.float32))
+                                hidden=gathered)
         return kv, launched, previous
 
     return jax.jit(step, donate_argnames=("kv",), out_shardings=(kv_sharding, replicated, replicated))
