@@ -50,16 +50,22 @@ def test_greedy_rows_take_the_argmax():
         assert set(draw(params, rows=64)) == {int(np.argmax(LOGITS))}
 
 
-def test_argmax_is_jnps_on_ties_infinities_and_nans():
+@pytest.mark.parametrize("nans", [False, True])  # (a batch with a NaN takes the exact form)
+@pytest.mark.parametrize("width", [3, 1000, 2368, 4096])  # no block, then blocks of 8 (taken whole), 64, 256
+def test_argmax_is_jnps_on_ties_infinities_and_nans(width, nans):
     rng = np.random.default_rng(3)
-    x = rng.integers(-3, 4, size=(64, 1000)).astype(np.float32)  # (many ties for the maximum)
+    x = rng.integers(-3, 4, size=(64, width)).astype(np.float32)  # (many ties for the maximum, across blocks)
     x[1] = -np.inf
-    x[2, [5, 700]] = np.inf
-    x[3, [9, 40]] = np.nan
-    x[4, 0] = np.nan
+    x[2, [0, width - 1]] = np.inf
+    x[3, width // 2], x[3, -1] = -0.0, 0.0  # (equal: the first)
+    x[3, x[3] > 0] = -1.0
     x[5, -1] = 99.0
+    if nans:
+        x[4, 0] = np.nan
+        x[6, [width // 2, width - 1]] = np.nan
+        x[7, width // 3] = 99.0
+        x[7, -1] = np.nan  # (a NaN after the maximum, in another block)
     np.testing.assert_array_equal(np.asarray(jax.jit(argmax)(x)), np.argmax(x, axis=-1))
-    np.testing.assert_array_equal(np.asarray(argmax(x[:, :3])), np.argmax(x[:, :3], axis=-1))
 
 
 def test_top_k_support():

@@ -22,6 +22,7 @@ of the model's distribution; both are computed only in a step where some row ask
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -138,26 +139,32 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
         logits = processors.apply(logits, t.processors, t.history, t.num_prompt, keys)
     num_rows, vocab = logits.shape
     greedy = (t.temperature <= GREEDY_TEMPERATURE) | (t.top_k == 1)
-    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+    # (the scaled logits and those kept are computed where a conditional's branch needs them: made
+    # here, each would be a [B, V] pass and temporary of every step, a greedy batch's too)
+    def scaled():
+        return logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+
     k = min(MAX_LOGPROBS, vocab)
     threshold, top_values, top_ids = _cut(scaled, greedy, t, k, t.wants_top & processed)
-    kept = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+    def kept():
+        return jnp.where(scaled() >= threshold, scaled(), -jnp.inf)
 
     def draw():
-        log_norm = jax.nn.logsumexp(kept, axis=-1, keepdims=True)
-        return _inverse_cdf(jnp.exp(kept - log_norm), jax.vmap(jax.random.uniform)(keys))
+        log_norm = jax.nn.logsumexp(kept(), axis=-1, keepdims=True)
+        return _inverse_cdf(jnp.exp(kept() - log_norm), jax.vmap(jax.random.uniform)(keys))
 
     drawn = jax.lax.cond(jnp.all(greedy), lambda: jnp.zeros(num_rows, jnp.int32), draw)  # all-greedy: no draw
     tokens = jnp.where(greedy, argmax(logits), drawn).astype(jnp.int32)
     carried = jnp.zeros((num_rows, 0), jnp.int32)
     if processors and processors.carried:  # (the drawn token's logprob where it was drawn: 0 for greedy rows)
         carries = jnp.any(jnp.stack([r.active for r, proc in zip(t.processors, processors.instances) if proc.carry]))
-        drawn_logprob = jax.lax.cond(carries, lambda: jnp.take_along_axis(kept, tokens[:, None], axis=-1)[:, 0]
-                                     - jax.nn.logsumexp(kept, axis=-1), lambda: jnp.zeros(num_rows))
+        drawn_logprob = jax.lax.cond(carries, lambda: jnp.take_along_axis(kept(), tokens[:, None], axis=-1)[:, 0]
+                                     - jax.nn.logsumexp(kept(), axis=-1), lambda: jnp.zeros(num_rows))
         carried = processors.advance(t.processors, tokens, jnp.where(greedy, 0.0, drawn_logprob))
     if processed:  # (the top K: the candidates', cut where the row cuts)
-        shift = jax.nn.logsumexp(kept, axis=-1, keepdims=True) if logprobs_mode == "processed_logprobs" else 0.0
-        scores, known_top = (lambda: kept - shift), (jnp.where(top_values >= threshold, top_values - shift, -jnp.inf),
+        shift = jax.nn.logsumexp(kept(), axis=-1, keepdims=True) if logprobs_mode == "processed_logprobs" else 0.0
+        scores, known_top = (lambda: kept() - shift), (jnp.where(top_values >= threshold, top_values - shift, -jnp.inf),
                                                       top_ids)
     else:
         scores, known_top = (lambda: _log_softmax(raw_logits) if logprobs_mode == "raw_logprobs" else raw_logits), None
@@ -167,27 +174,66 @@ def sample(logits: jax.Array, t: SamplingTensors, logprobs_mode: str = "raw_logp
                         entropies=entropies, carried=carried, distributions=whole)
 
 
+ARGMAX_BLOCK = 256  # logits a block of argmax's first pass reduces
+
+
 def argmax(x: jax.Array) -> jax.Array:
-    """jnp.argmax(x, axis=-1), the same index (the first maximum; the first NaN where there is one), as
-    two plain reductions: a max, then the least index that holds it. XLA:CPU runs argmax's reduction of
-    (value, index) pairs one element at a time: about 3x slower over a 32 x 49152 batch of logits."""
-    best = jnp.max(x, axis=-1, keepdims=True)
+    """jnp.argmax(x, axis=-1) of float32 x: the first maximum, the first NaN where there is one.
+
+    On CPU in one pass over x: each block's maximum and sum (a NaN always reaches a sum, not always
+    a maximum), then the first block that holds the row's maximum, then the first index in that block
+    alone; a batch with a NaN compares exact keys over the whole of x instead (`_order_keys`).
+    XLA:CPU runs argmax's reduction of (value, index) pairs one element at a time, and a maximum
+    followed by the least index that holds it keeps [B, V] temporaries: both 2-4x slower over a
+    64 x 49152 batch of logits (bench/RESULTS.md, "The sampler's passes")."""
+    if jax.default_backend() != "cpu":
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    rows, vocab = x.shape
+    block = math.gcd(vocab, ARGMAX_BLOCK)  # (the largest power of two that divides V, up to 256)
+    if block < 16:
+        return _exact_argmax(x)
+    blocks = x.reshape(rows, vocab // block, block)
+    peaks, sums = jnp.max(blocks, axis=-1), jnp.sum(blocks, axis=-1)
+
+    def by_blocks(x):
+        best = jnp.max(peaks, axis=-1, keepdims=True)
+        first = _first_index(peaks, best)
+        return first * block + _first_index(jnp.take_along_axis(blocks, first[:, None, None], axis=1)[:, 0], best)
+
+    return jax.lax.cond(jnp.any(jnp.isnan(sums)), _exact_argmax, by_blocks, x)
+
+
+def _exact_argmax(x: jax.Array) -> jax.Array:
+    keys = _order_keys(x)
+    return _first_index(keys, jnp.max(keys, axis=-1, keepdims=True))
+
+
+def _order_keys(x: jax.Array) -> jax.Array:
+    """float32 -> int32 keys in the values' order, ties kept (-0 is 0) and any NaN above +inf: exact
+    to compare (XLA:CPU's float max may drop a NaN)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    keys = jnp.where(x == 0, 0, bits ^ ((bits >> 31) & 0x7FFFFFFF))
+    return jnp.where(jnp.isnan(x), jnp.iinfo(jnp.int32).max, keys)
+
+
+def _first_index(x: jax.Array, best: jax.Array) -> jax.Array:
+    """The least index of each row of x that holds `best`."""
     ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where((x == best) | jnp.isnan(x), ids, x.shape[-1]), axis=-1)
+    return jnp.min(jnp.where(x == best, ids, x.shape[-1]), axis=-1)
 
 
-def _cut(scaled: jax.Array, greedy: jax.Array, t: SamplingTensors, k: int, want_top: jax.Array
+def _cut(scaled: Callable[[], jax.Array], greedy: jax.Array, t: SamplingTensors, k: int, want_top: jax.Array
          ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The scaled logits f32[B, V] -> (f32[B, 1] the logit each row keeps at or above: its top-k, min-p
-    and top-p cut, -inf where it cuts nothing; f32[B, k] the top k scaled logits and i32[B, k] their
-    ids, computed only where a row cuts or `want_top`)."""
-    num_rows, vocab = scaled.shape
+    """The scaled logits f32[B, V] (`scaled()`) -> (f32[B, 1] the logit each row keeps at or above:
+    its top-k, min-p and top-p cut, -inf where it cuts nothing; f32[B, k] the top k scaled logits and
+    i32[B, k] their ids, computed only where a row cuts or `want_top`)."""
+    num_rows, vocab = jax.eval_shape(scaled).shape
     filters = ~greedy & ((t.top_k < vocab) | (t.top_p < 1.0) | (t.min_p > 0.0))
     candidates = min(CANDIDATES, vocab)
 
     def top(c: int):
-        values, ids = jax.lax.top_k(scaled, c)
-        threshold, exact = _threshold(scaled, values, t)
+        values, ids = jax.lax.top_k(scaled(), c)
+        threshold, exact = _threshold(scaled(), values, t)
         return threshold, exact, values[:, :k], ids[:, :k].astype(jnp.int32)
 
     def no_top():
