@@ -278,12 +278,6 @@ def only_if(asked: jax.Array, fn, *operands):
     return jax.lax.cond(asked, fn, lambda first, *_: first, *operands)
 
 
-def steer_rows(x: jax.Array, vectors: jax.Array, slots: jax.Array, steered: jax.Array) -> jax.Array:
-    """x plus each row's steering vector (vectors [S + 1, hidden], the last zeros; slots i32[T]), where
-    some row of the step is `steered`."""
-    return only_if(steered, lambda x: x + jnp.take(vectors, slots, axis=0).astype(x.dtype), x)
-
-
 def gather_state(hidden: jax.Array, x: jax.Array, slot: jax.Array, num_hidden: int, norm=None) -> jax.Array:
     """`hidden` ([num_hidden + 1, T, hidden], the cache's element type) with slot `slot` set to the rows
     of x (after `norm`), unless no row asks for them (slot num_hidden). Unconditional, XLA:CPU fused a
@@ -381,8 +375,8 @@ class Decoder(nnx.Module):
         k_out, v_out = [], []
         for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv.k, kv.v)):
             x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
-            if steered is not None:
-                x = steer_rows(x, self.steering[i], inputs.steer, steered)
+            if steered is not None:  # (each row's vector: its slot's; the last slot is zeros)
+                x = only_if(steered, lambda x, i=i: x + self.steering[i][inputs.steer].astype(x.dtype), x)
             if gather:
                 hidden = jnp.zeros((num_hidden + 1, *x.shape), cache_dtype(x.dtype)) if hidden is None else hidden
                 hidden = gather_state(hidden, x, inputs.hidden_slots[i], num_hidden)
