@@ -51,7 +51,7 @@ def test_greedy_rows_take_the_argmax():
 
 
 @pytest.mark.parametrize("nans", [False, True])  # (a batch with a NaN takes the exact form)
-@pytest.mark.parametrize("width", [3, 1000, 2368, 4096])  # no block, then blocks of 8 (taken whole), 64, 256
+@pytest.mark.parametrize("width", [3, 1000, 2368, 4096])  # the exact form (blocks under 16), blocks of 64, 256
 def test_argmax_is_jnps_on_ties_infinities_and_nans(width, nans):
     rng = np.random.default_rng(3)
     x = rng.integers(-3, 4, size=(64, width)).astype(np.float32)  # (many ties for the maximum, across blocks)

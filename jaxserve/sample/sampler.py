@@ -180,7 +180,7 @@ ARGMAX_BLOCK = 256  # logits a block of argmax's first pass reduces
 def argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax(x, axis=-1) of float32 x: the first maximum, the first NaN where there is one.
 
-    On CPU in one pass over x: each block's maximum and sum (a NaN always reaches a sum, not always
+    On CPU in one pass over x (as XLA fuses it): each block's maximum and sum (a NaN always reaches a sum, not always
     a maximum), then the first block that holds the row's maximum, then the first index in that block
     alone; a batch with a NaN compares exact keys over the whole of x instead (`_order_keys`).
     XLA:CPU runs argmax's reduction of (value, index) pairs one element at a time, and a maximum
@@ -204,6 +204,7 @@ def argmax(x: jax.Array) -> jax.Array:
 
 
 def _exact_argmax(x: jax.Array) -> jax.Array:
+    """`argmax` by exact keys over the whole of x."""
     keys = _order_keys(x)
     return _first_index(keys, jnp.max(keys, axis=-1, keepdims=True))
 
