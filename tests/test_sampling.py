@@ -57,8 +57,8 @@ def test_argmax_is_jnps_on_ties_infinities_and_nans(width, nans):
     x = rng.integers(-3, 4, size=(64, width)).astype(np.float32)  # (many ties for the maximum, across blocks)
     x[1] = -np.inf
     x[2, [0, width - 1]] = np.inf
+    x[3] = -1.0
     x[3, width // 2], x[3, -1] = -0.0, 0.0  # (equal: the first)
-    x[3, x[3] > 0] = -1.0
     x[5, -1] = 99.0
     if nans:
         x[4, 0] = np.nan

@@ -280,9 +280,9 @@ def only_if(asked: jax.Array, fn, *operands):
 
 def gather_state(hidden: jax.Array, x: jax.Array, slot: jax.Array, num_hidden: int, norm=None) -> jax.Array:
     """`hidden` ([num_hidden + 1, T, hidden], the cache's element type) with slot `slot` set to the rows
-    of x (after `norm`), unless no row asks for them (slot num_hidden). Unconditional, XLA:CPU fused a
-    step's writes into one pass over every layer's output (bench/RESULTS.md, "The residual stream's
-    writes, skipped where no row asks")."""
+    of x (after `norm`), unless no row asks for them (slot num_hidden). Left unconditional, XLA:CPU
+    fused a step's writes into one pass over every layer's output (bench/RESULTS.md, "The residual
+    stream's writes, skipped where no row asks")."""
     def write(hidden, x):
         x = x if norm is None else norm(x)
         # (a slot is always in range: an update in place, with no bounds checks as calls of their own)
