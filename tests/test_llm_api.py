@@ -380,3 +380,18 @@ def test_a_failing_step_raises_and_the_next_generate_runs(default_llm, monkeypat
     monkeypatch.undo()
     out = default_llm.generate([{"prompt": "a", "cache_salt": "s"}], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_step_of_prompts_alone_is_finished_before_the_next_is_planned(default_llm):
+    """Its first tokens go out before the next step's host work: the decode step after it is planned
+    with each token known; a decode step is still followed by one planned ahead of its token."""
+    engine = default_llm.engine
+    engine.add_request("alone", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert engine.step() == []  # (the prompt's step launched)
+    assert engine._in_flight.batch.prefill_only
+    released = engine.step()
+    assert len(released) == 1 and engine._in_flight.batch.rows[0].pending_row == -1
+    engine.step()
+    assert not engine._in_flight.batch.prefill_only and engine._in_flight.batch.rows[0].pending_row == 0
+    while engine.has_unfinished():
+        engine.step()

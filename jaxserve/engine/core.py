@@ -303,8 +303,8 @@ class Engine:
         The next step is planned and launched before the previous step's tokens reach the host (its
         rows read them on the device, see `scheduler`), so the host's work on them (recording tokens,
         detokenizing, stop strings, and `on_release` of each output, e.g. sending it to a client)
-        runs while the device computes. Only when the previous step's tokens feed the host side of
-        the next (a grammar's mask) is it finished first."""
+        runs while the device computes. It is finished first when its tokens feed the host side of the
+        next (a grammar's mask), or when it held prompt chunks alone (their first tokens go out sooner)."""
         if not self.is_ready:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
         if self.is_sleeping:
@@ -312,8 +312,9 @@ class Engine:
         released, batch = [], None
         try:
             speculate = self.config.speculative is not None and self._speculates()
-            if self._in_flight is not None and (speculate or not self.scheduler.can_schedule_ahead(
-                    self._in_flight.batch)):  # (drafts follow the last token: it must be known)
+            before = None if self._in_flight is None else self._in_flight.batch
+            if before is not None and (speculate or before.prefill_only  # (drafts follow the last token)
+                                       or not self.scheduler.can_schedule_ahead(before)):
                 released = self._finish_in_flight(on_release)
             batch = self.scheduler.schedule(self.runner.token_budget(), self._drafts() if speculate else None)
             if self.runner.draft is not None and batch.num_samples > len(batch.rows):

@@ -86,6 +86,11 @@ class ScheduledBatch:
         """Rows of the sampler: one per row, one more per draft token."""
         return len(self.rows) + sum(len(row.draft_token_ids) for row in self.rows)
 
+    @property
+    def prefill_only(self) -> bool:
+        """Every row a prompt chunk of more than one token: no row decodes."""
+        return all(len(row.token_ids) > 1 and not row.draft_token_ids for row in self.rows)
+
     def samples(self) -> list[tuple[int, int, int]]:
         """(the sampler's row, the step's row, how many of that row's drafts come before it), in the
         sampler's order: a sample per row, then those after drafts."""
