@@ -5,7 +5,7 @@ warm (`Engine.warmup`: the fewest step buckets that run every request, the rest 
 background), while the API already answers: its /health with 503 until `is_ready`. Coroutines
 hand commands (add, abort) to the engine thread through a queue; the thread applies them between
 steps (those sent during the warm-up once it ends), runs `Engine.step()` (which also releases
-text; each step planned just before the one in flight is expected to end, `_pace`), and posts each sequence's update onto the requester's asyncio queue with
+text), and posts each sequence's update onto the requester's asyncio queue with
 `call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
 pages are freed at the next step.
 
@@ -28,7 +28,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
@@ -245,7 +244,6 @@ class AsyncEngine:
             if not self.engine.is_ready:
                 self.engine.warmup(background=True, progress=False)
             while not self._stop.is_set():
-                self._pace()
                 self._apply_commands()
                 if not self.holding.may_step() or not self.engine.has_unfinished():
                     self._wake.wait(0.5)
@@ -274,17 +272,6 @@ class AsyncEngine:
             for held in self.holding.fail(reason):
                 self.admission.arrived(held.request_id)
                 held.subscriber.loop.call_soon_threadsafe(held.subscriber.queue.put_nowait, reason)
-
-    def _pace(self) -> None:
-        """Wait to plan the next step until just before the device is expected to finish the one in
-        flight (`StepClock`), or until a command comes: a request arriving meanwhile joins the next
-        step, not the one after."""
-        clock = self.engine.runner.clock
-        at = clock.plan_at()
-        if at is not None and at > time.monotonic():
-            self._wake.wait(at - time.monotonic())
-            self._wake.clear()  # (the commands sent before are applied next)
-        clock.planning()
 
     def _fail(self, e: StepFailed) -> None:
         """Tell the failed step's requests why they ended; re-raise (ending the loop) when the engine

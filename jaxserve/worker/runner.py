@@ -31,7 +31,6 @@ from jaxserve.sample.logits_processors import Processors, fingerprint
 from jaxserve.sample.tensors import Padding, SampleOutput, SamplingRow, SamplingTensors, needs_distribution
 from jaxserve.sched.pages import NULL_PAGE
 from jaxserve.sched.plan import ScheduledBatch, StepOutput, hidden_layer_slots, prompt_targets
-from jaxserve.worker.clock import StepClock
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import ExecutableCache
 from jaxserve.worker.kv_cache import allocate_kv_cache
@@ -83,7 +82,6 @@ class Runner:
         self._previous = place(np.zeros(config.max_num_samples, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         self._last_broadcast = time.monotonic()
-        self.clock = StepClock()  # each bucket's device time: when the step in flight should end
 
     @property
     def state(self) -> nnx.State:
@@ -96,9 +94,7 @@ class Runner:
         slots = {} if self.adapters is None else self.adapters.assign(row.lora for row in batch.rows if row.lora)
         steered = [row.sampling.steering for row in batch.rows if row.sampling.steering is not None]
         slots.update(self.steering.assign(steered) if steered else {})
-        launched = self._run(shape, self.prepare(batch, shape, slots))
-        self.clock.launched(launched, shape)
-        return launched
+        return self._run(shape, self.prepare(batch, shape, slots))
 
     def _run(self, shape: tuple[int, int, int], inputs: StepInputs) -> LaunchedStep:
         if self._leads:  # the other processes run the same step on the same inputs
@@ -230,11 +226,9 @@ class Runner:
         asked = any(r.prompt_logprobs for r in batch.rows)
         whole = any(r.sample and needs_distribution(r.params.logprobs) for r in batch.rows)
         hidden = any(r.sampling.hidden_layers for r in batch.rows)
-        fetch_from = time.monotonic()
         samples, prompt, distributions, hidden = jax.device_get((
             launched.samples, launched.prompt if asked else None, launched.distributions if whole else None,
             launched.hidden if hidden else None))
-        self.clock.collected(launched, fetch_from)
         out = SampleOutput.unpacked(samples, min(MAX_LOGPROBS, self.model_config.vocab_size),
                                     len(self.processors.carried))
         rows = batch.num_samples
