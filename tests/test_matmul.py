@@ -20,8 +20,8 @@ import pytest
 from conftest import needs_cpu_backend
 
 from jaxserve_kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
-                                     _operands, bf16_tiles, implementation, matmul_t, matmul_t_many, native_bf16,
-                                     quantized_forms, row_limit)
+                                     _operands, bf16_tiles, implementation, live_rows, matmul_t, matmul_t_many,
+                                     native_bf16, quantized_forms, row_limit)
 from jaxserve_kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows,
                                            nbytes, quantize, take_rows, ungroup_rows)
 
@@ -53,6 +53,34 @@ def test_matmul_t_matches_float64(impl, x_dtype, w_dtype, out_dtype):
         want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
         tol = 2e-5 if got.dtype == jnp.float32 else 2**-8  # bfloat16 output: its rounding
         np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=tol, atol=tol * np.sqrt(d_in))
+
+
+@pytest.mark.parametrize("weight", ["float32", "bfloat16", "int8", "int4", "int4 grouped, two"])
+@pytest.mark.parametrize("x_dtype", ["float32", "bfloat16"])
+def test_within_live_rows_the_kernels_compute_the_first_rows_as_without_and_zero_the_rest(weight, x_dtype):
+    """A step's padding rows cost its products nothing: the rows of x before the live count come out
+    bit for bit as the whole product's (the form follows from x's rows, padding included), the others
+    zero; a count past the rows takes them all, a negative one none."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(3)
+    for rows in (5, 40):  # (the dot form; the panel, pair-panel or tile form)
+        x = jnp.asarray(rng.standard_normal((rows, 64)), x_dtype)
+        if weight in ("float32", "bfloat16"):
+            ws = [jnp.asarray(rng.standard_normal((24, 64)), weight)]
+        else:
+            ws = [_random_quantized(rng, (32, 64), weight[:4]) for _ in range(1 + weight.endswith("two"))]
+            ws = [group_rows(w) for w in ws] if "grouped" in weight else ws
+
+        def products(x, live, ws=ws):
+            with live_rows(live):
+                return matmul_t_many(x, ws, impl="cpu")
+
+        whole = jax.jit(lambda x, ws=ws: matmul_t_many(x, ws, impl="cpu"))(x)
+        for live in (0, 1, 3, 17, rows, rows + 9, -2):
+            kept = min(max(live, 0), rows)
+            for got, want in zip(jax.jit(products)(x, jnp.int32(live)), whole):
+                assert np.array_equal(np.asarray(got[:kept]), np.asarray(want[:kept])), (rows, live)
+                assert not np.asarray(got[kept:]).any(), (rows, live)
 
 
 def _ffi_targets(eqns) -> list[str]:
@@ -379,11 +407,11 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
                 call = jax.ffi.ffi_call(targets[fmt], jax.ShapeDtypeStruct((rows, d_out), jnp.float32))
                 x64, w64 = np.asarray(x, np.float64), np.asarray(dequantize(w), np.float64)
                 tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms))
-                error = np.abs(np.asarray(call(x, *operands), np.float64) - x64 @ w64.T)
+                error = np.abs(np.asarray(call(x, np.int32(rows), *operands), np.float64) - x64 @ w64.T)
                 assert (error <= tolerance).all(), (fmt, x_dtype, rows, (error / tolerance).max())
                 if "integer" in forms and d_out % GROUP_ROWS == 0:
                     many = jax.ffi.ffi_call(many_target, [jax.ShapeDtypeStruct((rows, d_out), jnp.float32)])
-                    grouped, = many(x, *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
+                    grouped, = many(x, np.int32(rows), *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
                     error = np.abs(np.asarray(grouped, np.float64) - x64 @ w64.T)
                     tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms, grouped=True))
                     assert (error <= tolerance).all(), (fmt, x_dtype, rows, "grouped", (error / tolerance).max())
@@ -414,24 +442,25 @@ def test_quantized_matmul_t_checks_its_operands():
         matmul_t(jnp.ones((1, 32)), w)
     needs_cpu_backend()
     assert implementation() == "cpu"
+    live = np.int32(1)  # (the rows computed: `live_rows`)
     call = jax.ffi.ffi_call(QUANT_TARGETS["int4"], jax.ShapeDtypeStruct((1, 8), jnp.float32))
     with pytest.raises(Exception, match="scales and mins must be float16"):
-        call(jnp.ones((1, 64)), w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
+        call(jnp.ones((1, 64)), live, w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
     with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
-        call(jnp.ones((1, 64)), w.data, w.scales[:, :1], w.mins).block_until_ready()
+        call(jnp.ones((1, 64)), live, w.data, w.scales[:, :1], w.mins).block_until_ready()
     many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
     rows, grouped = np.int64(0), np.int64(GROUP_ROWS)  # the layouts (`row_group`)
     with pytest.raises(Exception, match="row_group must be 0"):
-        jax.block_until_ready(many(jnp.ones((1, 64)), *_operands(w), *_operands(w), row_group=np.int64(4)))
+        jax.block_until_ready(many(jnp.ones((1, 64)), live, *_operands(w), *_operands(w), row_group=np.int64(4)))
     with pytest.raises(Exception, match="each y needs its weight's data, scales and, int4, mins"):
-        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales, row_group=rows))
+        jax.block_until_ready(many(jnp.ones((1, 64)), live, w.data, w.scales, w.mins, w.data, w.scales, row_group=rows))
     with pytest.raises(Exception, match="scales and mins must be float16"):
-        jax.block_until_ready(many(jnp.ones((1, 64)), w.data, w.scales, w.mins, w.data, w.scales,
+        jax.block_until_ready(many(jnp.ones((1, 64)), live, w.data, w.scales, w.mins, w.data, w.scales,
                                    w.mins.astype(jnp.float32), row_group=rows))
     if "integer" in quantized_forms():  # (a grouped weight is one array, its rows in whole groups)
         one = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)])
         packed = jnp.zeros((8, 40), jnp.uint8)  # (K = 64: 32 bytes of data, 4 of scales and 4 of mins a row)
         with pytest.raises(Exception, match="a multiple of 16"):
-            jax.block_until_ready(one(jnp.ones((1, 64)), packed, row_group=grouped))
+            jax.block_until_ready(one(jnp.ones((1, 64)), live, packed, row_group=grouped))
         with pytest.raises(Exception, match="a grouped weight must be"):
-            jax.block_until_ready(one(jnp.ones((1, 64)), packed[:, :32], row_group=grouped))
+            jax.block_until_ready(one(jnp.ones((1, 64)), live, packed[:, :32], row_group=grouped))

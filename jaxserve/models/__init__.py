@@ -19,6 +19,8 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from jaxserve_kernels import live_rows
+
 from jaxserve.models import gemma, invariant, llama, moe, phi3
 from jaxserve.models.layers import KVCache, Linear, LoraRows, ModelInputs, Quantizable
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
@@ -163,7 +165,8 @@ def forward_residual(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inpu
     if steering is not None:
         model.steering = nnx.data(steering)
     if not batch_invariant:
-        kv, x, hidden = model.run(kv, inputs, num_hidden)
+        with live_rows(inputs.query_start[-1]):  # (the kernels' products skip the bucket's padding)
+            kv, x, hidden = model.run(kv, inputs, num_hidden)
         return kv, model.logits(x[inputs.logits_indices]), x, hidden
     kv, x = invariant.forward_in_tiles(model, kv, inputs)
     return kv, invariant.by_rows(model.logits, x[inputs.logits_indices], inputs.num_seqs), x, None

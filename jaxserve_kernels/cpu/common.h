@@ -29,6 +29,19 @@ namespace ffi = xla::ffi;
 
 inline bool IsBf16(ffi::DataType t) { return t == ffi::DataType::BF16 || t == ffi::DataType::U16; }
 
+// The rows of x a product computes: the first `live` (an int32 scalar operand, clamped to [0, rows]);
+// a step's padding rows after them are left to `ZeroRowsFrom`.
+inline int64_t LiveRows(const ffi::AnyBuffer& live, int64_t rows) {
+  if (live.element_type() != ffi::DataType::S32 || live.element_count() != 1) return rows;
+  return std::clamp<int64_t>(*static_cast<const int32_t*>(live.untyped_data()), 0, rows);
+}
+
+// y [M, N] from row `m` on set to zero: the rows a product did not compute (`LiveRows`).
+inline void ZeroRowsFrom(ffi::Result<ffi::AnyBuffer>& y, int64_t m) {
+  const int64_t row_bytes = y->dimensions()[0] ? y->size_bytes() / y->dimensions()[0] : 0;
+  std::memset(static_cast<char*>(y->untyped_data()) + m * row_bytes, 0, y->size_bytes() - m * row_bytes);
+}
+
 inline float Bf16ToFloat(uint16_t bits) {
   uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float f;

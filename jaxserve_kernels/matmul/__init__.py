@@ -24,10 +24,16 @@ products, as llama.cpp does, and on one with AMX it multiplies bfloat16 tiles fr
 dot of x and the weight dequantized to x's dtype (`dequantize`).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
+
+Within `live_rows(n)` (a traced count: a step's tokens before its bucket's padding), the C++
+kernels compute x's first n rows and return zeros for the others: a step's padding costs its
+products nothing. XLA's dot computes every row.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import math
 import os
@@ -123,6 +129,26 @@ def row_limit(x_dtype, w_dtype) -> float:
     return math.inf if both_bf16 and native_bf16() else KERNEL_MAX_ROWS[jnp.dtype(w_dtype)]
 
 
+_LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("live_rows", default=None)
+
+
+@contextlib.contextmanager
+def live_rows(count: jax.Array):
+    """Within it (while a step is traced), the kernels' products compute only the first `count`
+    rows of x (an int32 scalar, traced); the others' results are zero."""
+    token = _LIVE_ROWS.set(count)
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(token)
+
+
+def _live(rows: int) -> jax.Array:
+    """The kernel's `live` operand: the count of `live_rows`, or all `rows` of x outside it."""
+    count = _LIVE_ROWS.get()
+    return jnp.asarray(rows if count is None else count, jnp.int32)
+
+
 def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array:
     return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(dtype or x.dtype)
@@ -148,7 +174,7 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
             weight = jax.ffi.ffi_call(WIDEN_TARGET, jax.ShapeDtypeStruct(weight.shape, jnp.float32))(x, weight)
         return matmul_t_reference(x.astype(jnp.float32), weight, dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
-    return call(x.reshape(rows, k), weight).reshape(*lead, weight.shape[0])
+    return call(x.reshape(rows, k), weight, _live(rows)).reshape(*lead, weight.shape[0])
 
 
 def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:
@@ -186,9 +212,9 @@ def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype) -> lis
     ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights]
     operands = [part for w in weights for part in _operands(w)]
     if len(weights) == 1 and not row_group:
-        ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), *operands)]
+        ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), _live(rows), *operands)]
     else:
-        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), *operands, row_group=row_group)
+        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), _live(rows), *operands, row_group=row_group)
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, weights)]
 
 

@@ -427,16 +427,20 @@ void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, in
 }
 #endif  // __AVX512BF16__
 
-// y = x ws^T for x [M, K] and ws the N x K matrix at `ws` (bfloat16 bits where w_bf16, else float32).
-ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool w_bf16, int64_t n_len,
-                   ffi::Result<ffi::AnyBuffer> y) {
-  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+// y = x ws^T for x [M, K] and ws the N x K matrix at `ws` (bfloat16 bits where w_bf16, else float32),
+// computed for x's first m_len rows (its other rows' y zero). The form follows from M, as in every
+// step of the same bucket whatever its padding, so that a row's values do not depend on the others'.
+ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, const void* ws, bool w_bf16,
+                   int64_t n_len, ffi::Result<ffi::AnyBuffer> y) {
+  const int64_t m_form = x.dimensions()[0], k_len = x.dimensions()[1];
+  ZeroRowsFrom(y, m_len);
+  if (m_len == 0) return ffi::Error::Success();
   const bool x_bf16 = IsBf16(x.element_type());
   const bool y_bf16 = IsBf16(y->element_type());
   const float* x_f32 = static_cast<const float*>(x.untyped_data());
   const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
 #if defined(JAXSERVE_AMX)
-  if (m_len >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
+  if (m_form >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
     const auto rows = amx::RowsInPlace(static_cast<const uint16_t*>(ws), n_len, k_len);
     if (y_bf16) {  // (rounded as each block is stored)
       amx::TileProduct(pool, x_bits, m_len, k_len, n_len, static_cast<uint16_t*>(y->untyped_data()), kRowsOfW, rows);
@@ -447,7 +451,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
   }
 #endif
 #if defined(__AVX512BF16__)
-  if (m_len >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {  // (y written in its own dtype)
+  if (m_form >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {  // (y written in its own dtype)
     std::unique_ptr<uint32_t[]> pairs(new uint32_t[CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2]);
     PackPairPanels(x_bits, m_len, k_len, pairs.get());
     const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
@@ -471,7 +475,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
   std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
   float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
 
-  if (m_len >= kPanelMinRows) {
+  if (m_form >= kPanelMinRows) {
     x_wide.resize((m_len + kPanelRows - 1) / kPanelRows * kPanelRows * k_len);
     if (x_bf16) {
       PackPanels(x_bits, m_len, k_len, x_wide.data());
@@ -531,7 +535,9 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* ws, bool 
 
 bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || IsBf16(t); }
 
-ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+// y = x w^T for x's first `live` rows (`LiveRows`), the rest zero.
+ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer live,
+                   ffi::Result<ffi::AnyBuffer> y) {
   if (!IsFloat(x.element_type()) || !IsFloat(w.element_type()) || !IsFloat(y->element_type())) {
     return ffi::Error::InvalidArgument("matmul (cpu): operands must be float32 or bfloat16");
   }
@@ -540,7 +546,7 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1]) {
     return ffi::Error::InvalidArgument("matmul (cpu): x must be [M, K] and w [N, K]");
   }
-  return Product(pool, x, w.untyped_data(), IsBf16(w.element_type()), wd[0], y);
+  return Product(pool, x, LiveRows(live, xd[0]), w.untyped_data(), IsBf16(w.element_type()), wd[0], y);
 }
 
 // y = x w[group]^T for a stack w [G, N, K] (a Mixture-of-Experts layer's experts; bfloat16 may come
@@ -561,7 +567,7 @@ ffi::Error StackMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   const int64_t g = *static_cast<const int32_t*>(group.untyped_data());
   if (g < 0 || g >= wd[0]) return ffi::Error::InvalidArgument("stack matmul (cpu): group out of range");
   const int64_t offset = g * wd[1] * wd[2] * (w_bf16 ? 2 : 4);
-  return Product(pool, x, static_cast<const char*>(w.untyped_data()) + offset, w_bf16, wd[1], y);
+  return Product(pool, x, xd[0], static_cast<const char*>(w.untyped_data()) + offset, w_bf16, wd[1], y);
 }
 
 // out = w (bfloat16) widened to float32, for XLA's float32 dot on prefill chunks (see
@@ -589,7 +595,7 @@ ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer
 }  // namespace
 }  // namespace jaxserve
 
-// Both handlers: XLA's thread pool, two operands, one result.
+// The handlers: XLA's thread pool, two or three operands, one result.
 static auto TwoOperandsOneResult() {
   return xla::ffi::Ffi::Bind()
       .Ctx<xla::ffi::ThreadPool>()
@@ -598,17 +604,20 @@ static auto TwoOperandsOneResult() {
       .Ret<xla::ffi::AnyBuffer>();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT, TwoOperandsOneResult());
+static auto ThreeOperandsOneResult() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::ThreadPool>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Arg<xla::ffi::AnyBuffer>()
+      .Ret<xla::ffi::AnyBuffer>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulT, jaxserve::MatmulT, ThreeOperandsOneResult());  // x, w, live
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter, TwoOperandsOneResult());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveStackMatmulT, jaxserve::StackMatmulT,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveStackMatmulT, jaxserve::StackMatmulT, ThreeOperandsOneResult());
 
 // 1 where bfloat16 products run on the CPU's bfloat16 instructions (PairPanelTile), else 0.
 extern "C" int JaxserveMatmulNativeBf16() {

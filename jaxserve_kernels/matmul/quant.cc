@@ -190,11 +190,12 @@ void GroupProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::
 constexpr int64_t kTileMinRows = 8;  // from this many rows of x on, the tile form where permitted
 #endif
 
-// y = x w^T for each target's weight (one format and one K), in the form this CPU and m_len take.
+// y = x w^T for each target's weight (one format and one K) and x's first m_len rows, in the form
+// this CPU and m_form (x's rows, padding included: see Product in cpu.cc) take.
 template <Format F, typename X>
-void Products(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
+void Products(ffi::ThreadPool& pool, const X* x, int64_t m_form, int64_t m_len, const std::vector<Target>& targets) {
 #if defined(JAXSERVE_QUANT_TILES)
-  if (m_len >= kTileMinRows && TilesPermitted()) {
+  if (m_form >= kTileMinRows && TilesPermitted()) {
     for (const Target& t : targets) TileProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
     return;
   }
@@ -210,12 +211,13 @@ void Products(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vecto
 }
 
 template <Format F>  // Products on x as the handler receives it
-void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const std::vector<Target>& targets) {
-  const int64_t m_len = x.dimensions()[0];
+void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, int64_t m_len, const std::vector<Target>& targets) {
+  const int64_t m_form = x.dimensions()[0];
+  if (m_len == 0) return;
   if (IsBf16(x.element_type())) {
-    Products<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_len, targets);
+    Products<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_form, m_len, targets);
   } else {
-    Products<F>(pool, static_cast<const float*>(x.untyped_data()), m_len, targets);
+    Products<F>(pool, static_cast<const float*>(x.untyped_data()), m_form, m_len, targets);
   }
 }
 
@@ -258,12 +260,12 @@ std::string CheckOperands(Format format, bool grouped, ffi::AnyBuffer& x, Operan
   return "";
 }
 
-// y = x w^T for each weight (see the top), every weight of `format`, in rows (`row_group` 0) or
-// grouped (kGroupRows: quant.h); a bfloat16 y is computed in a float32 buffer and rounded at the
-// end (every form writes all of it).
-ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std::vector<Operands>& weights,
-                    int64_t row_group) {
-  const int64_t m_len = x.dimensions()[0], k_len = x.dimensions()[1];
+// y = x w^T for each weight (see the top) and x's first `live` rows (`LiveRows`; the other rows of
+// y zero), every weight of `format`, in rows (`row_group` 0) or grouped (kGroupRows: quant.h); a
+// bfloat16 y is computed in a float32 buffer and rounded at the end (every form writes all of it).
+ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& live,
+                    std::vector<Operands>& weights, int64_t row_group) {
+  const int64_t m_len = LiveRows(live, x.dimensions()[0]), k_len = x.dimensions()[1];
   const bool grouped = row_group == kGroupRows;
 #if defined(JAXSERVE_QUANT_GROUPED)
   const bool layouts_ok = row_group == 0 || grouped;
@@ -306,12 +308,13 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
     targets.push_back({w, n_len, y});
   }
   if (format == Format::kInt8) {
-    ProductsOf<Format::kInt8>(pool, x, targets);
+    ProductsOf<Format::kInt8>(pool, x, m_len, targets);
   } else {
-    ProductsOf<Format::kInt4>(pool, x, targets);
+    ProductsOf<Format::kInt4>(pool, x, m_len, targets);
   }
   for (size_t i = 0; i < weights.size(); ++i) {
     ffi::Result<ffi::AnyBuffer>& y = weights[i].y;
+    ZeroRowsFrom(y, m_len);
     if (IsBf16(y->element_type())) {
       RoundToBf16(pool, targets[i].y, m_len * targets[i].n_len, static_cast<uint16_t*>(y->untyped_data()));
     }
@@ -320,23 +323,23 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, std
 }
 
 // One weight in rows.
-ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error Int8MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::AnyBuffer data,
+                       ffi::AnyBuffer scales, ffi::Result<ffi::AnyBuffer> y) {
   std::vector<Operands> weights{{data, scales, std::nullopt, y}};
-  return Multiply(Format::kInt8, pool, x, weights, 0);
+  return Multiply(Format::kInt8, pool, x, live, weights, 0);
 }
 
-ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer data, ffi::AnyBuffer scales,
-                       ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::AnyBuffer data,
+                       ffi::AnyBuffer scales, ffi::AnyBuffer mins, ffi::Result<ffi::AnyBuffer> y) {
   std::vector<Operands> weights{{data, scales, mins, y}};
-  return Multiply(Format::kInt4, pool, x, weights, 0);
+  return Multiply(Format::kInt4, pool, x, live, weights, 0);
 }
 
 // Several weights of one format and layout against the same x, each with its own y (or one grouped
 // weight): the operands of each weight in turn, in rows data, scales (and mins, int4), grouped its
 // one array; the format follows from the first data's dtype.
-ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArgs parts, ffi::RemainingRets ys,
-                       int64_t row_group) {
+ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::RemainingArgs parts,
+                       ffi::RemainingRets ys, int64_t row_group) {
   const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
   const size_t per_weight = row_group == kGroupRows ? 1 : int8 ? 2 : 3;
   if (ys.size() == 0 || parts.size() != per_weight * ys.size()) {
@@ -350,7 +353,7 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::RemainingArg
     weights.push_back({*part(0), per_weight > 1 ? part(1) : std::nullopt, has_mins ? part(2) : std::nullopt,
                        *ys.get<ffi::AnyBuffer>(i)});
   }
-  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, weights, row_group);
+  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, live, weights, row_group);
 }
 
 }  // namespace jaxserve::quant
@@ -359,6 +362,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt8MatmulT, jaxserve::quant::Int8MatmulT,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // live (see Multiply)
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
                                   .Ret<xla::ffi::AnyBuffer>());
@@ -367,6 +371,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveInt4MatmulT, jaxserve::quant::Int4MatmulT,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // live (see Multiply)
                                   .Arg<xla::ffi::AnyBuffer>()  // data
                                   .Arg<xla::ffi::AnyBuffer>()  // scales
                                   .Arg<xla::ffi::AnyBuffer>()  // mins
@@ -376,6 +381,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // live (see Multiply)
                                   .RemainingArgs()             // each weight's data, scales (, mins), or one array
                                   .RemainingRets()             // each weight's y
                                   .Attr<int64_t>("row_group"));
