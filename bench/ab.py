@@ -48,7 +48,7 @@ def main() -> None:
     if args.model == "default":
         model = DEFAULT_MODEL_NAME
     elif args.model != "bench-125m":
-        model = Path(args.model)
+        model = Path(args.model).resolve()  # (the base server runs in its own tree)
     else:
         f32 = make()
         model = f32 if args.dtype == "float32" else f32.with_name(f32.name + "-bf16")

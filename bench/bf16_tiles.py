@@ -82,7 +82,8 @@ def main() -> None:
     torch.set_num_threads(threads)
 
     def pairs_call(x, w):
-        return jax.ffi.ffi_call(PAIRS_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype))(x, w, np.int32(x.shape[0]))
+        call = jax.ffi.ffi_call(PAIRS_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype))
+        return call(x, w, np.int32(x.shape[0]))  # (every row: `live_rows`)
 
     calls = {"tiles": jax.jit(lambda x, ws: [matmul_t(x, w, impl="cpu") for w in ws])}
     if tiles:

@@ -133,9 +133,10 @@ _LIVE_ROWS: contextvars.ContextVar = contextvars.ContextVar("live_rows", default
 
 
 @contextlib.contextmanager
-def live_rows(count: jax.Array):
+def live_rows(count: jax.Array | None):
     """Within it (while a step is traced), the kernels' products compute only the first `count`
-    rows of x (an int32 scalar, traced); the others' results are zero."""
+    rows of x (an int32 scalar, traced); the others' results are zero. None: every row. (Read when
+    `matmul_t` is traced: a function traced once and reused elsewhere would keep the count.)"""
     token = _LIVE_ROWS.set(count)
     try:
         yield

@@ -24,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve_kernels.matmul import KERNEL_DTYPES, STACK_TARGET, matmul_t, row_limit
+from jaxserve_kernels.matmul import KERNEL_DTYPES, STACK_TARGET, live_rows, matmul_t, row_limit
 from jaxserve_kernels.matmul import implementation as matmul_implementation
 from jaxserve_kernels.matmul.quant import QuantizedWeight, dequantize
 
@@ -120,8 +120,9 @@ def _chunked(x, w, group_sizes, dtype, chunk: int):
         offset = (i - (chunk_ends[g] - chunks[g])) * chunk
         row = starts[g] + offset
         rows_in = jax.lax.dynamic_slice_in_dim(x, row, chunk)
-        y = (matmul_t(rows_in, _group(w, g), dtype) if isinstance(w, QuantizedWeight)
-             else stack_matmul_t(rows_in, w, g, dtype))
+        with live_rows(None):  # (a step's live count is of its tokens, not of these rows sorted by group)
+            y = (matmul_t(rows_in, _group(w, g), dtype) if isinstance(w, QuantizedWeight)
+                 else stack_matmul_t(rows_in, w, g, dtype))
         inside = (offset + jnp.arange(chunk)) < group_sizes[g]
         kept = jnp.where(inside[:, None], y, jax.lax.dynamic_slice_in_dim(out, row, chunk))
         return jax.lax.dynamic_update_slice_in_dim(out, kept, row, 0)

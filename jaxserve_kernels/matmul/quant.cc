@@ -204,7 +204,7 @@ void Products(ffi::ThreadPool& pool, const X* x, int64_t m_form, int64_t m_len, 
   if (targets[0].w.grouped) return GroupProducts<F>(pool, x, m_len, targets);  // (all of them or none)
 #endif
 #if defined(JAXSERVE_QUANT_INTEGER)
-  IntegerProducts<F>(pool, x, m_len, targets);
+  IntegerProducts<F>(pool, x, m_form, m_len, targets);
 #else
   for (const Target& t : targets) FloatProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
 #endif

@@ -447,11 +447,13 @@ void PanelProduct(ffi::ThreadPool& pool, const X* x, int64_t m_len, const QuantW
   });
 }
 
-// The integer forms of weights in rows: the dot form under kPanelMinRows rows, else the panel form,
-// weight by weight (there the products, not the handing of work, set the time).
+// The integer forms of weights in rows, for x's first m_len rows: the dot form where x has under
+// kPanelMinRows rows (m_form, padding included: see Products), else the panel form, weight by weight
+// (there the products, not the handing of work, set the time).
 template <Format F, typename X>
-void IntegerProducts(ffi::ThreadPool& pool, const X* x, int64_t m_len, const std::vector<Target>& targets) {
-  if (m_len < kPanelMinRows) return DotProducts<F>(pool, x, m_len, targets);
+void IntegerProducts(ffi::ThreadPool& pool, const X* x, int64_t m_form, int64_t m_len,
+                     const std::vector<Target>& targets) {
+  if (m_form < kPanelMinRows) return DotProducts<F>(pool, x, m_len, targets);
   for (const Target& t : targets) PanelProduct<F>(pool, x, m_len, t.w, t.n_len, t.y);
 }
 
