@@ -25,6 +25,7 @@ import pytest
 from flax import nnx
 from hf_models import ARCHITECTURES
 from safetensors.numpy import load_file, save_file
+from conftest import needs_cpu_backend
 from test_gguf import INT8_ACTIVATIONS, MAX_KL, MIN_TOP1, TIE, agreement
 
 from checkpoints.target import param_paths
@@ -139,6 +140,31 @@ def test_weight_formats():
     assert "embed_tokens.embedding" not in formats and len(formats) == 7 * cfg.num_layers + 1
     with pytest.raises(ValueError, match="needs a GGUF file"):
         weight_formats(d, cfg, "gguf")
+
+
+def test_a_step_computes_its_padding_where_its_products_do(hf_checkpoint, monkeypatch):
+    """`EngineConfig.padding_computed_from` as build_engine resolves it (`sched.limits.bucket_cut`
+    reads it): on one CPU device never for quantized layers (the kernels skip a step's padding at
+    every row count), past the kernel's row limit for float32 ones (XLA's dot takes the products past
+    it); from the first token for experts (their products run every row), on a mesh and with the
+    "xla" implementation (XLA's dot computes every row)."""
+    needs_cpu_backend()
+    import jax.numpy as jnp
+
+    from checkpoints import default_model_dir
+    from jaxserve.config.engine import EngineConfig
+    from jaxserve.engine.build import _prepare
+    from jaxserve_kernels.matmul import padding_computed_from
+
+    def resolved(model, **settings):
+        return _prepare(EngineConfig(model=str(model), **settings), None)[2].padding_computed_from
+
+    assert resolved(default_model_dir(), quantization="int4") is None
+    assert resolved(default_model_dir(), quantization="none", dtype="float32") == 65
+    assert resolved(hf_checkpoint("mixtral")[1], quantization="int8") == 0
+    assert padding_computed_from(jnp.float32, False, 8) == padding_computed_from(jnp.bfloat16, True, 8) == 0
+    monkeypatch.setenv("JAXSERVE_MATMUL", "xla")
+    assert padding_computed_from(jnp.float32, False, 1) == 0
 
 
 def test_one_cpu_device_keeps_the_linear_layers_grouped(monkeypatch):

@@ -126,18 +126,24 @@ def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
     assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 1, True), (1, 10, True)]
 
 
-def test_a_step_padded_far_past_its_tokens_is_cut_to_the_bucket_below():
+@pytest.mark.parametrize("computed_from", [0, 512, 513, None])
+def test_a_step_padded_far_past_its_tokens_is_cut_to_the_bucket_below(computed_from):
     """Waiting prompts that would end a step in the lower half between two token buckets (from 64
-    on) are cut to the lower bucket, the last prompt chunked and its rest first in the next step; in
-    the upper half, or under 64 tokens, the step is padded as before."""
+    on) are cut to the lower bucket, the last prompt chunked and its rest first in the next step,
+    where the upper bucket's step computes its padding; in the upper half, or under 64 tokens, or
+    where the padding is skipped, the step is padded as before."""
     sched = make_scheduler(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512, page_size=16,
-                           num_pages=200, enable_prefix_caching=False)  # (the prompts are alike)
+                           num_pages=200, enable_prefix_caching=False,  # (the prompts are alike)
+                           padding_computed_from=computed_from)
     for i in range(9):
         sched.add(make_seq(i, 2, max_tokens=50))
     assert run_step(sched).num_tokens == 18  # (bucket 32)
     sched.add(make_seq(9, 128))
     sched.add(make_seq(10, 128))
     batch = run_step(sched)  # 9 + 256 tokens would be padded to 512
+    if computed_from is None or computed_from > 512:
+        assert batch.num_tokens == 9 + 256 and [len(r.token_ids) for r in batch.rows] == [1] * 9 + [128, 128]
+        return
     assert batch.num_tokens == 256 and [len(r.token_ids) for r in batch.rows] == [1] * 9 + [128, 119]
     batch = run_step(sched)
     assert [(r.seq_id, len(r.token_ids)) for r in batch.rows[9:]] == [(9, 1), (10, 9)] and batch.rows[10].sample

@@ -23,11 +23,7 @@ FEW_SEQS_ROWS = 16  # ... of tokens / 16 sequences
 
 
 def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
+    return tuple(b for b in (lo << i for i in range(hi.bit_length())) if b < hi) + (hi,)
 
 
 DEFAULT_MAX_MODEL_LEN = 8192  # unless asked for more: long contexts cost cache and compile time
@@ -189,6 +185,8 @@ class EngineConfig:
         type=json_object)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
+    padding_computed_from: int | None = setting(0, "the fewest tokens from which a step computes its padding "
+                                                   "(None: never; set at build; `bucket_cut`)", cli=False)
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES, *DTYPE_ALIASES):
@@ -361,11 +359,13 @@ class EngineConfig:
         (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
         step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
         rows instead of max_num_seqs, and a tiled attention (jaxserve_kernels/paged_attention/tiles.py) cuts
-        its chunks into tiles of 16 rows instead of T / max_num_seqs. Smaller steps cost too little
-        to pay for more compilations. With speculative decoding, also min(T, max_num_samples): each
-        draft token is sampled after, in a row of the sampler of its own (`Runner.prepare`)."""
+        its chunks into tiles of 16 rows instead of T / max_num_seqs; and half the full count, for the
+        running sequences' decode rows and a new prompt, which would pay the LM head and the sampler
+        (and on CPU fresh memory) for twice its rows. Smaller steps cost too little to pay for more
+        compilations. With speculative decoding, also min(T, max_num_samples): each draft token is
+        sampled after, in a row of the sampler of its own (`Runner.prepare`)."""
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
-        out = (few, full) if token_bucket >= FEW_SEQS_MIN_TOKENS and few < full else (full,)
+        out = (full,) if token_bucket < FEW_SEQS_MIN_TOKENS or few >= full else tuple(sorted({few, full // 2, full}))
         drafts = min(token_bucket, self.max_num_samples)
         return out + (drafts,) if drafts > full else out
 

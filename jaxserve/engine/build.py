@@ -19,13 +19,14 @@ from jaxserve.engine.checks import RequestChecks
 from jaxserve.engine.core import Engine
 from jaxserve.engine.pooling import is_pooling_checkpoint, pooler_config_of
 from jaxserve.engine.tokenizer import Tokenizer, check_tokenizer_files
-from jaxserve.models import abstract_model
+from jaxserve.models import abstract_model, quantizable_modules
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.logits_processors import Processors
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.lora import adapter_bytes
 from jaxserve.worker.weights import weight_formats
 from jaxserve_kernels import implementation as attention_implementation
+from jaxserve_kernels.matmul import padding_computed_from
 
 log = logging.getLogger(__name__)
 
@@ -142,14 +143,16 @@ def _prepare(config: EngineConfig, chat_template: str | None) -> tuple:
 
 def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig) -> dict:
     """The settings that follow from the checkpoint, the backend and the memory: the dtype, the
-    page-table widths where "auto", the KV cache's budget where a memory fraction sizes it."""
+    page-table widths where "auto", whether a step computes its padding, the KV cache's budget
+    where a memory fraction sizes it."""
     given = dict(dtype=resolve_dtype(config.dtype, model_dir))
     if config.page_table_widths == "auto":  # (the C++ CPU kernel reads each sequence's own pages only;
         # the batch-invariant mode's attention reads one width)
         wide = config.batch_invariant or attention_implementation() == "cpu"
         given["page_table_widths"] = "widest" if wide else "4x"
+    formats = weight_formats(model_dir, model_config, config.quantization)
+    given["padding_computed_from"] = _padding_computed_from(config, model_config, given["dtype"], formats)
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
-        formats = weight_formats(model_dir, model_config, config.quantization)
         spec, draft = config.speculative, None
         if spec is not None and spec.model is not None:
             draft_dir = resolve_model(spec.model)
@@ -161,3 +164,14 @@ def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig
                                                   (config.max_loras, config.max_lora_rank) if config.enable_lora
                                                   else None)
     return given
+
+
+def _padding_computed_from(config: EngineConfig, model_config: ModelConfig, dtype: str, formats: dict) -> int | None:
+    """`EngineConfig.padding_computed_from`: the layers' products' (`matmul.padding_computed_from`),
+    or from the start in the batch-invariant mode and for experts (their products run every row)."""
+    if config.batch_invariant or model_config.num_experts:
+        return 0
+    matrices = quantizable_modules(abstract_model(model_config, jnp.float32))
+    floats = any(f"{path}.{module.WEIGHT}" not in formats for path, module in matrices.items()
+                 if path.startswith("layers."))
+    return padding_computed_from(jnp.dtype(dtype), floats, config.tensor_parallel_size)

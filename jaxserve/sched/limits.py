@@ -3,7 +3,7 @@ sequence fits beside them: LoRA adapters (`max_loras` slots), steerings (`max_st
 slots) and the layers whose hidden states are gathered (`max_hidden_states_layers`, all rows'
 together). A sequence that does not fit waits, and those behind it that fit go first (vLLM's rule
 for adapters). And how many tokens to keep out of a step whose padding to its token bucket
-would cost more than running them in the next one (`bucket_cut`)."""
+would cost more than running them in the next one, where padding is computed (`bucket_cut`)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def bucket_cut(config, total: int, budget: int, waiting: Iterable[Sequence], num
     cut so that the step ends on the token bucket below instead of being padded to the one above:
     a step whose tokens, the waiting prompts' included, would end in the lower half between two
     buckets of at least CUT_MIN_TOKENS stops at the lower one, its last prompt chunked (the rest
-    comes first in the next step). Padded tokens cost as much as computed ones there. A prompt's
-    cached prefix, unknown before it is matched, counts as tokens to compute."""
+    comes first in the next step), where the upper bucket's step computes its padded tokens as it
+    does the others (`padding_computed_from`). Where it skips them (the C++ CPU products), padding
+    costs less than the step the cut prompt's first token would wait for. A prompt's cached
+    prefix, unknown before it is matched, counts as tokens to compute."""
     used, seats = total - budget, max(config.max_num_seqs - num_running, 0)
     n = used + min(budget, sum(seq.num_wanted_tokens - seq.num_computed_tokens
                                for seq in itertools.islice(waiting, seats)))
     buckets = config.token_buckets
     i = bisect.bisect_right(buckets, n) - 1  # the largest bucket of at most n tokens
-    if i < 0 or i + 1 == len(buckets) or buckets[i] < max(used + 1, CUT_MIN_TOKENS):
+    computed_from = config.padding_computed_from
+    if (i < 0 or i + 1 == len(buckets) or buckets[i] < max(used + 1, CUT_MIN_TOKENS)
+            or computed_from is None or buckets[i + 1] < computed_from):
         return total, budget
     low, high = buckets[i], buckets[i + 1]
     return (low, low - used) if 2 * (n - low) < high - low else (total, budget)

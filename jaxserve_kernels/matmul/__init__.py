@@ -144,6 +144,17 @@ def live_rows(count: jax.Array | None):
         _LIVE_ROWS.reset(token)
 
 
+def padding_computed_from(dtype, float_weights: bool, devices: int) -> int | None:
+    """The fewest rows of x from which a step's products compute its padding rows too (only the C++
+    kernels skip them, within `live_rows`), None for never: 0 where XLA's dot runs them all (another
+    backend, the "xla" implementation, a mesh); past `row_limit` where some matrices are `dtype`
+    floats (XLA's dot takes the products past it); never where every matrix is quantized."""
+    if devices > 1 or jax.default_backend() != "cpu" or implementation() != "cpu":
+        return 0
+    limit = row_limit(dtype, dtype) if float_weights else math.inf
+    return None if limit == math.inf else int(limit) + 1
+
+
 def _live(rows: int) -> jax.Array:
     """The kernel's `live` operand: the count of `live_rows`, or all `rows` of x outside it."""
     count = _LIVE_ROWS.get()
