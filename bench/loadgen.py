@@ -5,7 +5,9 @@
 Every request: /v1/completions with a 128-token prompt given as token ids (so every server sees the
 same tokens), 128 new tokens, temperature 0, `ignore_eos`, streamed. Output tokens are counted from
 the server's `usage`.
-- W1: one stream. Time to first token, inter-token latency, decode tokens/s.
+- W1: one stream: 5 requests, each sent when the one before has ended. Time to first token,
+  inter-token latency, decode tokens/s (medians over the requests: one request's first token moved
+  by up to half its time between requests).
 - W2: 32 concurrent streams (distinct prompts), all sent at once. Output tokens/s, p50/p99 TTFT and ITL.
 - W3: 64 requests arriving at 4 per second. The same.
 - W2-64: W2 with 64 streams.
@@ -25,9 +27,9 @@ import numpy as np
 PROMPT_TOKENS = 128
 NEW_TOKENS = 128
 VOCAB_RANGE = (100, 32000)  # plain pieces of bench-125m's vocabulary (no control or byte tokens)
-# name -> requests, arrival rate (None: all at once), first prompt index (no two requests share a prompt,
-# so no server's prefix or prompt cache helps)
-WORKLOADS = {"W1": dict(requests=1, rate=None, first=0), "W2": dict(requests=32, rate=None, first=100),
+# name -> requests, arrival rate (None: all at once; 0: each once the one before has ended), first prompt
+# index (no two requests share a prompt, so no server's prefix or prompt cache helps)
+WORKLOADS = {"W1": dict(requests=5, rate=0, first=0), "W2": dict(requests=32, rate=None, first=100),
              "W3": dict(requests=64, rate=4.0, first=200), "W2-64": dict(requests=64, rate=None, first=300)}
 
 
@@ -90,7 +92,10 @@ async def workload(url: str, name: str, model: str = "bench", offset: int = 0, e
             return await one(client, url, model, prompt, extra=extras[i % len(extras)] if extras else None)
 
         start = time.perf_counter()
-        traces = await asyncio.gather(*(arrive(i, p) for i, p in enumerate(requests)))
+        if spec["rate"] == 0:
+            traces = [await arrive(i, p) for i, p in enumerate(requests)]
+        else:
+            traces = await asyncio.gather(*(arrive(i, p) for i, p in enumerate(requests)))
         elapsed = time.perf_counter() - start
     ttft = [t.ttft for t in traces]
     gaps = [g for t in traces for g in t.gaps]
@@ -98,15 +103,19 @@ async def workload(url: str, name: str, model: str = "bench", offset: int = 0, e
     result = dict(workload=name, output_tok_s=tokens / elapsed, ttft_p50=np.percentile(ttft, 50),
                   ttft_p99=np.percentile(ttft, 99), itl_p50=np.percentile(gaps, 50), itl_p99=np.percentile(gaps, 99))
     if name == "W1":
-        (trace,) = traces
-        result["decode_tok_s"] = (trace.completion_tokens - 1) / (trace.chunks[-1] - trace.chunks[0])
+        result["decode_tok_s"] = np.median([(t.completion_tokens - 1) / (t.chunks[-1] - t.chunks[0]) for t in traces])
     return result
+
+
+async def warm_up(url: str, model: str, offset: int) -> None:
+    async with httpx.AsyncClient(timeout=None) as client:
+        await one(client, url, model, prompts(1, 10_000 + offset)[0])
 
 
 def run(url: str, names: list[str], model: str = "bench", offset: int = 0) -> list[dict]:
     """Each workload once, after one warm-up request. Give each run its own `offset` (a multiple of
     1000) so prompts never repeat."""
-    asyncio.run(workload(url, "W1", model, offset=10_000 + offset))
+    asyncio.run(warm_up(url, model, offset))
     return [asyncio.run(workload(url, name, model, offset)) for name in names]
 
 
