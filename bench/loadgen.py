@@ -85,7 +85,10 @@ async def workload(url: str, name: str, model: str = "bench", offset: int = 0, e
     """`extras`: more fields of the requests' bodies, request i's extras[i % len(extras)]."""
     spec = WORKLOADS[name]
     requests = prompts(spec["requests"], offset + spec["first"])
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=128)) as client:
+    # (one after another, each request on a connection of its own, as a single request's was: llama-server
+    # closed a kept-alive connection as its third request went out)
+    limits = httpx.Limits(max_connections=128, **({"max_keepalive_connections": 0} if spec["rate"] == 0 else {}))
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         async def arrive(i: int, prompt: list[int]) -> Trace:
             if spec["rate"]:
                 await asyncio.sleep(i / spec["rate"])
