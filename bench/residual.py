@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import free_port, machine_line, server, write_between  # noqa: E402
-from loadgen import workload  # noqa: E402
+from loadgen import warm_up, workload  # noqa: E402
 
 MARKERS = ("<!-- residual:start -->", "<!-- residual:end -->")
 HIDDEN = 576  # the default model's
@@ -122,7 +122,7 @@ def main() -> None:
         for label, flags in servers:
             port = free_port()
             with server([*base, *flags, "--port", str(port)], port) as (url, _):
-                asyncio.run(workload(url, "W1", offset=10_000 + 1000 * run))  # (warm-up)
+                asyncio.run(warm_up(url, "bench", 1000 * run))
                 plans = [("W1", None), ("W2", None)]
                 if label == "with":
                     plans += [("W2 steered", steered), ("W2 hidden states", hidden)]

@@ -145,23 +145,26 @@ def test_weight_formats():
 def test_a_step_computes_its_padding_where_its_products_do(hf_checkpoint, monkeypatch):
     """`EngineConfig.padding_computed_from` as build_engine resolves it (`sched.limits.bucket_cut`
     reads it): on one CPU device never for quantized layers (the kernels skip a step's padding at
-    every row count), past the kernel's row limit for float32 ones (XLA's dot takes the products past
-    it); from the first token for experts (their products run every row), on a mesh and with the
+    every row count), past the kernel's row limit for float32 ones, and for bfloat16 ones without
+    bfloat16 instructions (XLA's dot takes the products past it); from the first token for experts (their products run every row), on a mesh and with the
     "xla" implementation (XLA's dot computes every row)."""
     needs_cpu_backend()
+    monkeypatch.delenv("JAXSERVE_MATMUL", raising=False)
     import jax.numpy as jnp
 
     from checkpoints import default_model_dir
     from jaxserve.config.engine import EngineConfig
     from jaxserve.engine.build import _prepare
-    from jaxserve_kernels.matmul import padding_computed_from
+    from jaxserve_kernels.matmul import native_bf16, padding_computed_from
 
     def resolved(model, **settings):
         return _prepare(EngineConfig(model=str(model), **settings), None)[2].padding_computed_from
 
     assert resolved(default_model_dir(), quantization="int4") is None
+    assert _prepare(EngineConfig(model=str(default_model_dir())), None)[2].half_seqs_buckets  # (on CPU)
     assert resolved(default_model_dir(), quantization="none", dtype="float32") == 65
     assert resolved(hf_checkpoint("mixtral")[1], quantization="int8") == 0
+    assert padding_computed_from(jnp.bfloat16, True, 1) == (None if native_bf16() else 257)
     assert padding_computed_from(jnp.float32, False, 8) == padding_computed_from(jnp.bfloat16, True, 8) == 0
     monkeypatch.setenv("JAXSERVE_MATMUL", "xla")
     assert padding_computed_from(jnp.float32, False, 1) == 0

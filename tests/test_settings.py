@@ -199,9 +199,14 @@ def test_cli_reference_is_current():
 
 def test_step_buckets_hold_a_decode_batch_and_a_prompt_in_half_the_sequence_rows():
     """From 64 tokens on, a token bucket takes its full count of sequence rows, a sixteenth of its
-    tokens (a few long chunks) and half the full count (the running sequences and a new prompt),
-    where those differ; under 64 tokens only the full count."""
+    tokens (a few long chunks) and, with `half_seqs_buckets` (build_engine's on CPU), half the full
+    count (the running sequences and a new prompt), where those are fewer and not under the sixteenth;
+    under 64 tokens only the full count."""
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512)
     assert [config.seqs_buckets(t) for t in config.token_buckets] == [
+        (1,), (4,), (16,), (32,), (4, 64), (8, 64), (16, 64), (32, 64)]
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, half_seqs_buckets=True)
+    assert [config.seqs_buckets(t) for t in config.token_buckets] == [
         (1,), (4,), (16,), (32,), (4, 32, 64), (8, 32, 64), (16, 32, 64), (32, 64)]
-    assert EngineConfig(max_num_seqs=8, max_num_batched_tokens=64).seqs_buckets(64) == (4, 8)
+    assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, half_seqs_buckets=True).seqs_buckets(64) == (4, 6)
+    assert EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, half_seqs_buckets=True).seqs_buckets(1024) == (64,)

@@ -185,8 +185,8 @@ class EngineConfig:
         type=json_object)
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
-    padding_computed_from: int | None = setting(0, "the fewest tokens from which a step computes its padding "
-                                                   "(None: never; set at build; `bucket_cut`)", cli=False)
+    padding_computed_from: int | None = setting(0, "tokens from which steps compute padding (set at build)", cli=False)
+    half_seqs_buckets: bool = setting(False, "half-count sequence buckets too (set at build)", cli=False, compiled=True)
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES, *DTYPE_ALIASES):
@@ -356,16 +356,16 @@ class EngineConfig:
 
     def seqs_buckets(self, token_bucket: int) -> tuple[int, ...]:
         """Padded numbers of rows for a step of `token_bucket` tokens T: min(T, max_num_seqs)
-        (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on also T / 16, for a
-        step of a few long prompt chunks: it then computes the LM head and the sampler for T / 16
-        rows instead of max_num_seqs, and a tiled attention (jaxserve_kernels/paged_attention/tiles.py) cuts
-        its chunks into tiles of 16 rows instead of T / max_num_seqs; and half the full count, for the
-        running sequences' decode rows and a new prompt, which would pay the LM head and the sampler
-        (and on CPU fresh memory) for twice its rows. Smaller steps cost too little to pay for more
-        compilations. With speculative decoding, also min(T, max_num_samples): each draft token is
-        sampled after, in a row of the sampler of its own (`Runner.prepare`)."""
+        (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on, where fewer, also
+        T / 16, for a step of a few long prompt chunks (the LM head and the sampler for T / 16 rows,
+        a tiled attention's tiles of 16 rows: jaxserve_kernels/paged_attention/tiles.py), and with
+        `half_seqs_buckets` half the full count (not under T / 16), for the running sequences' decode
+        rows and a new prompt: on CPU the LM head, the sampler and their temporaries cost per row.
+        With speculative decoding, also min(T, max_num_samples): each draft token is sampled after,
+        in a row of the sampler of its own (`Runner.prepare`)."""
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
-        out = (full,) if token_bucket < FEW_SEQS_MIN_TOKENS or few >= full else tuple(sorted({few, full // 2, full}))
+        half = max(few, full // 2) if self.half_seqs_buckets else few
+        out = (full,) if token_bucket < FEW_SEQS_MIN_TOKENS or few >= full else tuple(sorted({few, half, full}))
         drafts = min(token_bucket, self.max_num_samples)
         return out + (drafts,) if drafts > full else out
 

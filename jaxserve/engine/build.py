@@ -150,9 +150,10 @@ def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig
         # the batch-invariant mode's attention reads one width)
         wide = config.batch_invariant or attention_implementation() == "cpu"
         given["page_table_widths"] = "widest" if wide else "4x"
-    formats = weight_formats(model_dir, model_config, config.quantization)
-    given["padding_computed_from"] = _padding_computed_from(config, model_config, given["dtype"], formats)
+    given["padding_computed_from"] = _padding_computed_from(config, model_dir, model_config, given["dtype"])
+    given["half_seqs_buckets"] = jax.default_backend() == "cpu"
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
+        formats = weight_formats(model_dir, model_config, config.quantization)
         spec, draft = config.speculative, None
         if spec is not None and spec.model is not None:
             draft_dir = resolve_model(spec.model)
@@ -166,12 +167,15 @@ def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig
     return given
 
 
-def _padding_computed_from(config: EngineConfig, model_config: ModelConfig, dtype: str, formats: dict) -> int | None:
+def _padding_computed_from(config: EngineConfig, model_dir, model_config: ModelConfig, dtype: str) -> int | None:
     """`EngineConfig.padding_computed_from`: the layers' products' (`matmul.padding_computed_from`),
-    or from the start in the batch-invariant mode and for experts (their products run every row)."""
-    if config.batch_invariant or model_config.num_experts:
-        return 0
+    or from the start in the batch-invariant mode and for experts (their products run every row).
+    (A draft model's float products are not counted: it costs the step little.)"""
+    devices = config.tensor_parallel_size
+    if config.batch_invariant or model_config.num_experts or padding_computed_from(dtype, True, devices) == 0:
+        return 0  # (XLA's dot computes every row, whatever the weights' formats)
+    formats = weight_formats(model_dir, model_config, config.quantization)
     matrices = quantizable_modules(abstract_model(model_config, jnp.float32))
-    floats = any(f"{path}.{module.WEIGHT}" not in formats for path, module in matrices.items()
-                 if path.startswith("layers."))
-    return padding_computed_from(jnp.dtype(dtype), floats, config.tensor_parallel_size)
+    floats = not formats or any(f"{path}.{module.WEIGHT}" not in formats for path, module in matrices.items()
+                                if path.startswith("layers."))
+    return padding_computed_from(dtype, floats, devices)

@@ -151,7 +151,7 @@ def padding_computed_from(dtype, float_weights: bool, devices: int) -> int | Non
     floats (XLA's dot takes the products past it); never where every matrix is quantized."""
     if devices > 1 or jax.default_backend() != "cpu" or implementation() != "cpu":
         return 0
-    limit = row_limit(dtype, dtype) if float_weights else math.inf
+    limit = row_limit(jnp.dtype(dtype), jnp.dtype(dtype)) if float_weights else math.inf
     return None if limit == math.inf else int(limit) + 1
 
 
