@@ -57,10 +57,10 @@ def test_a_failing_step_ends_only_its_requests_and_the_engine_goes_on(served, cl
     runner = served[1].engine.runner
     launch = runner.launch
 
-    def failing(batch):
+    def failing(batch, *staged):
         if any(row.seed == MARK for row in batch.rows):
             raise RuntimeError("injected step failure")
-        return launch(batch)
+        return launch(batch, *staged)
 
     monkeypatch.setattr(runner, "launch", failing)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 4, "seed": MARK}

@@ -95,11 +95,11 @@ def run(llm: LLM, arrivals: list[Arrival]) -> Result:
     waiting, step, seq, steps = sorted(arrivals, key=lambda a: a.step), 0, None, []
     launch = engine.runner.launch
 
-    def spy(batch):
+    def spy(batch, *staged):
         row = next((r for r in batch.rows if seq is not None and r.seq_id == seq.seq_id), None)
         if row is not None:
             steps.append((len(row.token_ids) if row.start_position < len(TARGET) else 0, len(batch.rows)))
-        return launch(batch)
+        return launch(batch, *staged)
 
     engine.runner.launch = spy
     try:

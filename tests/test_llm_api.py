@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -13,7 +14,9 @@ from conftest import SMALL_ENGINE
 
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.chat_template import loops_over_content
+from jaxserve.engine.commands import Abort, Add, Subscriber
 from jaxserve.sample.params import RequestSampling
 from jaxserve.sched.sequence import FORK_SEED_STRIDE
 
@@ -372,7 +375,7 @@ def test_a_failing_step_raises_and_the_next_generate_runs(default_llm, monkeypat
     from jaxserve.errors import StepFailed
 
     engine = default_llm.engine
-    monkeypatch.setattr(engine.runner, "launch", lambda batch: (_ for _ in ()).throw(RuntimeError("injected")))
+    monkeypatch.setattr(engine.runner, "launch", lambda *step: (_ for _ in ()).throw(RuntimeError("injected")))
     with pytest.raises(StepFailed, match="injected") as failed:
         default_llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert isinstance(failed.value.__cause__, RuntimeError)
@@ -380,6 +383,58 @@ def test_a_failing_step_raises_and_the_next_generate_runs(default_llm, monkeypat
     monkeypatch.undo()
     out = default_llm.generate([{"prompt": "a", "cache_salt": "s"}], SamplingParams(max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_request_arriving_while_a_step_computes_joins_the_step_planned_behind_it(default_llm):
+    """A server's `arrivals` come once the step in flight has computed; on the CPU the step planned
+    behind it is launched only then, with them in it, and each row gets the tokens it gets alone.
+    Behind a lone sequence's step the next is launched at once, as without a server."""
+    engine = default_llm.engine
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [3, 4], [9, 10, 11]]
+    alone = [out.outputs[0].token_ids for out in default_llm.generate(prompts, greedy, use_tqdm=False)]
+    computed, seqs = [], []
+
+    def arrivals():
+        computed.append(engine._in_flight.launched.samples.is_ready())
+        seqs.append(engine.add_request(f"late{len(seqs)}", prompts[len(seqs)], greedy))
+        return True
+    seqs.append(engine.add_request("running", prompts[0], greedy))
+    engine.step(), engine.step()  # (its prompt's step, then its first decode step in flight)
+    engine.step(arrivals=arrivals)  # (a lone sequence's step: nothing waits, nothing is added)
+    assert computed == [] and len(engine._in_flight.batch.rows) == 1
+    seqs.append(engine.add_request("second", prompts[1], greedy))
+    engine.step(), engine.step()
+    engine.step(arrivals=arrivals)
+    assert engine.runner.shares_host and computed == [True]
+    rows = engine._in_flight.batch.rows
+    assert [(row.seq_id, row.pending_row) for row in rows] == [(seqs[0].seq_id, 0), (seqs[1].seq_id, 1),
+                                                               (seqs[2].seq_id, -1)]
+    assert engine._in_flight.batch.num_tokens == 5
+    while engine.has_unfinished():
+        engine.step(arrivals=lambda: False)
+    assert [seq.output_token_ids for seq in seqs] == alone
+
+
+def test_a_server_adds_the_requests_sent_mid_step_up_to_its_first_other_command(default_llm):
+    """`AsyncEngine._add_arrivals`: what follows another command waits with it for the step's end, so
+    commands apply in the order sent (here an abort between two sends of one request id)."""
+    loop = asyncio.new_event_loop()
+    server = AsyncEngine(default_llm.engine, default_llm.tokenizer)  # (its thread not started)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+
+    def add(prompt):
+        return Add("again", prompt, greedy, Subscriber(loop, asyncio.Queue(), 1))
+    for command in (add([5, 6]), Abort("again"), add([7, 8, 9])):
+        server._commands.put(command)
+    assert server._add_arrivals() and server._deferred == Abort("again")
+    assert [seq.prompt_token_ids for seq in default_llm.engine.scheduler.waiting] == [[5, 6]]
+    assert not server._add_arrivals()
+    server._apply_commands()
+    assert [seq.prompt_token_ids for seq in default_llm.engine.scheduler.waiting] == [[7, 8, 9]]
+    assert server._deferred is None and server._commands.empty()
+    default_llm.engine.abort("again")
+    loop.close()
 
 
 def test_a_step_of_prompts_alone_is_finished_before_the_next_is_planned(default_llm):

@@ -85,6 +85,34 @@ def test_a_sequence_preempted_with_a_pending_token_recomputes_it():
     assert sched.seqs[0].output_token_ids == [3, 5]
 
 
+def test_a_sequence_that_arrives_before_a_planned_step_is_launched_joins_it():
+    """`admit`: within the plan's token budget (here 16: 2 decode rows and a 14-token prompt chunk),
+    its samples numbered after the rows already there; never into a plan that preempted."""
+    sched = make_scheduler()
+    for i in range(2):
+        sched.add(make_seq(i, 3))
+    first = sched.schedule()
+    second = sched.schedule()  # planned ahead; then seq 2 arrives
+    sched.add(make_seq(2, 20))
+    assert sched.admit(second) == 1
+    assert [(r.seq_id, len(r.token_ids), r.pending_row, r.sample, r.draft_slot) for r in second.rows] == [
+        (0, 1, 0, True, 3), (1, 1, 1, True, 3), (2, 14, -1, False, 3)]
+    assert second.num_tokens == 16 and sched.seqs[2].num_computed_tokens == 14
+    sched.add(make_seq(3, 2))
+    assert sched.admit(second) == 0  # (no budget left)
+    sched.update(first, outputs([5, 6]))
+    sched.update(second, outputs([8, 9, 0]))
+    assert [sched.seqs[i].output_token_ids for i in range(3)] == [[5, 8], [6, 9], []]
+    third = sched.schedule()
+    assert [(r.seq_id, len(r.token_ids)) for r in third.rows] == [(0, 1), (1, 1), (2, 6), (3, 2)]
+    crowded = make_scheduler(num_pages=3)  # 2 usable pages: the second sequence's next token preempts it
+    crowded.add(make_seq(0, 4)), crowded.add(make_seq(1, 4))
+    crowded.update(crowded.schedule(), outputs([5, 6]))
+    planned = crowded.schedule()
+    crowded.add(make_seq(2, 1))
+    assert planned.preempted == [1] and crowded.admit(planned) == 0
+
+
 def test_penalties_are_planned_ahead_and_grammars_are_not():
     sched = make_scheduler()
     sched.add(make_seq(0, 3, presence_penalty=0.5))  # the device puts its pending token into the history

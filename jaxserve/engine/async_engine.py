@@ -4,8 +4,9 @@ The API never blocks on the device. The thread first warms the engine up unless 
 warm (`Engine.warmup`: the fewest step buckets that run every request, the rest in the
 background), while the API already answers: its /health with 503 until `is_ready`. Coroutines
 hand commands (add, abort) to the engine thread through a queue; the thread applies them between
-steps (those sent during the warm-up once it ends), runs `Engine.step()` (which also releases
-text), and posts each sequence's update onto the requester's asyncio queue with
+steps (those sent during the warm-up once it ends), in the order sent, runs `Engine.step()` (which
+also releases text; the requests sent while the step before computes may join the step planned
+behind it, `_add_arrivals`), and posts each sequence's update onto the requester's asyncio queue with
 `call_soon_threadsafe`. A request whose consumer goes away (client disconnect) is aborted, so its
 pages are freed at the next step.
 
@@ -60,6 +61,7 @@ class AsyncEngine:
                                     lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._deferred: Abort | AbortAll | Control | None = None  # taken from _commands mid-step, applied after it
         self._subscribers: dict[str, Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -251,7 +253,7 @@ class AsyncEngine:
                     self.engine.runner.keepalive()
                     continue
                 try:
-                    self.engine.step(on_release=self._publish)
+                    self.engine.step(on_release=self._publish, arrivals=self._add_arrivals)
                 except StepFailed as e:
                     self._fail(e)
         except WarmupCancelled:  # stopped while warming up: no failure
@@ -286,12 +288,31 @@ class AsyncEngine:
             raise RuntimeError("the engine cannot step: " + ("its KV cache is lost" if e.request_ids else
                                "a step failed without a request to blame")) from e.__cause__
 
-    def _apply_commands(self) -> None:
-        while True:
+    def _add_arrivals(self) -> bool:
+        """`Engine.step`'s `arrivals`: add the requests sent since the loop last applied its commands,
+        up to the first command of another kind, which waits (and those after it) for the step's end.
+        -> whether any was added."""
+        added = False
+        while self._deferred is None:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+            if isinstance(command, Add):
+                self._add(command)
+                added = True
+            else:
+                self._deferred = command
+        return added
+
+    def _apply_commands(self) -> None:
+        while True:
+            command, self._deferred = self._deferred, None
+            if command is None:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    return
             if isinstance(command, Add):
                 self._add(command)
             elif isinstance(command, AbortAll):

@@ -1,4 +1,5 @@
-"""The commands coroutines hand `AsyncEngine`'s thread, applied between steps in the order sent."""
+"""The commands coroutines hand `AsyncEngine`'s thread, applied between steps in the order sent (the
+requests sent up to the first other command may also join a step, `AsyncEngine._add_arrivals`)."""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ from checkpoints import resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.checks import RequestChecks, engine_processors
+from jaxserve.engine.drafting import draft_tokens, propose, speculates
 from jaxserve.engine.kv_events import KVEventPublisher
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.outputs import Update
@@ -34,14 +35,14 @@ from jaxserve.sample.params import RequestSampling, SamplingParams
 from jaxserve.sched.pages import salt_seed
 from jaxserve.sched.plan import ScheduledBatch, SchedulerStats
 from jaxserve.sched.scheduler import Scheduler
-from jaxserve.sched.sequence import Sequence, SequenceStatus
+from jaxserve.sched.sequence import Sequence
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import compilation_cache
 from jaxserve.worker.lora import adapter_slots
 from jaxserve.worker.runner import Runner
 from jaxserve.worker.sharding import is_leader, kv_sharding, make_mesh, replicated
-from jaxserve.worker.step_fn import LaunchedStep
+from jaxserve.worker.step_fn import LaunchedStep, Staged
 from jaxserve.worker.warmup import BucketCompiler
 from jaxserve.worker.weight_update import WeightLayout
 from jaxserve.worker.weights import load_weights, weight_target
@@ -296,7 +297,8 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
-    def step(self, on_release: Callable[[Update], None] | None = None) -> list[Update]:
+    def step(self, on_release: Callable[[Update], None] | None = None,
+             arrivals: Callable[[], bool] | None = None) -> list[Update]:
         """Launch the next step, then finish the one launched before it -> the text released for each
         sequence that got a token in that one.
 
@@ -304,25 +306,35 @@ class Engine:
         rows read them on the device, see `scheduler`), so the host's work on them (recording tokens,
         detokenizing, stop strings, and `on_release` of each output, e.g. sending it to a client)
         runs while the device computes. It is finished first when its tokens feed the host side of the
-        next (a grammar's mask), or when it held prompt chunks alone (their first tokens go out sooner)."""
+        next (a grammar's mask), or when it held prompt chunks alone (their first tokens go out sooner).
+
+        `arrivals` (a server's): called once the step before has computed, to add the requests that
+        came meanwhile -> whether any did. Where the device is the host's CPU (`Runner.shares_host`:
+        launching early gains little there) and several sequences run (`_holds`), the next step is
+        launched only then, and they join it (`Scheduler.admit`): a new prompt waits for the step in
+        flight, not also for one queued behind it."""
         if not self.is_ready:
             raise RuntimeError("the engine's steps are not compiled yet: call Engine.warmup first")
         if self.is_sleeping:
             raise RuntimeError("the engine is asleep (its KV cache or weights are freed): call wake_up first")
         released, batch = [], None
         try:
-            speculate = self.config.speculative is not None and self._speculates()
+            speculate = speculates(self.config, self.scheduler.running)
             before = None if self._in_flight is None else self._in_flight.batch
             if before is not None and (speculate or before.prefill_only  # (drafts follow the last token)
                                        or not self.scheduler.can_schedule_ahead(before)):
                 released = self._finish_in_flight(on_release)
-            batch = self.scheduler.schedule(self.runner.token_budget(), self._drafts() if speculate else None)
+            drafts = draft_tokens(self.config, self.scheduler.running, self.proposer) if speculate else None
+            batch = self.scheduler.schedule(self.runner.token_budget(), drafts)
             if self.runner.draft is not None and batch.num_samples > len(batch.rows):
-                self._propose(batch)
+                propose(self.runner.draft, batch)
             in_flight = None
             if batch.rows:
                 self.output.constrain(batch)
-                in_flight = InFlight(batch, self.runner.launch(batch))
+                staged = self.runner.stage(batch)
+                if arrivals is not None and self._holds(batch):
+                    staged = self._admit_arrivals(batch, arrivals) or staged
+                in_flight = InFlight(batch, self.runner.launch(batch, staged))
             if self._in_flight is not None:
                 released = self._finish_in_flight(on_release)  # (its stats snapshot sees this schedule too)
             else:
@@ -335,44 +347,20 @@ class Engine:
                 self.kv_events.publish(self.scheduler.allocator.take_events())
         return released
 
-    def _speculates(self) -> bool:
-        """Whether this step drafts: while few enough sequences run that checking drafts costs less
-        than it saves (`SpeculativeConfig.disable_by_batch_size`), and one of them decodes and may
-        draft (`_drafts`)."""
-        running = self.scheduler.running
-        return 0 < len(running) <= self.config.speculative.disable_by_batch_size and any(
-            self._may_draft(seq) and seq.num_computed_tokens >= seq.num_tokens - 1 for seq in running)
+    def _holds(self, batch: ScheduledBatch) -> bool:
+        """Whether `batch`, planned behind the step in flight, waits for it to compute before launching
+        (`step`'s `arrivals`): where the device is the host's CPU, and not behind a lone sequence's
+        step (the shortest an arrival could wait for, and the one an unhidden launch costs most)."""
+        return self._in_flight is not None and self.runner.shares_host and len(batch.rows) > 1
 
-    @staticmethod
-    def _may_draft(seq: Sequence) -> bool:
-        """Not under a grammar or a logits processor that carries state from token to token: the
-        next token's mask or state needs the token before it on the host."""
-        return seq.params.constraint is None and not seq.sampling.carries
-
-    def _drafts(self) -> dict[int, list[int]]:
-        """Draft tokens for the running sequences whose next step computes just their last token
-        (`_may_draft`): up to num_speculative_tokens, no more than their max_tokens and
-        max_model_len leave room for. A draft model's are placeholders here, made once the step is
-        planned (`_propose`: its rows' pages are then there for their K/V)."""
-        k, max_len = self.config.speculative.num_speculative_tokens, self.config.max_model_len
-        drafts = {}
-        for seq in self.scheduler.running:
-            if (seq.status is not SequenceStatus.RUNNING or seq.num_pending
-                    or seq.num_computed_tokens != seq.num_tokens - 1 or not self._may_draft(seq)):
-                continue
-            room = min(k, seq.max_tokens - seq.num_output_tokens - 1, max_len - seq.num_tokens - 1)
-            if room < 1:
-                continue
-            proposal = [0] * room if self.runner.draft is not None else self.proposer.propose(seq.token_ids, room)
-            if proposal:
-                drafts[seq.seq_id] = proposal[:room]
-        return drafts
-
-    def _propose(self, batch: ScheduledBatch) -> None:
-        rows = [row for row in batch.rows if row.draft_token_ids]
-        proposals = self.runner.draft.propose([(row.token_ids[0], row.start_position, row.page_ids) for row in rows])
-        for row, proposal in zip(rows, proposals):
-            row.set_drafts(proposal)
+    def _admit_arrivals(self, batch: ScheduledBatch, arrivals: Callable[[], bool]) -> Staged | None:
+        """Wait for the step in flight; add the requests that came meanwhile into `batch` -> its
+        inputs again where some joined it."""
+        self.runner.wait(self._in_flight.launched)
+        if not arrivals() or not self.scheduler.admit(batch, self.runner.token_budget()):
+            return None
+        self.output.constrain(batch)  # (the new rows' masks)
+        return self.runner.stage(batch)
 
     def _fail(self, batch: ScheduledBatch | None) -> list[str]:
         """After a step raised: end (finish reason "error") the requests of the step being planned and

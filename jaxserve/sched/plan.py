@@ -10,6 +10,7 @@ import numpy as np
 from jaxserve.config.lora import LoRARequest
 from jaxserve.sample.params import RequestSampling, SamplingParams
 from jaxserve.sample.tensors import PromptLogprobs, needs_distribution
+from jaxserve.sched.pages import PageAllocator
 from jaxserve.sched.sequence import Sequence, TokenLogprobs
 
 
@@ -206,3 +207,18 @@ def record_prompt_logprobs(seq: Sequence, row: ScheduledSeq, prompt: PromptLogpr
         seq.prompt_logprobs.append(token_logprobs(prompt, first + position - row.start_position,
                                                   seq.params.prompt_logprobs))
 
+
+def add_drafts(batch: ScheduledBatch, seqs: dict[int, Sequence], drafts: dict[int, list[int]], budget: int,
+               allocator: PageAllocator) -> int:
+    """Give the rows that compute one token and sample their drafts (`Scheduler.schedule`), within
+    `budget` tokens and the free pages. -> the tokens added."""
+    added = 0
+    for row in batch.rows:
+        seq = seqs[row.seq_id]
+        draft = drafts.get(seq.seq_id, [])[:budget - added] if len(row.token_ids) == 1 and row.sample else []
+        if draft and allocator.allocate(seq, len(draft), batch.page_copies):
+            seq.num_computed_tokens += len(draft)  # (`Scheduler.update` takes back the rejected ones)
+            row.token_ids, row.draft_token_ids = row.token_ids + draft, list(draft)
+            row.page_ids = list(seq.page_ids)
+            added += len(draft)
+    return added

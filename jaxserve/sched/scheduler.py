@@ -25,16 +25,14 @@ last token is cached; it then forks n - 1 siblings that share those pages
 (reference counts). Each computes the last prompt token itself; whoever writes
 into a shared page first gets a private copy (`ScheduledBatch.page_copies`).
 
-Steps are planned one ahead: a step may be scheduled while the one before it
-still computes. Scheduling counts a row's tokens as computed at once, and a row
-that samples leaves its sequence one *pending* token, which the next step may
-already take as its input: that row names the previous step's row
-(`ScheduledSeq.pending_row`) and the device feeds the sampled token in.
-`update` then records the sampled tokens of a finished step; a result for a
-sequence that has finished or been preempted since is dropped (a preempted
-sequence samples that position again, with the same random key). The device
-also puts a pending token into the penalties' history. Sequences whose next
-step needs their last token on the host (a grammar's mask) are not planned
+Steps are planned one ahead: a step may be scheduled while the one before it still computes, and take in
+the sequences that arrive before it is launched (`admit`). Scheduling counts a row's tokens as computed
+at once, and a row that samples leaves its sequence one *pending* token, which the next step may already
+take as its input: that row names the previous step's row (`ScheduledSeq.pending_row`) and the device
+feeds the sampled token in. `update` then records the sampled tokens of a finished step; a result for a
+sequence that has finished or been preempted since is dropped (a preempted sequence samples that
+position again, with the same random key). The device also puts a pending token into the penalties'
+history. Sequences whose next step needs their last token on the host (a grammar's mask) are not planned
 ahead (`can_schedule_ahead`).
 
 Speculative decoding (`jaxserve/spec_decode/`): once every running sequence has its row, a decode
@@ -57,9 +55,9 @@ import numpy as np
 from jaxserve.config.engine import EngineConfig
 from jaxserve.sched.limits import BatchLimits, bucket_cut
 from jaxserve.sched.pages import PageAllocator
-from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, hidden_layer_slots,
-                                 prompt_targets, record_hidden_states,
-                                 record_prompt_logprobs, token_logprobs)
+from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, add_drafts,
+                                 hidden_layer_slots, prompt_targets, record_hidden_states, record_prompt_logprobs,
+                                 token_logprobs)
 from jaxserve.sched.sequence import Sequence, SequenceStatus, adapter_names
 
 
@@ -185,7 +183,25 @@ class Scheduler:
                 break  # seq itself was preempted: it was the newest
             batch.rows.append(ScheduledSeq.take(seq, n, len(batch.rows)))
             budget -= n
-        budget -= self._add_drafts(batch, drafts or {}, budget)
+        budget -= add_drafts(batch, self.seqs, drafts or {}, budget, self.allocator)
+        self._admit(batch, total, budget, made_room)
+        return batch
+
+    def admit(self, batch: ScheduledBatch, token_budget: int | None = None) -> int:
+        """Admit waiting sequences (those that arrived since) into `batch`, planned but not launched
+        yet, within its token budget (`schedule`'s); not into a plan that preempted or holds drafts. -> how many."""
+        if batch.preempted or any(row.draft_token_ids for row in batch.rows):
+            return 0
+        total = self.config.max_num_batched_tokens
+        if token_budget is not None:
+            total = min(total, token_budget)
+        before = len(batch.rows)
+        self._admit(batch, total, total - batch.num_tokens, 0)
+        return len(batch.rows) - before
+
+    def _admit(self, batch: ScheduledBatch, total: int, budget: int, made_room: int) -> None:
+        """Give waiting sequences rows in `batch` with `budget` of its `total` tokens left (`schedule`),
+        then number its samples."""
         total, budget = bucket_cut(self.config, total, budget, self.waiting, len(self.running))
         limits = BatchLimits(self.config, self.running)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
@@ -219,21 +235,6 @@ class Scheduler:
         slot = len(batch.rows)  # (the samples after drafts follow every row's own)
         for row in batch.rows:
             row.draft_slot, slot = slot, slot + len(row.draft_token_ids)
-        return batch
-
-    def _add_drafts(self, batch: ScheduledBatch, drafts: dict[int, list[int]], budget: int) -> int:
-        """Give the rows that compute one token and sample their drafts (`schedule`), within `budget`
-        tokens and the free pages. -> the tokens added."""
-        added = 0
-        for row in batch.rows:
-            seq = self.seqs[row.seq_id]
-            draft = drafts.get(seq.seq_id, [])[:budget - added] if len(row.token_ids) == 1 and row.sample else []
-            if draft and self.allocator.allocate(seq, len(draft), batch.page_copies):
-                seq.num_computed_tokens += len(draft)  # (`update` takes back the rejected ones)
-                row.token_ids, row.draft_token_ids = row.token_ids + draft, list(draft)
-                row.page_ids = list(seq.page_ids)
-                added += len(draft)
-        return added
 
     def _reserve(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         """`PageAllocator.allocate`, preempting the newest (lowest-priority) running sequences as needed."""

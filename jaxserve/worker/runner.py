@@ -37,7 +37,7 @@ from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.worker.lora import AdapterSlots
 from jaxserve.worker.sharding import broadcast_plan, is_leader, place
 from jaxserve.worker.steering import SteeringSlots, steering_slots
-from jaxserve.worker.step_fn import LaunchedStep, PackedPlan, StepInputs, make_step_fn
+from jaxserve.worker.step_fn import LaunchedStep, PackedPlan, Staged, StepInputs, make_step_fn
 
 # Commands process 0 broadcasts to the other processes: [command, tokens, sequences, page-table width].
 RUN, KEEPALIVE, STOP = 0, 1, 2
@@ -81,6 +81,8 @@ class Runner:
         self._layouts: dict[tuple[int, int, int], tuple] = {}  # step bucket -> its PackedPlan layout
         self._previous = place(np.zeros(config.max_num_samples, np.int32), replicated)  # the last step's tokens
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
+        # the device is the host's CPU: launching a step behind the one computing takes the cores it computes on
+        self.shares_host = replicated.mesh.devices.flat[0].platform == "cpu"
         self._last_broadcast = time.monotonic()
 
     @property
@@ -88,13 +90,18 @@ class Runner:
         """The model's state holding the weights the steps run on now."""
         return jax.tree.unflatten(self._state_treedef, self.weights)
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Dispatch the step; returns at once with the outputs still being computed on the device."""
+    def launch(self, batch: ScheduledBatch, staged: Staged | None = None) -> LaunchedStep:
+        """Dispatch the step (`staged`: its inputs, made by `stage` for this batch as it is now);
+        returns at once with the outputs still being computed on the device."""
+        return self._run(*(staged or self.stage(batch)))
+
+    def stage(self, batch: ScheduledBatch) -> Staged:
+        """The step's bucket and host inputs: all `launch` needs but the device."""
         shape = self.shape(batch)
         slots = {} if self.adapters is None else self.adapters.assign(row.lora for row in batch.rows if row.lora)
         steered = [row.sampling.steering for row in batch.rows if row.sampling.steering is not None]
         slots.update(self.steering.assign(steered) if steered else {})
-        return self._run(shape, self.prepare(batch, shape, slots))
+        return Staged(shape, self.prepare(batch, shape, slots))
 
     def _run(self, shape: tuple[int, int, int], inputs: StepInputs) -> LaunchedStep:
         if self._leads:  # the other processes run the same step on the same inputs
@@ -219,6 +226,11 @@ class Runner:
             if command == RUN:
                 inputs = jax.tree.map(np.asarray, self.prepare(empty, tuple(shape)))  # (paddings as arrays)
                 self._run(tuple(shape), broadcast_plan(inputs))
+
+    @staticmethod
+    def wait(launched: LaunchedStep) -> None:
+        """Wait until a launched step has computed (its outputs stay on the device)."""
+        launched.samples.block_until_ready()
 
     def collect(self, batch: ScheduledBatch, launched: LaunchedStep) -> StepOutput:
         """Wait for a launched step and bring its outputs to the host (the prompt logprobs and the

@@ -36,6 +36,14 @@ class StepInputs:
     prompt_targets: jax.Array  # i32[T] those next prompt tokens (`scheduler.prompt_targets`); -1 past them
 
 
+class Staged(NamedTuple):
+    """A step ready to launch (`Runner.stage`): its bucket (tokens, sequences, page-table width) and
+    host inputs."""
+
+    shape: tuple[int, int, int]
+    inputs: StepInputs
+
+
 class LaunchedStep(NamedTuple):
     """A step's outputs, still on the device until `Runner.collect` fetches them."""
 
