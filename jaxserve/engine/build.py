@@ -26,7 +26,7 @@ from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.lora import adapter_bytes
 from jaxserve.worker.weights import weight_formats
 from jaxserve_kernels import implementation as attention_implementation
-from jaxserve_kernels.matmul import padding_computed_from
+from jaxserve_kernels.matmul import kernels_run, padding_computed_from
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ def _padding_computed_from(config: EngineConfig, model_dir, model_config: ModelC
     or from the start in the batch-invariant mode and for experts (their products run every row).
     (A draft model's float products are not counted: it costs the step little.)"""
     devices = config.tensor_parallel_size
-    if config.batch_invariant or model_config.num_experts or padding_computed_from(dtype, True, devices) == 0:
+    if config.batch_invariant or model_config.num_experts or not kernels_run(devices):
         return 0  # (XLA's dot computes every row, whatever the weights' formats)
     formats = weight_formats(model_dir, model_config, config.quantization)
     matrices = quantizable_modules(abstract_model(model_config, jnp.float32))

@@ -144,12 +144,18 @@ def live_rows(count: jax.Array | None):
         _LIVE_ROWS.reset(token)
 
 
+def kernels_run(devices: int) -> bool:
+    """Whether the C++ kernels take a step's products on `devices` (else XLA's dot takes them all:
+    another backend, the "xla" implementation, a mesh)."""
+    return devices == 1 and jax.default_backend() == "cpu" and implementation() == "cpu"
+
+
 def padding_computed_from(dtype, float_weights: bool, devices: int) -> int | None:
     """The fewest rows of x from which a step's products compute its padding rows too (only the C++
-    kernels skip them, within `live_rows`), None for never: 0 where XLA's dot runs them all (another
-    backend, the "xla" implementation, a mesh); past `row_limit` where some matrices are `dtype`
-    floats (XLA's dot takes the products past it); never where every matrix is quantized."""
-    if devices > 1 or jax.default_backend() != "cpu" or implementation() != "cpu":
+    kernels skip them, within `live_rows`), None for never: 0 where XLA's dot runs them all
+    (not `kernels_run`); past `row_limit` where some matrices are `dtype` floats (XLA's dot takes
+    the products past it); never where every matrix is quantized."""
+    if not kernels_run(devices):
         return 0
     limit = row_limit(jnp.dtype(dtype), jnp.dtype(dtype)) if float_weights else math.inf
     return None if limit == math.inf else int(limit) + 1
