@@ -10,7 +10,7 @@ import shutil
 
 import numpy as np
 import pytest
-from conftest import SMALL_ENGINE
+from conftest import SMALL_ENGINE, needs_cpu_backend
 
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import LLM, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
@@ -389,6 +389,7 @@ def test_a_request_arriving_while_a_step_computes_joins_the_step_planned_behind_
     """A server's `arrivals` come once the step in flight has computed; on the CPU the step planned
     behind it is launched only then, with them in it, and each row gets the tokens it gets alone.
     Behind a lone sequence's step the next is launched at once, as without a server."""
+    needs_cpu_backend()
     engine = default_llm.engine
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [3, 4], [9, 10, 11]]

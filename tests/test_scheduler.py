@@ -113,6 +113,19 @@ def test_a_sequence_that_arrives_before_a_planned_step_is_launched_joins_it():
     assert planned.preempted == [1] and crowded.admit(planned) == 0
 
 
+def test_a_sequence_admitted_into_a_plan_cut_to_a_bucket_stays_out_of_its_cut():
+    """A plan cut to the bucket below (`bucket_cut`) admits nothing past the cut: its `token_limit`."""
+    sched = make_scheduler(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512, page_size=16,
+                           num_pages=200, enable_prefix_caching=False, padding_computed_from=0)
+    for i in range(9):
+        sched.add(make_seq(i, 2, max_tokens=50))
+    run_step(sched)
+    sched.add(make_seq(9, 128)), sched.add(make_seq(10, 128))
+    batch = sched.schedule()  # 9 + 256 tokens, cut to 256
+    sched.add(make_seq(11, 8))
+    assert sched.admit(batch) == 0 and batch.num_tokens == batch.token_limit == 256
+
+
 def test_penalties_are_planned_ahead_and_grammars_are_not():
     sched = make_scheduler()
     sched.add(make_seq(0, 3, presence_penalty=0.5))  # the device puts its pending token into the history

@@ -357,7 +357,7 @@ class Engine:
         """Wait for the step in flight; add the requests that came meanwhile into `batch` -> its
         inputs again where some joined it."""
         self.runner.wait(self._in_flight.launched)
-        if not arrivals() or not self.scheduler.admit(batch, self.runner.token_budget()):
+        if not arrivals() or not self.scheduler.admit(batch):
             return None
         self.output.constrain(batch)  # (the new rows' masks)
         return self.runner.stage(batch)

@@ -79,6 +79,7 @@ class ScheduledBatch:
     rows: list[ScheduledSeq]  # in row order
     num_tokens: int  # sum of len(row.token_ids)
     preempted: list[int]  # seq ids preempted while planning this step
+    token_limit: int = 0  # the most tokens it may hold (the plan's budget, cut to a bucket): `Scheduler.admit`'s
     page_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (src, dst), before the step
     token_masks: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)  # sample -> packed allowed tokens
 

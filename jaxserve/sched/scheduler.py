@@ -187,22 +187,21 @@ class Scheduler:
         self._admit(batch, total, budget, made_room)
         return batch
 
-    def admit(self, batch: ScheduledBatch, token_budget: int | None = None) -> int:
+    def admit(self, batch: ScheduledBatch) -> int:
         """Admit waiting sequences (those that arrived since) into `batch`, planned but not launched
-        yet, within its token budget (`schedule`'s); not into a plan that preempted or holds drafts. -> how many."""
+        yet, within the tokens its plan allowed (`token_limit`); not into a plan that preempted or
+        holds drafts. -> how many."""
         if batch.preempted or any(row.draft_token_ids for row in batch.rows):
             return 0
-        total = self.config.max_num_batched_tokens
-        if token_budget is not None:
-            total = min(total, token_budget)
         before = len(batch.rows)
-        self._admit(batch, total, total - batch.num_tokens, 0)
+        self._admit(batch, batch.token_limit, batch.token_limit - batch.num_tokens, 0)
         return len(batch.rows) - before
 
     def _admit(self, batch: ScheduledBatch, total: int, budget: int, made_room: int) -> None:
         """Give waiting sequences rows in `batch` with `budget` of its `total` tokens left (`schedule`),
         then number its samples."""
         total, budget = bucket_cut(self.config, total, budget, self.waiting, len(self.running))
+        batch.token_limit = total
         limits = BatchLimits(self.config, self.running)
         while (len(batch.preempted) == made_room and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
