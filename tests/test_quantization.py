@@ -146,8 +146,9 @@ def test_a_step_computes_its_padding_where_its_products_do(hf_checkpoint, monkey
     """`EngineConfig.padding_computed_from` as build_engine resolves it (`sched.limits.bucket_cut`
     reads it): on one CPU device never for quantized layers (the kernels skip a step's padding at
     every row count), past the kernel's row limit for float32 ones, and for bfloat16 ones without
-    bfloat16 instructions (XLA's dot takes the products past it); from the first token for experts (their products run every row), on a mesh and with the
-    "xla" implementation (XLA's dot computes every row)."""
+    bfloat16 instructions (XLA's dot takes the products past it); from the first token for experts
+    (their products run every row), on a mesh and with the "xla" implementation (XLA's dot computes
+    every row)."""
     needs_cpu_backend()
     monkeypatch.delenv("JAXSERVE_MATMUL", raising=False)
     import jax.numpy as jnp

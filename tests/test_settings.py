@@ -209,4 +209,5 @@ def test_step_buckets_hold_a_decode_batch_and_a_prompt_in_half_the_sequence_rows
     assert [config.seqs_buckets(t) for t in config.token_buckets] == [
         (1,), (4,), (16,), (32,), (4, 32, 64), (8, 32, 64), (16, 32, 64), (32, 64)]
     assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, half_seqs_buckets=True).seqs_buckets(64) == (4, 6)
-    assert EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, half_seqs_buckets=True).seqs_buckets(1024) == (64,)
+    wide = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, half_seqs_buckets=True)
+    assert wide.seqs_buckets(1024) == (64,)
