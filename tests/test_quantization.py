@@ -162,7 +162,7 @@ def test_a_step_computes_its_padding_where_its_products_do(hf_checkpoint, monkey
         return _prepare(EngineConfig(model=str(model), **settings), None)[2].padding_computed_from
 
     assert resolved(default_model_dir(), quantization="int4") is None
-    assert _prepare(EngineConfig(model=str(default_model_dir())), None)[2].half_seqs_buckets  # (on CPU)
+    assert _prepare(EngineConfig(model=str(default_model_dir())), None)[2].fine_buckets  # (on CPU)
     assert resolved(default_model_dir(), quantization="none", dtype="float32") == 65
     assert resolved(hf_checkpoint("mixtral")[1], quantization="int8") == 0
     assert padding_computed_from(jnp.bfloat16, True, 1) == (None if native_bf16() else 257)

@@ -199,15 +199,18 @@ def test_cli_reference_is_current():
 
 def test_step_buckets_hold_a_decode_batch_and_a_prompt_in_half_the_sequence_rows():
     """From 64 tokens on, a token bucket takes its full count of sequence rows, a sixteenth of its
-    tokens (a few long chunks) and, with `half_seqs_buckets` (build_engine's on CPU), half the full
+    tokens (a few long chunks) and, with `fine_buckets` (build_engine's on CPU), half the full
     count (the running sequences and a new prompt), where those are fewer and not under the sixteenth;
-    under 64 tokens only the full count."""
+    under 64 tokens only the full count. `fine_buckets` also puts token buckets halfway between the
+    powers of two from 128 on: a decode batch of 31 and a 128-token prompt take 192 rows, not 256."""
     config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512)
     assert [config.seqs_buckets(t) for t in config.token_buckets] == [
         (1,), (4,), (16,), (32,), (4, 64), (8, 64), (16, 64), (32, 64)]
-    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, half_seqs_buckets=True)
+    config = EngineConfig(max_num_seqs=64, max_num_batched_tokens=512, fine_buckets=True)
+    assert config.token_buckets == (1, 4, 16, 32, 64, 128, 192, 256, 384, 512)
     assert [config.seqs_buckets(t) for t in config.token_buckets] == [
-        (1,), (4,), (16,), (32,), (4, 32, 64), (8, 32, 64), (16, 32, 64), (32, 64)]
-    assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, half_seqs_buckets=True).seqs_buckets(64) == (4, 6)
-    wide = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, half_seqs_buckets=True)
-    assert wide.seqs_buckets(1024) == (64,)
+        (1,), (4,), (16,), (32,), (4, 32, 64), (8, 32, 64), (12, 32, 64), (16, 32, 64), (24, 32, 64), (32, 64)]
+    assert EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, fine_buckets=True).seqs_buckets(64) == (4, 6)
+    assert EngineConfig(max_num_batched_tokens=600, fine_buckets=True).token_buckets[-4:] == (256, 384, 512, 600)
+    wide = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048, fine_buckets=True)
+    assert wide.seqs_buckets(1024) == (64,) and wide.token_buckets[-3:] == (1024, 1536, 2048)

@@ -186,7 +186,8 @@ class EngineConfig:
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
     padding_computed_from: int | None = setting(0, "tokens from which steps compute padding (set at build)", cli=False)
-    half_seqs_buckets: bool = setting(False, "half-count sequence buckets too (set at build)", cli=False, compiled=True)
+    fine_buckets: bool = setting(False, "finer step buckets: in-between token counts, half sequence counts (set at "
+                                 "build)", cli=False, compiled=True)
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES, *DTYPE_ALIASES):
@@ -330,16 +331,21 @@ class EngineConfig:
     @functools.cached_property  # (read twice a step)
     def token_buckets(self) -> tuple[int, ...]:
         """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
-        4, then powers of two from 16; with speculative decoding also (1 + k) times powers of two, up
-        to `disable_by_batch_size` drafting rows. Below 16 tokens a step costs about the same whatever its size
-        (reading the weights dominates). In the batch-invariant mode none is under a tile's rows: a
+        4, then powers of two from 16; with `fine_buckets` also 1.5 times the powers of two from 128
+        (192, 384, ...: a step's padding then at most a third of its rows, where the step's work outside
+        the products runs every row: on CPU, running decode rows and a new prompt of 128 tokens take 192
+        rows, not 256); with speculative decoding also (1 + k) times powers of two, up to
+        `disable_by_batch_size` drafting rows. Below 16 tokens a step costs about the same whatever its
+        size (reading the weights dominates). In the batch-invariant mode none is under a tile's rows: a
         smaller step computes a whole tile anyway (`models/invariant.py`)."""
         top = self.max_num_batched_tokens
         small = min(max(self.min_token_bucket, invariant.ROWS if self.batch_invariant else 1), top)
         spec = self.speculative  # (r drafting rows of 1 + k tokens each fill a step exactly)
         row = 1 + (spec.num_speculative_tokens if spec else 0)
         drafting = _powers_of_two(row, row * spec.disable_by_batch_size) if spec else ()
-        return tuple(sorted({small, top, *(b for b in (4, *_powers_of_two(16, top), *drafting) if small < b < top)}))
+        between = tuple(3 * b // 2 for b in _powers_of_two(128, top)) if self.fine_buckets else ()
+        buckets = (4, *_powers_of_two(16, top), *between, *drafting)
+        return tuple(sorted({small, top, *(b for b in buckets if small < b < top)}))
 
     @functools.cached_property  # (read twice a step)
     def page_buckets(self) -> tuple[int, ...]:
@@ -359,12 +365,12 @@ class EngineConfig:
         (every sequence brings >= 1 token), and from T = FEW_SEQS_MIN_TOKENS on, where fewer, also
         T / 16, for a step of a few long prompt chunks (the LM head and the sampler for T / 16 rows,
         a tiled attention's tiles of 16 rows: jaxserve_kernels/paged_attention/tiles.py), and with
-        `half_seqs_buckets` half the full count (not under T / 16), for the running sequences' decode
+        `fine_buckets` half the full count (not under T / 16), for the running sequences' decode
         rows and a new prompt: on CPU the LM head, the sampler and their temporaries cost per row.
         With speculative decoding, also min(T, max_num_samples): each draft token is sampled after,
         in a row of the sampler of its own (`Runner.prepare`)."""
         full, few = min(token_bucket, self.max_num_seqs), token_bucket // FEW_SEQS_ROWS
-        half = max(few, full // 2) if self.half_seqs_buckets else few
+        half = max(few, full // 2) if self.fine_buckets else few
         out = (full,) if token_bucket < FEW_SEQS_MIN_TOKENS or few >= full else tuple(sorted({few, half, full}))
         drafts = min(token_bucket, self.max_num_samples)
         return out + (drafts,) if drafts > full else out

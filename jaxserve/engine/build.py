@@ -151,7 +151,7 @@ def _derived_settings(config: EngineConfig, model_dir, model_config: ModelConfig
         wide = config.batch_invariant or attention_implementation() == "cpu"
         given["page_table_widths"] = "widest" if wide else "4x"
     given["padding_computed_from"] = _padding_computed_from(config, model_dir, model_config, given["dtype"])
-    given["half_seqs_buckets"] = jax.default_backend() == "cpu"
+    given["fine_buckets"] = jax.default_backend() == "cpu"
     if config.kv_cache_memory_fraction is not None and not config.num_pages:
         formats = weight_formats(model_dir, model_config, config.quantization)
         spec, draft = config.speculative, None
