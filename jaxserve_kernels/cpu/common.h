@@ -97,6 +97,52 @@ inline float Sum(Lanes v) {  // as a tree, so that the sums of several vectors o
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
+typedef int32_t IntLanes __attribute__((vector_size(32)));
+typedef uint32_t Words __attribute__((vector_size(32)));
+template <typename V> struct IntsOf;  // the integer vectors of a float vector's width
+template <> struct IntsOf<Lanes> { typedef IntLanes type; typedef Words words; };
+
+// 16 float lanes: one AVX-512 register (two AVX ones elsewhere), for the attention's blocks of query rows.
+typedef float Wide __attribute__((vector_size(64)));
+typedef int32_t IntWide __attribute__((vector_size(64)));
+typedef uint32_t WideWords __attribute__((vector_size(64)));
+constexpr int64_t kWide = 16;
+template <> struct IntsOf<Wide> { typedef IntWide type; typedef WideWords words; };
+
+// exp of 8 or 16 lanes for x <= 0 (attention's scores minus their maximum; -|x| for SiLU), Cephes'
+// expf: 2^n * e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and e^r by a degree-7 polynomial; within 2
+// ulp of expf.
+template <typename V>
+inline V Exp(V x) {
+  const V lowest = V{} - 87.3f;  // below: e^x < 2^-126, taken as 2^-126
+  x = x < lowest ? lowest : x;
+  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V poly = V{} + 1.9875691500e-4f;
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  V e = poly * r * r + r + 1.0f;
+  typedef typename IntsOf<V>::type Ints;
+  Ints scale = (__builtin_convertvector(n, Ints) + 127) << 23;
+  V two_n;
+  std::memcpy(&two_n, &scale, sizeof(two_n));
+  return e * two_n;
+}
+
+// Finite lanes rounded to bfloat16 values (kept as float32), to nearest even as FloatToBf16.
+template <typename V>
+inline V Bf16Values(V p) {
+  typename IntsOf<V>::words bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&p, &bits, sizeof(p));
+  return p;
+}
+
 // Keeps a loaded vector in a register: without it GCC folds the load into each multiply-add that
 // uses the vector, loading it again for every use (x86-64: a memory operand per vfmadd).
 inline void InRegister(Lanes& v) {

@@ -51,13 +51,14 @@ IMPLEMENTATIONS = ("xla", "cpu")
 TARGET = "jaxserve_matmul_t"
 WIDEN_TARGET = "jaxserve_widen_after"  # a bfloat16 weight widened once the layer's input exists (cpu.cc)
 STACK_TARGET = "jaxserve_stack_matmul_t"  # x times one matrix of a stack, read in place (cpu.cc, grouped.py)
+GATED_TARGET = "jaxserve_gated_silu"  # silu(gate) * up between a layer's products (cpu.cc, `gated_silu`)
 SOURCE = Path(__file__).with_name("cpu.cc")
 QUANT_SOURCE = Path(__file__).with_name("quant.cc")
 QUANT_TARGETS = {"int8": "jaxserve_matmul_t_int8", "int4": "jaxserve_matmul_t_int4"}  # by QuantizedWeight.fmt
 MANY_TARGET = "jaxserve_matmul_t_many"  # several quantized weights of one format against one x (quant.cc)
 # Every custom call "cpu" may run: (source, handler symbol, target), all registered when it is chosen.
 CUSTOM_CALLS = ((SOURCE, "JaxserveMatmulT", TARGET), (SOURCE, "JaxserveWidenAfter", WIDEN_TARGET),
-                (SOURCE, "JaxserveStackMatmulT", STACK_TARGET),
+                (SOURCE, "JaxserveStackMatmulT", STACK_TARGET), (SOURCE, "JaxserveGatedSilu", GATED_TARGET),
                 (QUANT_SOURCE, "JaxserveInt8MatmulT", QUANT_TARGETS["int8"]),
                 (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]),
                 (QUANT_SOURCE, "JaxserveManyMatmulT", MANY_TARGET))
@@ -193,6 +194,21 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
         return matmul_t_reference(x.astype(jnp.float32), weight, dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
     return call(x.reshape(rows, k), weight, _live(rows)).reshape(*lead, weight.shape[0])
+
+
+def gated_silu(gate: jax.Array, up: jax.Array, *, token_rows: bool) -> jax.Array | None:
+    """silu(gate) * up as `jaxserve.models.layers.gated` computes it, by the C++ kernel (`cpu.cc`)
+    where the products' kernels run (`kernels_run`: the "cpu" implementation, no mesh) on float32 or
+    bfloat16: XLA's fusion of it runs every row of a step's bucket, and on the CPU slower per row.
+    Where gate's rows are the step's tokens (`token_rows`, not a Mixture-of-Experts layer's routed
+    rows), only the `live_rows` are computed. None where the kernel does not run."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if (implementation() == "xla" or (not mesh.empty and mesh.size > 1) or gate.ndim != 2
+            or gate.dtype not in KERNEL_DTYPES or up.dtype != gate.dtype or up.shape != gate.shape):
+        return None
+    rows = gate.shape[0]
+    call = jax.ffi.ffi_call(GATED_TARGET, jax.ShapeDtypeStruct(gate.shape, gate.dtype))
+    return call(gate, up, _live(rows) if token_rows else jnp.asarray(rows, jnp.int32))
 
 
 def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:

@@ -43,8 +43,6 @@ constexpr int64_t kHeadsPerPass = 2;  // heads and 8-lane chunks of d whose valu
 constexpr int64_t kChunksPerPass = 4;
 
 typedef float Quad __attribute__((vector_size(16)));
-typedef int32_t IntLanes __attribute__((vector_size(32)));
-typedef uint32_t Words __attribute__((vector_size(32)));
 
 inline Quad Fold(Lanes v) {  // the two halves added
   Quad low, high;
@@ -61,15 +59,6 @@ inline Quad Sum4(Lanes a, Lanes b, Lanes c, Lanes d) {
   return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 }
 
-// 16 float lanes: one AVX-512 register (two AVX ones elsewhere), for the blocks of query rows.
-typedef float Wide __attribute__((vector_size(64)));
-typedef int32_t IntWide __attribute__((vector_size(64)));
-typedef uint32_t WideWords __attribute__((vector_size(64)));
-constexpr int64_t kWide = 16;
-
-template <typename V> struct IntsOf;  // the integer vectors of a float vector's width
-template <> struct IntsOf<Lanes> { typedef IntLanes type; typedef Words words; };
-template <> struct IntsOf<Wide> { typedef IntWide type; typedef WideWords words; };
 
 inline Wide LoadWide(const float* p) {
   Wide v;
@@ -93,29 +82,6 @@ inline Wide LoadWide(const uint16_t* p) {  // 16 bfloat16 widened to float32
 
 inline void StoreWide(float* p, Wide v) { std::memcpy(p, &v, sizeof(v)); }
 
-// exp of 8 or 16 lanes (x <= 0 here: scores minus their maximum), Cephes' expf: 2^n * e^r with
-// r = x - n ln 2 in [-ln2/2, ln2/2] and e^r by a degree-7 polynomial; within 2 ulp of expf.
-template <typename V>
-inline V Exp(V x) {
-  const V lowest = V{} - 87.3f;  // below: e^x < 2^-126, taken as 2^-126
-  x = x < lowest ? lowest : x;
-  const V magic = V{} + 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  V n = (x * 1.44269504088896341f + magic) - magic;
-  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V poly = V{} + 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
-  V e = poly * r * r + r + 1.0f;
-  typedef typename IntsOf<V>::type Ints;
-  Ints scale = (__builtin_convertvector(n, Ints) + 127) << 23;
-  V two_n;
-  std::memcpy(&two_n, &scale, sizeof(two_n));
-  return e * two_n;
-}
-
 // x[i] = exp(x[i] - max) for i < n; returns their sum.
 inline float ExpShifted(float* x, float max, int64_t n) {
   Lanes total = {};
@@ -130,23 +96,13 @@ inline float ExpShifted(float* x, float max, int64_t n) {
   return sum;
 }
 
-// Softmax weights rounded to bfloat16 values, to nearest even as FloatToBf16 (they are finite).
-template <typename V>
-inline V RoundWeights(V p) {
-  typename IntsOf<V>::words bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&p, &bits, sizeof(p));
-  return p;
-}
-
 // x[i] /= total for i < n, rounded to bfloat16 (as float32) where `round`: the softmax weights, as
 // the reference normalizes them before the values are summed (in the cache's dtype).
 inline void Normalize(float* x, float total, int64_t n, bool round) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     Lanes p = Load(x + i) / total;
-    Store(x + i, round ? RoundWeights(p) : p);
+    Store(x + i, round ? Bf16Values(p) : p);
   }
   for (; i < n; ++i) x[i] = round ? Bf16ToFloat(FloatToBf16(x[i] / total)) : x[i] / total;
 }
@@ -407,7 +363,7 @@ void SoftmaxLanes(float* st, int64_t n, int64_t ld, const int32_t* lo, const int
     const Wide divisor = any ? total : Wide{} + 1.0f;
     for (int64_t j = 0; j < n; ++j) {
       const Wide p = LoadWide(st + j * ld + m0) / divisor;
-      StoreWide(st + j * ld + m0, round ? RoundWeights(p) : p);
+      StoreWide(st + j * ld + m0, round ? Bf16Values(p) : p);
     }
   }
 }
