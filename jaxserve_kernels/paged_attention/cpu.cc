@@ -59,7 +59,6 @@ inline Quad Sum4(Lanes a, Lanes b, Lanes c, Lanes d) {
   return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 }
 
-
 inline Wide LoadWide(const float* p) {
   Wide v;
   std::memcpy(&v, p, sizeof(v));
