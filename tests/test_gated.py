@@ -12,26 +12,28 @@ from jaxserve.models.layers import gated
 from jaxserve_kernels.matmul import GATED_TARGET, gated_silu, live_rows
 
 
+@jax.jit
 def _xla(gate, up):
     return jax.nn.silu(gate.astype(jnp.float32)).astype(gate.dtype) * up
 
 
-def test_gated_silu_is_xlas_bit_for_bit_in_bfloat16_and_within_float32_rounding():
-    """Rows of 16-lane and 8-lane chunks and a tail of single values, values from far below to far
-    above zero (e^-|x| never overflows), in float32 and in bfloat16 (rounded where XLA rounds: the
-    activation, then the product)."""
+def test_gated_silu_is_xlas_for_every_bfloat16_gate_and_within_float32_rounding():
+    """Every finite bfloat16 value as a gate (a bfloat16 product of bfloat16 values is exact in
+    float32, so the result is XLA's wherever the rounded activation is), in rows of 29: 16 lanes, 8,
+    then 5 padded to 8, as a step's rows reach the kernel. In float32, values from far below to far
+    above zero (e^-|x| never overflows) within float32 rounding."""
     needs_cpu_backend()
     rng = np.random.default_rng(0)
-    for dtype in (jnp.bfloat16, jnp.float32):
-        for rows, n in ((1, 1536), (7, 29), (40, 200)):
-            gate = jnp.asarray(rng.standard_normal((rows, n)) * 30, dtype)
-            up = jnp.asarray(rng.standard_normal((rows, n)), dtype)
-            got = np.asarray(jax.jit(lambda g, u: gated_silu(g, u, token_rows=False))(gate, up), np.float32)
-            want = np.asarray(_xla(gate, up), np.float32)
-            if dtype == jnp.bfloat16:
-                assert np.array_equal(got, want), (rows, n)
-            else:
-                np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+    bits = np.arange(1 << 16, dtype=np.uint32)
+    finite = bits[(bits & 0x7F80) != 0x7F80].astype(np.uint16)
+    gate = np.resize(finite.view(jnp.bfloat16), (-(-finite.size // 29), 29))
+    up = rng.standard_normal(gate.shape).astype(jnp.bfloat16)
+    got = jax.jit(lambda g, u: gated_silu(g, u, token_rows=False))(gate, up)
+    assert np.array_equal(np.asarray(got, np.float32), np.asarray(_xla(gate, up), np.float32))
+    for rows, n in ((1, 1536), (7, 29), (40, 200)):
+        gate, up = (jnp.asarray(rng.standard_normal((rows, n)) * scale, jnp.float32) for scale in (30, 1))
+        got = np.asarray(jax.jit(lambda g, u: gated_silu(g, u, token_rows=False))(gate, up))
+        np.testing.assert_allclose(got, np.asarray(_xla(gate, up)), rtol=2e-6, atol=1e-30)
 
 
 def test_gated_silu_computes_a_steps_live_rows_only_where_its_rows_are_the_tokens():

@@ -27,8 +27,8 @@ $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can b
 
 Within `live_rows(n)` (a traced count: a step's tokens before its bucket's padding), the C++
 kernels compute x's first n rows and return zeros for the others: a step's padding costs its
-products nothing. XLA's dot computes every row. So does `gated_silu`, SwiGLU's silu(gate) * up
-between a layer's products, by a kernel of `cpu.cc` where the products' kernels run.
+products nothing. XLA's dot computes every row. `gated_silu` (SwiGLU's silu(gate) * up between a
+layer's products, by a kernel of `cpu.cc` where the products' kernels run) also computes only those.
 """
 
 from __future__ import annotations

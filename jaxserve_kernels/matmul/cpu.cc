@@ -590,11 +590,23 @@ ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// out[i] = silu(gate[i]) * up[i] for `count` values, in float32; for bfloat16 operands silu(gate) is
-// rounded to bfloat16 before the product and the product after, as XLA computes `models.layers.gated`.
-// silu(x) = x / (1 + e^-x), from t = e^-|x| <= 1 (never overflows): x / (1 + t), or x t / (1 + t);
-// zero (signed) where e^x is under float32's normal range, as XLA's (Exp clamps there).
+// silu(x) * u in float32; with `round`, silu(x) rounded to bfloat16 values before the product and
+// the product after, as XLA computes `models.layers.gated` on bfloat16. silu(x) = x / (1 + e^-x), from
+// t = e^-|x| <= 1 (never overflows): x / (1 + t), or x t / (1 + t); zero (signed) where e^x is under
+// float32's normal range, as XLA's. (Just above that, from -87.3365 to -87.3, Exp takes e^x as
+// e^-87.3: silu values of about 1e-36 a few percent off in float32; no bfloat16 value lies there.)
 constexpr float kSiluZero = -87.3365f;  // ln of float32's smallest normal
+template <bool kRound, typename V>
+inline V SiluTimes(V x, V u) {
+  const V t = Exp(x < 0.0f ? x : -x);
+  V y = (x < 0.0f ? x * t : x) / (1.0f + t);
+  y = x < kSiluZero ? x * 0.0f : y;
+  if constexpr (kRound) return Bf16Values(Bf16Values(y) * u);
+  return y * u;
+}
+
+// out[i] = SiluTimes(gate[i], up[i]) for `count` values of float32 or bfloat16 (rounded), 16 lanes at
+// a time where the CPU has AVX-512, then 8, then the last few as 8 with zeros after them.
 template <typename T>
 void GatedSiluValues(const T* gate, const T* up, T* out, int64_t count) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
@@ -608,46 +620,34 @@ void GatedSiluValues(const T* gate, const T* up, T* out, int64_t count) {
     }
   };
   for (; i + kWide <= count; i += kWide) {
-    const Wide x = load(gate + i);
-    const Wide t = Exp(x < 0.0f ? x : -x);
-    Wide y = (x < 0.0f ? x * t : x) / (1.0f + t);
-    y = x < kSiluZero ? x * 0.0f : y;
-    if constexpr (kBf16) y = Bf16Values(y);
-    y *= load(up + i);
+    const Wide y = SiluTimes<kBf16>(load(gate + i), load(up + i));
     if constexpr (kBf16) {
-      const __m512i bits = _mm512_srli_epi32((__m512i)Bf16Values(y), 16);
+      const __m512i bits = _mm512_srli_epi32((__m512i)y, 16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bits));
     } else {
       _mm512_storeu_ps(out + i, (__m512)y);
     }
   }
 #endif
-  for (; i + kLanes <= count; i += kLanes) {
-    const Lanes x = Load(gate + i);
-    const Lanes t = Exp(x < 0.0f ? x : -x);
-    Lanes y = (x < 0.0f ? x * t : x) / (1.0f + t);
-    y = x < kSiluZero ? x * 0.0f : y;
-    if constexpr (kBf16) y = Bf16Values(y);
-    y *= Load(up + i);
+  auto eight = [](const T* g, const T* u, T* o) {
+    const Lanes y = SiluTimes<kBf16>(Load(g), Load(u));
     if constexpr (kBf16) {
       typedef uint16_t Halves __attribute__((vector_size(16)));
       Words bits;
-      y = Bf16Values(y);
       std::memcpy(&bits, &y, sizeof(bits));
       const Halves halves = __builtin_convertvector(bits >> 16, Halves);
-      std::memcpy(out + i, &halves, sizeof(halves));
+      std::memcpy(o, &halves, sizeof(halves));
     } else {
-      Store(out + i, y);
+      Store(o, y);
     }
-  }
-  for (; i < count; ++i) {
-    const float x = Widen(gate[i]), t = std::exp(-std::abs(x));
-    const float s = x < kSiluZero ? x * 0.0f : (x < 0.0f ? x * t : x) / (1.0f + t);
-    if constexpr (kBf16) {
-      out[i] = FloatToBf16(Bf16ToFloat(FloatToBf16(s)) * Widen(up[i]));
-    } else {
-      out[i] = s * up[i];
-    }
+  };
+  for (; i + kLanes <= count; i += kLanes) eight(gate + i, up + i, out + i);
+  if (i < count) {
+    T g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
+    std::copy(gate + i, gate + count, g);
+    std::copy(up + i, up + count, u);
+    eight(g, u, o);
+    std::copy(o, o + (count - i), out + i);
   }
 }
 
