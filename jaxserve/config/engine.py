@@ -186,8 +186,7 @@ class EngineConfig:
     min_token_bucket: int = setting(1, "the smallest padded step size (see token_buckets)", cli=False, compiled=True)
     kv_cache_bytes: int = setting(2 << 30, "the KV cache's budget for the default num_pages", cli=False)
     padding_computed_from: int | None = setting(0, "tokens from which steps compute padding (set at build)", cli=False)
-    fine_buckets: bool = setting(False, "finer step buckets: in-between token counts, half sequence counts (set at "
-                                 "build)", cli=False, compiled=True)
+    fine_buckets: bool = setting(False, "finer token and sequence buckets (set at build)", cli=False, compiled=True)
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES, *DTYPE_ALIASES):
@@ -330,21 +329,17 @@ class EngineConfig:
 
     @functools.cached_property  # (read twice a step)
     def token_buckets(self) -> tuple[int, ...]:
-        """Padded numbers of tokens per step: `min_token_bucket` (1: a lone sequence's decode step),
-        4, then powers of two from 16; with `fine_buckets` also 1.5 times the powers of two from 128
-        (192, 384, ...: a step's padding then at most a third of its rows, where the step's work outside
-        the products runs every row: on CPU, running decode rows and a new prompt of 128 tokens take 192
-        rows, not 256); with speculative decoding also (1 + k) times powers of two, up to
-        `disable_by_batch_size` drafting rows. Below 16 tokens a step costs about the same whatever its
-        size (reading the weights dominates). In the batch-invariant mode none is under a tile's rows: a
-        smaller step computes a whole tile anyway (`models/invariant.py`)."""
+        """Padded tokens per step: `min_token_bucket` (1: a lone sequence's decode step), 4, powers of two
+        from 16 (under 16 a step costs about the same: reading the weights dominates); with `fine_buckets`
+        1.5 times those from 128 (on CPU the work between the products runs every padded row); speculative:
+        (1 + k) times powers of two up to `disable_by_batch_size` drafting rows; batch-invariant: none under a tile."""
         top = self.max_num_batched_tokens
         small = min(max(self.min_token_bucket, invariant.ROWS if self.batch_invariant else 1), top)
         spec = self.speculative  # (r drafting rows of 1 + k tokens each fill a step exactly)
         row = 1 + (spec.num_speculative_tokens if spec else 0)
         drafting = _powers_of_two(row, row * spec.disable_by_batch_size) if spec else ()
-        between = tuple(3 * b // 2 for b in _powers_of_two(128, top)) if self.fine_buckets else ()
-        buckets = (4, *_powers_of_two(16, top), *between, *drafting)
+        mid = tuple(3 * b // 2 for b in _powers_of_two(128, top)) if self.fine_buckets else ()  # 192, 384, ...
+        buckets = (4, *_powers_of_two(16, top), *mid, *drafting)
         return tuple(sorted({small, top, *(b for b in buckets if small < b < top)}))
 
     @functools.cached_property  # (read twice a step)
