@@ -109,6 +109,28 @@ typedef uint32_t WideWords __attribute__((vector_size(64)));
 constexpr int64_t kWide = 16;
 template <> struct IntsOf<Wide> { typedef IntWide type; typedef WideWords words; };
 
+inline Wide LoadWide(const float* p) {
+  Wide v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline Wide LoadWide(const uint16_t* p) {  // 16 bfloat16 widened to float32
+#if defined(__AVX512F__)  // (joining two 8-lane loads went through the stack: a stalled load per use)
+  return (Wide)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  typedef uint16_t Halves __attribute__((vector_size(32)));
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  const WideWords w = __builtin_convertvector(h, WideWords) << 16;
+  Wide v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+#endif
+}
+
+inline void StoreWide(float* p, Wide v) { std::memcpy(p, &v, sizeof(v)); }
+
 // exp of 8 or 16 lanes for x <= 0 (attention's scores minus their maximum; -|x| for SiLU), Cephes'
 // expf: 2^n * e^r with r = x - n ln 2 in [-ln2/2, ln2/2] and e^r by a degree-7 polynomial; within 2
 // ulp of expf.

@@ -590,7 +590,7 @@ ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
-// silu(x) * u in float32; with `round`, silu(x) rounded to bfloat16 values before the product and
+// silu(x) * u in float32; with kRound, silu(x) rounded to bfloat16 values before the product and
 // the product after, as XLA computes `models.layers.gated` on bfloat16. silu(x) = x / (1 + e^-x), from
 // t = e^-|x| <= 1 (never overflows): x / (1 + t), or x t / (1 + t); zero (signed) where e^x is under
 // float32's normal range, as XLA's. (Just above that, from -87.3365 to -87.3, Exp takes e^x as
@@ -612,15 +612,8 @@ void GatedSiluValues(const T* gate, const T* up, T* out, int64_t count) {
   constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   int64_t i = 0;
 #if defined(__AVX512F__)  // (16 lanes: the 8-lane loop below took about twice as long in a step)
-  auto load = [](const T* p) -> Wide {
-    if constexpr (kBf16) {
-      return (Wide)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-    } else {
-      return (Wide)_mm512_loadu_ps(p);
-    }
-  };
   for (; i + kWide <= count; i += kWide) {
-    const Wide y = SiluTimes<kBf16>(load(gate + i), load(up + i));
+    const Wide y = SiluTimes<kBf16>(LoadWide(gate + i), LoadWide(up + i));
     if constexpr (kBf16) {
       const __m512i bits = _mm512_srli_epi32((__m512i)y, 16);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bits));

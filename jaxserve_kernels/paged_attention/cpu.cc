@@ -59,28 +59,6 @@ inline Quad Sum4(Lanes a, Lanes b, Lanes c, Lanes d) {
   return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 }
 
-inline Wide LoadWide(const float* p) {
-  Wide v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline Wide LoadWide(const uint16_t* p) {  // 16 bfloat16 widened to float32
-#if defined(__AVX512F__)  // (joining two 8-lane loads went through the stack: a stalled load per use)
-  return (Wide)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
-#else
-  typedef uint16_t Halves __attribute__((vector_size(32)));
-  Halves h;
-  std::memcpy(&h, p, sizeof(h));
-  const WideWords w = __builtin_convertvector(h, WideWords) << 16;
-  Wide v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-#endif
-}
-
-inline void StoreWide(float* p, Wide v) { std::memcpy(p, &v, sizeof(v)); }
-
 // x[i] = exp(x[i] - max) for i < n; returns their sum.
 inline float ExpShifted(float* x, float max, int64_t n) {
   Lanes total = {};
