@@ -173,6 +173,12 @@ inline void InRegister(Lanes& v) {
 #endif
 }
 
+inline void InRegister(Wide& v) {
+#if defined(__x86_64__) && defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+}
+
 // Helper threads of the kernels' own, which keep looking for work for a while after each call
 // before they sleep. Handing work to a sleeping thread (XLA's pool's, say) costs the caller a
 // futex wake, about 8 us in a VM, as long as half of a one-row product; a helper still looking

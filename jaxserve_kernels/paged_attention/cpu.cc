@@ -12,10 +12,11 @@
 // form, so a batch-invariant step (`block_rows` 0) keeps every row in the one-row form.
 //
 // A decode row alone: the scores of every query head, 4 keys at a time (a block's slots are read
-// for every KV head while they are in L1; per query head, 4 accumulators over the head dimension,
-// summed horizontally together), the softmax over each head's row of scores, then the weighted
-// sum of values, 8 at a time, with the sums of 2 heads x 32 dimensions in registers. Keys and
-// values are read in their own dtype and widened in registers.
+// for every KV head while they are in L1; bfloat16 keys widened once for the KV head's query heads;
+// per query head, 4 accumulators over the head dimension, summed horizontally together), the
+// softmax over each head's row of scores, then the weighted sum of values, 8 at a time, with the
+// sums of up to 4 heads x 64 dimensions in registers (2 x 32 without AVX-512: its vectors are 16
+// lanes there, 8 elsewhere). Values are read in their own dtype and widened in registers.
 //
 // Work items are (sequence, block of up to 16 query rows), claimed from an atomic counter by the
 // calling thread and by helpers scheduled on XLA's intra-op thread pool (common.h's ParallelFor).
@@ -39,16 +40,22 @@ namespace {
 constexpr int64_t kRowsPerItem = 16;
 constexpr int64_t kKeysPerBlock = 4;     // keys whose scores are computed together
 constexpr int64_t kValuesPerBlock = 8;   // values summed for every head before the next ones
-constexpr int64_t kHeadsPerPass = 2;  // heads and 8-lane chunks of d whose value sums stay in registers
+// The one-row form's vectors: 16 lanes where AVX-512 gives 32 registers of them, 8 elsewhere; and
+// how many query heads' value sums (of kChunksPerPass vectors of d each) stay in registers.
+#if defined(__AVX512F__)
+typedef Wide RowLanes;
+constexpr int64_t kHeadsPerPass = 4;
+#else
+typedef Lanes RowLanes;
+constexpr int64_t kHeadsPerPass = 2;
+#endif
+constexpr int64_t kRowLanes = sizeof(RowLanes) / sizeof(float);
 constexpr int64_t kChunksPerPass = 4;
 
 typedef float Quad __attribute__((vector_size(16)));
 
 inline Quad Fold(Lanes v) {  // the two halves added
-  Quad low, high;
-  std::memcpy(&low, &v, sizeof(low));
-  std::memcpy(&high, reinterpret_cast<const char*>(&v) + sizeof(low), sizeof(high));
-  return low + high;
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
 }
 
 // The horizontal sums of a, b, c and d, as one vector.
@@ -71,6 +78,28 @@ inline float ExpShifted(float* x, float max, int64_t n) {
   float sum = Sum(total);
   for (; i < n; ++i) sum += (x[i] = std::exp(x[i] - max));
   return sum;
+}
+
+// x[i] *= scale for i < n; returns their largest.
+inline float Scale(float* x, int64_t n, float scale) {
+  Lanes top = Lanes{} - INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Lanes v = Load(x + i) * scale;
+    Store(x + i, v);
+    top = v > top ? v : top;
+  }
+  float max = -INFINITY;
+  for (int64_t l = 0; l < kLanes; ++l) max = std::max(max, top[l]);
+  for (; i < n; ++i) max = std::max(max, x[i] *= scale);
+  return max;
+}
+
+// x[i] = cap * tanh(x[i] * scale / cap) for i < n (logit soft-capping); returns their largest.
+inline float ScaleCapped(float* x, int64_t n, float scale, float cap) {
+  float max = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) max = std::max(max, x[i] = cap * std::tanh(x[i] * scale / cap));
+  return max;
 }
 
 // x[i] /= total for i < n, rounded to bfloat16 (as float32) where `round`: the softmax weights, as
@@ -137,6 +166,49 @@ inline void PrefetchSlot(const T* slot, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, Locality);
 }
 
+inline Lanes LoadAs(Lanes, const float* p) { return Load(p); }
+inline Lanes LoadAs(Lanes, const uint16_t* p) { return Load(p); }
+inline Wide LoadAs(Wide, const float* p) { return LoadWide(p); }
+inline Wide LoadAs(Wide, const uint16_t* p) { return LoadWide(p); }
+inline void StoreAs(float* p, Lanes v) { Store(p, v); }
+inline void StoreAs(float* p, Wide v) { StoreWide(p, v); }
+
+inline Lanes Halves(Lanes v) { return v; }
+inline Lanes Halves(Wide v) {  // the two halves added (shuffles: a copy through memory kept v on the stack)
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// out[0..d) = the d values at x, as float32.
+template <typename T>
+inline void Widened(const T* x, int64_t d, float* out) {
+  int64_t c = 0;
+  for (; c + kRowLanes <= d; c += kRowLanes) StoreAs(out + c, LoadAs(RowLanes{}, x + c));
+  for (; c < d; ++c) out[c] = Widen(x[c]);
+}
+
+// out[h * ld + 0..3] = q_h . k0..k3 for the `heads` query rows of q [heads, d] (keys of either dtype).
+template <typename K>
+inline void ScoreFour(const float* q, int64_t heads, const K* k0, const K* k1, const K* k2, const K* k3, int64_t d,
+                      float* out, int64_t ld) {
+  const int64_t whole = d / kRowLanes * kRowLanes;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* qh = q + h * d;
+    RowLanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t c = 0; c < whole; c += kRowLanes) {
+      RowLanes x = LoadAs(RowLanes{}, qh + c);
+      InRegister(x);
+      a0 += x * LoadAs(RowLanes{}, k0 + c);
+      a1 += x * LoadAs(RowLanes{}, k1 + c);
+      a2 += x * LoadAs(RowLanes{}, k2 + c);
+      a3 += x * LoadAs(RowLanes{}, k3 + c);
+    }
+    Quad s = Sum4(Halves(a0), Halves(a1), Halves(a2), Halves(a3));
+    for (int64_t c = whole; c < d; ++c) s += qh[c] * Quad{Widen(k0[c]), Widen(k1[c]), Widen(k2[c]), Widen(k3[c])};
+    std::memcpy(out + h * ld, &s, sizeof(s));
+  }
+}
+
 // scores[h * ld + j] = q_h . key j for the query heads h of `kv_heads` KV heads (`group` each, rows
 // of q [heads, d]), key j's KV head g at base + offsets[j] + g * d. Keys go 4 at a time, each
 // block's slots read for every KV head while they are in the L1 cache.
@@ -144,6 +216,8 @@ template <typename T>
 void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, const int64_t* offsets, int64_t n,
             int64_t d, float* scores, int64_t ld, const T* values) {
   const int64_t whole = d / kLanes * kLanes, slot = kv_heads * d * sizeof(T);
+  thread_local std::vector<float> widened;
+  widened.resize(kKeysPerBlock * d);
   for (int64_t j = 0; j < std::min(n, kKeysAhead); ++j) PrefetchSlot<3>(base + offsets[j], slot);
   int64_t j = 0;
   for (; j + kKeysPerBlock <= n; j += kKeysPerBlock) {
@@ -154,22 +228,14 @@ void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, cons
     for (int64_t g = 0; g < kv_heads; ++g) {
       const T *k0 = base + offsets[j] + g * d, *k1 = base + offsets[j + 1] + g * d,
               *k2 = base + offsets[j + 2] + g * d, *k3 = base + offsets[j + 3] + g * d;
-      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
-        const float* qh = q + h * d;
-        Lanes a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t c = 0; c < whole; c += kLanes) {
-          Lanes x = Load(qh + c);
-          InRegister(x);
-          a0 += x * Load(k0 + c);
-          a1 += x * Load(k1 + c);
-          a2 += x * Load(k2 + c);
-          a3 += x * Load(k3 + c);
-        }
-        Quad s = Sum4(a0, a1, a2, a3);
-        for (int64_t c = whole; c < d; ++c) {
-          s += qh[c] * Quad{Widen(k0[c]), Widen(k1[c]), Widen(k2[c]), Widen(k3[c])};
-        }
-        std::memcpy(scores + h * ld + j, &s, sizeof(s));
+      float* out = scores + g * group * ld + j;
+      if (std::is_same_v<T, float> || group == 1) {
+        ScoreFour(q + g * group * d, group, k0, k1, k2, k3, d, out, ld);
+      } else {  // bfloat16 keys widened once for the group's query heads, not once per head
+        const T* keys[kKeysPerBlock] = {k0, k1, k2, k3};
+        for (int64_t a = 0; a < kKeysPerBlock; ++a) Widened(keys[a], d, widened.data() + a * d);
+        const float* w = widened.data();
+        ScoreFour(q + g * group * d, group, w, w + d, w + 2 * d, w + 3 * d, d, out, ld);
       }
     }
   }
@@ -186,13 +252,6 @@ void Scores(const float* q, int64_t kv_heads, int64_t group, const T* base, cons
     }
   }
 }
-
-inline Lanes LoadAs(Lanes, const float* p) { return Load(p); }
-inline Lanes LoadAs(Lanes, const uint16_t* p) { return Load(p); }
-inline Wide LoadAs(Wide, const float* p) { return LoadWide(p); }
-inline Wide LoadAs(Wide, const uint16_t* p) { return LoadWide(p); }
-inline void StoreAs(float* p, Lanes v) { Store(p, v); }
-inline void StoreAs(float* p, Wide v) { StoreWide(p, v); }
 
 // out[h * d + c0 + i] += sum_j w[h * w_row + j * w_key] * value j[c0 + i] for H rows of weights and
 // the C chunks of V's lanes from c0, over the n values at base + offsets[j].
@@ -232,35 +291,43 @@ void ValueChunks(const float* w, int64_t w_row, int64_t w_key, const T* base, co
   }
 }
 
+template <typename T>
+void ValueHeads(int64_t heads, const float* w, int64_t w_row, const T* base, const int64_t* offsets, int64_t n,
+                int64_t c0, int64_t chunks, float* out, int64_t d) {
+  static_assert(kHeadsPerPass == 2 || kHeadsPerPass == 4, "ValueHeads passes 1 to kHeadsPerPass heads");
+  switch (heads) {
+    case 1: return ValueChunks<RowLanes, 1>(w, w_row, 1, base, offsets, n, c0, chunks, out, d);
+    case 2: return ValueChunks<RowLanes, 2>(w, w_row, 1, base, offsets, n, c0, chunks, out, d);
+#if defined(__AVX512F__)
+    case 3: return ValueChunks<RowLanes, 3>(w, w_row, 1, base, offsets, n, c0, chunks, out, d);
+    default: return ValueChunks<RowLanes, 4>(w, w_row, 1, base, offsets, n, c0, chunks, out, d);
+#endif
+  }
+}
+
 // out [heads, d] = w [heads, n] (rows ld apart) times the n values, for the query heads of
 // `kv_heads` KV heads as in Scores. Values go kValuesPerBlock at a time, each block's slots read
-// for every head while they are in the L1 cache, the sums of 2 heads x 4 chunks of 8 dimensions
-// in registers.
+// for every head while they are in the L1 cache, the sums of up to kHeadsPerPass heads x 4 vectors
+// of dimensions in registers.
 template <typename T>
 void Values(const float* w, int64_t kv_heads, int64_t group, int64_t ld, const T* base, const int64_t* offsets,
             int64_t n, int64_t d, float* out) {
-  static_assert(kHeadsPerPass == 2, "Values passes the heads in pairs and a single one");
-  const int64_t heads = kv_heads * group, whole = d / kLanes;
+  const int64_t heads = kv_heads * group, whole = d / kRowLanes;
   std::fill(out, out + heads * d, 0.0f);
   for (int64_t j = 0; j < n; j += kValuesPerBlock) {
     const int64_t keys = std::min(kValuesPerBlock, n - j);
     for (int64_t g = 0; g < kv_heads; ++g) {
       for (int64_t h = g * group; h < (g + 1) * group; h += kHeadsPerPass) {
+        const int64_t pass = std::min(kHeadsPerPass, (g + 1) * group - h);
         for (int64_t c = 0; c < whole; c += kChunksPerPass) {
-          const int64_t chunks = std::min(kChunksPerPass, whole - c);
-          if ((g + 1) * group - h >= 2) {
-            ValueChunks<Lanes, 2>(w + h * ld + j, ld, 1, base + g * d, offsets + j, keys, c * kLanes, chunks,
-                                  out + h * d, d);
-          } else {
-            ValueChunks<Lanes, 1>(w + h * ld + j, ld, 1, base + g * d, offsets + j, keys, c * kLanes, chunks,
-                                  out + h * d, d);
-          }
+          ValueHeads(pass, w + h * ld + j, ld, base + g * d, offsets + j, keys, c * kRowLanes,
+                     std::min(kChunksPerPass, whole - c), out + h * d, d);
         }
       }
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {  // the dimensions past the last whole chunk
-    for (int64_t c = whole * kLanes; c < d; ++c) {
+  for (int64_t h = 0; h < heads; ++h) {  // the dimensions past the last whole vector
+    for (int64_t c = whole * kRowLanes; c < d; ++c) {
       float s = 0.0f;
       for (int64_t j = 0; j < n; ++j) s += w[h * ld + j] * Widen(base[offsets[j] + h / group * d + c]);
       out[h * d + c] = s;
@@ -443,13 +510,8 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     Scores(query, kv_heads, group, k_pages, seen, num_keys, d, scores, kv_len, v_pages);
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kv_len;
-      float max = -INFINITY;
-      for (int64_t j = 0; j < num_keys; ++j) {
-        float x = s[j] * p.sm_scale;
-        if (p.soft_cap > 0.0f) x = p.soft_cap * std::tanh(x / p.soft_cap);
-        s[j] = x;
-        max = std::max(max, x);
-      }
+      const float max = p.soft_cap > 0.0f ? ScaleCapped(s, num_keys, p.sm_scale, p.soft_cap)
+                                          : Scale(s, num_keys, p.sm_scale);
       Normalize(s, ExpShifted(s, max, num_keys), num_keys, std::is_same_v<T, uint16_t>);
     }
     Values(scores, kv_heads, group, kv_len, v_pages, seen, num_keys, d, acc);
