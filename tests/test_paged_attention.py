@@ -98,7 +98,7 @@ def test_ragged_batch_matches_dense(num_kv_heads, sliding_window, soft_cap, impl
                                             ("float32", "bfloat16")])
 @pytest.mark.parametrize("head_dim,seqs", [
     (16, [(3, 37), (20, 1), (0, 17), (40, 5)]),  # (cached, new): 64 tokens, partial tiles, a decode
-    (76, [(40, 1)]),  # one decoding sequence, a head dimension past its last whole 8 lanes
+    (76, [(40, 1)]),  # one decoding sequence, a head dimension past its last whole vector (8 or 16 lanes)
 ])
 def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
     """Tiles of 16 rows, a random cache; in bfloat16 the cache holds its bits (as the engine stores
@@ -155,3 +155,47 @@ def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
             np.testing.assert_allclose(got[:real], want[:real], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
             np.testing.assert_array_equal(got[real:], 0.0)
         assert np.abs(want[:real]).max() > 0.1
+
+
+@pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", "X86_64_V2"), ("-march=x86-64-v3", "X86_64_V3")])
+def test_cpu_kernel_built_for_other_cpus_matches_reference(flags, needs, monkeypatch, tmp_path):
+    """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: 8-lane vectors,
+    the values of 2 query heads at a time in the one-row form) or without AVX (x86-64-v2), where this
+    CPU can run that build: both forms against the reference, groups that fill a pass partly."""
+    needs_cpu_backend()
+    import os
+    import platform
+    import shutil
+
+    import test_matmul
+    from test_kernels import ATTENTION, as_float32, ragged_batch
+
+    from jaxserve_kernels.cpu import build
+    from jaxserve_kernels.paged_attention import cpu
+
+    if platform.machine() != "x86_64" or not test_matmul._cpu_flags().issuperset(getattr(test_matmul, needs)):
+        pytest.skip("this CPU cannot run that build")
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build._library.cache_clear()
+    try:
+        assert build._register(cpu.SOURCE, "JaxservePagedAttention", target := f"test_{flags}_{cpu.TARGET}")
+    finally:
+        build._library.cache_clear()
+    rng = np.random.default_rng(7)
+    for group, head_dim, dtype in [(3, 64, "bfloat16"), (5, 20, "float32"), (1, 76, "bfloat16")]:
+        args = ragged_batch(rng, [(0, 40), (21, 7), (50, 1), (9, 1), (3, 16)], num_kv_heads=2, group=group,
+                            head_dim=head_dim, dtype=dtype, width=10, rows=6, num_tokens=72)
+        real = int(args[5][-1])
+        want = np.asarray(ATTENTION(*as_float32(args), sm_scale=0.2, sliding_window=None, soft_cap=None,
+                                    impl="reference"))
+        for block_rows in (0, cpu.BLOCK_ROWS):  # (0: every row in the one-row form)
+            call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(args[0].shape, args[0].dtype))
+            got = np.asarray(call(*args, sm_scale=np.float32(0.2), sliding_window=np.int64(0),
+                                  soft_cap=np.float32(0.0), block_rows=np.int64(block_rows)), np.float32)
+            np.testing.assert_allclose(got[:real], want[:real], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+            np.testing.assert_array_equal(got[real:], 0.0)

@@ -168,7 +168,7 @@ inline V Bf16Values(V p) {
 // Keeps a loaded vector in a register: without it GCC folds the load into each multiply-add that
 // uses the vector, loading it again for every use (x86-64: a memory operand per vfmadd).
 inline void InRegister(Lanes& v) {
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__AVX__)  // (without AVX no register holds 8 lanes)
   asm("" : "+x"(v));
 #endif
 }

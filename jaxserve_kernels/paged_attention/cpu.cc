@@ -482,7 +482,7 @@ void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch
   }
 }
 
-// An item's query rows times the keys its last row sees: how long it takes, in proportion.
+// An item's query rows times the span of keys they see: how long it takes, in proportion.
 inline int64_t Work(const Problem& p, const Item& item) {
   const Keys keys(p, item);
   return (item.end_row - item.first_row) * (keys.End(item.end_row - 1) - keys.Begin(item.first_row));
@@ -577,7 +577,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
       items.push_back({b, first, std::min<int64_t>(first + kRowsPerItem, p.query_start[b + 1])});
     }
   }
-  // the costliest items first (a prompt's last rows see the most keys), so that the threads end together
+  // the costliest items first (a prompt's last blocks see the most keys), so that the threads end together
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return Work(p, a) > Work(p, b); });
   ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i, std::vector<float>& scratch) {
     if (pages_bf16) {
