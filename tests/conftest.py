@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
+from pathlib import Path
+
 import jax
 import openai
 import pytest
@@ -20,6 +25,31 @@ def needs_cpu_backend() -> None:
     "cpu" implementations refuse to run."""
     if jax.default_backend() != "cpu":
         pytest.skip("the CPU kernels (and these defaults) are the CPU backend's")
+
+
+X86_64_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")  # what -march=x86-64-vN may use
+X86_64_V3 = (*X86_64_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+
+
+def build_for_other_cpu(flags: str, needs: tuple[str, ...], monkeypatch, tmp_path) -> None:
+    """The CPU kernels the test builds from here on: with `flags` after -march=native (a compiler
+    wrapper), into a cache of their own. Skips the test where this CPU cannot run that build (Linux's
+    flags for it lack `needs`)."""
+    needs_cpu_backend()
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    cpu_flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    if platform.machine() != "x86_64" or not cpu_flags.issuperset(needs):
+        pytest.skip("this CPU cannot run that build")
+    from jaxserve_kernels.cpu import build
+
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build._library.cache_clear()
 
 
 @pytest.fixture

@@ -7,17 +7,15 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-import platform
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import needs_cpu_backend
+from conftest import X86_64_V2, X86_64_V3, build_for_other_cpu, needs_cpu_backend
 
 from jaxserve_kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
                                      _operands, bf16_tiles, implementation, live_rows, matmul_t, matmul_t_many,
@@ -354,17 +352,6 @@ def test_rows_taken_from_a_grouped_matrix_are_its_rows(fmt):
         assert np.array_equal(dequantize(got), dequantize(w)[ids])
 
 
-def _cpu_flags() -> set[str]:
-    """The instruction sets Linux reports for this CPU (/proc/cpuinfo's flags)."""
-    info = Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    return next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
-
-
-X86_64_V2 = ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3")  # what -march=x86-64-vN may use
-X86_64_V3 = (*X86_64_V2, "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
-
-
 @pytest.mark.parametrize("flags,forms,needs", [("-march=x86-64-v2", ("float",), X86_64_V2),
                                                ("-march=x86-64-v3", ("integer", "float"), X86_64_V3),
                                                ("-mno-amx-tile", ("integer",), ("avx512_vnni", "avx512bw"))])
@@ -374,20 +361,12 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
     weights, the float form for weights in rows) or without AMX (the integer forms at every row
     count, the panel form from 16 rows on), where this CPU can run that build (its flags `needs`)."""
     needs_cpu_backend()
-    if platform.machine() != "x86_64" or not _cpu_flags().issuperset(needs):
-        pytest.skip("this CPU cannot run that build")
     from jaxserve_kernels.cpu import build
 
     # this CPU's own build loaded first, as in any process that ran a product before: each build in the
     # process must still call its own tiles (common.h, Helpers)
     assert build.library(QUANT_SOURCE) is not None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    wrapper = tmp_path / "cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CXX", str(wrapper))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    build._library.cache_clear()
+    build_for_other_cpu(flags, needs, monkeypatch, tmp_path)
     try:
         assert quantized_forms() == forms
         targets = {fmt: f"test_{flags}_{target}" for fmt, target in QUANT_TARGETS.items()}

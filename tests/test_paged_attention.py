@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import needs_cpu_backend
+from conftest import X86_64_V2, X86_64_V3, build_for_other_cpu, needs_cpu_backend
 
 from jaxserve_kernels import paged_attention, write_kv
 
@@ -157,31 +157,17 @@ def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
         assert np.abs(want[:real]).max() > 0.1
 
 
-@pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", "X86_64_V2"), ("-march=x86-64-v3", "X86_64_V3")])
+@pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", X86_64_V2), ("-march=x86-64-v3", X86_64_V3)])
 def test_cpu_kernel_built_for_other_cpus_matches_reference(flags, needs, monkeypatch, tmp_path):
     """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: 8-lane vectors,
     the values of 2 query heads at a time in the one-row form) or without AVX (x86-64-v2), where this
     CPU can run that build: both forms against the reference, groups that fill a pass partly."""
-    needs_cpu_backend()
-    import os
-    import platform
-    import shutil
-
-    import test_matmul
     from test_kernels import ATTENTION, as_float32, ragged_batch
 
     from jaxserve_kernels.cpu import build
     from jaxserve_kernels.paged_attention import cpu
 
-    if platform.machine() != "x86_64" or not test_matmul._cpu_flags().issuperset(getattr(test_matmul, needs)):
-        pytest.skip("this CPU cannot run that build")
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    wrapper = tmp_path / "cxx"
-    wrapper.write_text(f'#!/bin/sh\nexec {compiler} "$@" {flags}\n')
-    wrapper.chmod(0o755)
-    monkeypatch.setenv("CXX", str(wrapper))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    build._library.cache_clear()
+    build_for_other_cpu(flags, needs, monkeypatch, tmp_path)
     try:
         assert build._register(cpu.SOURCE, "JaxservePagedAttention", target := f"test_{flags}_{cpu.TARGET}")
     finally:
