@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -178,6 +179,56 @@ inline void InRegister(Wide& v) {
   asm("" : "+v"(v));
 #endif
 }
+
+#if defined(__AVX512F__)
+// The 16 x 16 block of 32-bit lanes in r transposed in place: lane i of r[j] becomes lane j of r[i].
+// Pairs of lanes, then pairs of pairs, then 128-bit quarters, in registers.
+__attribute__((always_inline)) inline void Transpose16(__m512 r[16]) {
+  __m512 a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);  // per quarter: lanes 0, 1 of r[2k], r[2k + 1]
+    a[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);  // lanes 2, 3
+  }
+  for (int k = 0; k < 4; ++k) {  // b[4k + j]: per quarter, lane j of r[4k] to r[4k + 3]
+    const __m512d a0 = _mm512_castps_pd(a[4 * k]), a1 = _mm512_castps_pd(a[4 * k + 1]);
+    const __m512d a2 = _mm512_castps_pd(a[4 * k + 2]), a3 = _mm512_castps_pd(a[4 * k + 3]);
+    b[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
+    b[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
+    b[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
+    b[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
+  }
+  for (int j = 0; j < 4; ++j) {  // lane 4q + j of every r gathers quarter q of b[j], b[4 + j], b[8 + j], b[12 + j]
+    const __m512 u0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
+    const __m512 v0 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
+    r[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
+    r[4 + j] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
+    r[8 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
+    r[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// The 16 x 16 sums at c (64-byte aligned; row j: w's row j against 16 rows of x) stored as y's rows:
+// y row i, columns [0, cols), gets c's column i, for i < rows; in float32, or rounded to bfloat16 (to
+// nearest even). Transposed in registers: stored one value at a time, a block's sums cost as much as
+// its products where K is small.
+template <typename Y>
+inline void StoreTransposed(const float* c, int64_t rows, int64_t cols, Y* y, int64_t ldy) {
+  __m512 t[16];
+  for (int j = 0; j < 16; ++j) t[j] = _mm512_load_ps(c + 16 * j);
+  Transpose16(t);
+  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t i = 0; i < rows; ++i) {
+    if constexpr (std::is_same_v<Y, float>) {
+      _mm512_mask_storeu_ps(y + i * ldy, mask, t[i]);
+    } else {
+      _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(t[i]));
+    }
+  }
+}
+#endif
 
 // Helper threads of the kernels' own, which keep looking for work for a while after each call
 // before they sleep. Handing work to a sleeping thread (XLA's pool's, say) costs the caller a

@@ -107,45 +107,6 @@ void TileSums(const uint16_t* w, int64_t k_len, const uint32_t* x, int64_t panel
   if constexpr (GW > 1 && GX > 1) _tile_stored(3, c + 768, 64);
 }
 
-// The 16 x 16 sums at c (row j: w's row j against 16 rows of x) stored as y's rows: y row i, columns
-// [0, cols), gets c's column i, for i < rows; in float32, or rounded to bfloat16 (to nearest even).
-// Transposed in registers (pairs of values, then of pairs, then 128-bit lanes): stored one value at
-// a time, a block's 1,024 sums cost as much as its tile products where K is small.
-template <typename Y>
-inline void StoreTransposed(const float* c, int64_t rows, int64_t cols, Y* y, int64_t ldy) {
-  __m512 a[16], b[16], t[16];
-  for (int k = 0; k < 8; ++k) {
-    const __m512 r0 = _mm512_load_ps(c + 32 * k), r1 = _mm512_load_ps(c + 32 * k + 16);
-    a[2 * k] = _mm512_unpacklo_ps(r0, r1);  // per lane: rows 2k, 2k + 1 of columns 0, 1
-    a[2 * k + 1] = _mm512_unpackhi_ps(r0, r1);  // of columns 2, 3
-  }
-  for (int k = 0; k < 4; ++k) {  // b[4k + j]: per lane, rows 4k to 4k + 3 of the lane's column j
-    const __m512d a0 = _mm512_castps_pd(a[4 * k]), a1 = _mm512_castps_pd(a[4 * k + 1]);
-    const __m512d a2 = _mm512_castps_pd(a[4 * k + 2]), a3 = _mm512_castps_pd(a[4 * k + 3]);
-    b[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a0, a2));
-    b[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a0, a2));
-    b[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(a1, a3));
-    b[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(a1, a3));
-  }
-  for (int j = 0; j < 4; ++j) {  // column 4 * lane + j gathers lane `lane` of b[j], b[4 + j], b[8 + j], b[12 + j]
-    const __m512 u0 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0x44), u1 = _mm512_shuffle_f32x4(b[j], b[4 + j], 0xEE);
-    const __m512 v0 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0x44);
-    const __m512 v1 = _mm512_shuffle_f32x4(b[8 + j], b[12 + j], 0xEE);
-    t[j] = _mm512_shuffle_f32x4(u0, v0, 0x88);
-    t[4 + j] = _mm512_shuffle_f32x4(u0, v0, 0xDD);
-    t[8 + j] = _mm512_shuffle_f32x4(u1, v1, 0x88);
-    t[12 + j] = _mm512_shuffle_f32x4(u1, v1, 0xDD);
-  }
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  for (int64_t i = 0; i < rows; ++i) {
-    if constexpr (std::is_same_v<Y, float>) {
-      _mm512_mask_storeu_ps(y + i * ldy, mask, t[i]);
-    } else {
-      _mm256_mask_storeu_epi16(y + i * ldy, mask, (__m256i)_mm512_cvtneps_pbh(t[i]));
-    }
-  }
-}
-
 // y[m0:m1, n0:n1] of y [M, N] (m0 a multiple of 16): w's rows taken kRowsAtOnce at a time, each time
 // multiplied by all the item's panels of x. `rows(n, count, scratch)` gives rows n to n + 31 of w as
 // bfloat16, k_len apart: the first `count` are w's, the others any values (their sums are dropped);

@@ -291,82 +291,91 @@ constexpr int64_t kPairRowsOfW = 96;  // w rows per work item, about (ForEachBlo
 
 // Panels of a bfloat16 x [rows, k_len] (k_len even) for vdpbf16ps: panel p holds rows 16p to
 // 16p + 15 as out[p][k / 2][0:16], each the row's values k and k + 1 as one 32-bit word (the first
-// in the low half, as in memory); rows past the last one are zeros.
+// in the low half, as in memory); rows past the last one are zeros. 16 rows x 16 words at a time,
+// transposed in registers (word by word, the packing took a few percent of a prefill's products,
+// on one thread while the others waited).
 void PackPairPanels(const uint16_t* x, int64_t rows, int64_t k_len, uint32_t* out) {
   const int64_t pairs = k_len / 2;
-  for (int64_t r = 0; r < CeilDiv(rows, kPanelRows) * kPanelRows; ++r) {
-    uint32_t* dst = out + r / kPanelRows * kPanelRows * pairs + r % kPanelRows;
-    for (int64_t p = 0; p < pairs; ++p) {
-      uint32_t word = 0;
-      if (r < rows) std::memcpy(&word, x + r * k_len + 2 * p, sizeof(word));
-      dst[p * kPanelRows] = word;
+  for (int64_t r0 = 0; r0 < rows; r0 += kPanelRows) {
+    uint32_t* panel = out + r0 * pairs;
+    const int64_t n = std::min(kPanelRows, rows - r0);
+    int64_t p = 0;
+    for (; p + kPanelRows <= pairs; p += kPanelRows) {
+      __m512 r[kPanelRows];
+      for (int64_t i = 0; i < kPanelRows; ++i) {  // (a masked load of rows past the last: no access, zeros)
+        const __mmask16 row = i < n ? 0xFFFF : 0;
+        r[i] = _mm512_maskz_loadu_ps(row, reinterpret_cast<const float*>(x + (r0 + i) * k_len + 2 * p));
+      }
+      Transpose16(r);
+      for (int64_t j = 0; j < kPanelRows; ++j) {
+        _mm512_storeu_ps(reinterpret_cast<float*>(panel + (p + j) * kPanelRows), r[j]);
+      }
     }
-  }
-}
-
-// c[i][j][0:16] = sum_k panels[i][k][0:16] w[j * ldw + k] for i < MP, j < NR: MP panels of x
-// (panel_words apart) against NR rows of a bfloat16 w, one pair of k per step; c in float32, or
-// rounded to bfloat16 (to nearest even, values under float32's normal range flushed to zero).
-template <int MP, int NR, typename C>
-void PairPanelTile(const uint32_t* panels, int64_t panel_words, const uint16_t* w, int64_t ldw, int64_t pairs,
-                   C* c) {
-  __m512 acc[MP][NR];
-  for (int i = 0; i < MP; ++i) {
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh xs[MP];
-    for (int i = 0; i < MP; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(panels + i * panel_words + p * kPanelRows);
-    for (int j = 0; j < NR; ++j) {
-      uint32_t word;
-      std::memcpy(&word, w + j * ldw + 2 * p, sizeof(word));
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
-      for (int i = 0; i < MP; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xs[i], b);
-    }
-  }
-  for (int i = 0; i < MP; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      C* out = c + (i * kPairTileCols + j) * kPanelRows;
-      if constexpr (std::is_same_v<C, float>) {
-        _mm512_storeu_ps(out, acc[i][j]);
-      } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+    for (; p < pairs; ++p) {
+      for (int64_t i = 0; i < kPanelRows; ++i) {
+        uint32_t word = 0;
+        if (i < n) std::memcpy(&word, x + (r0 + i) * k_len + 2 * p, sizeof(word));
+        panel[p * kPanelRows + i] = word;
       }
     }
   }
 }
 
-template <typename C, int MP, int... NR>
+// c[i][j][0:16] = sum_k panels[i][k][0:16] w[j * k_len + k] for i < MP, j < NR: MP panels of x
+// (panel_words apart) against NR adjacent rows of a bfloat16 w, one pair of k per step; c in
+// float32, each panel's 16 slots of columns apart (StoreTransposed's 16 x 16 sums).
+template <int MP, int NR>
+void PairPanelTile(const uint32_t* panels, int64_t panel_words, const uint16_t* w, int64_t k_len, int64_t pairs,
+                   float* c) {
+  __m512 acc[MP][NR];
+  for (int i = 0; i < MP; ++i) {
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  const char* next = reinterpret_cast<const char*>(w + kPairTileCols * k_len);  // the next tile's rows
+  for (int64_t p = 0; p < pairs; ++p) {
+    _mm_prefetch(next + 32 * p, _MM_HINT_T0);  // (32 bytes a step: all of them by the last step)
+    __m512bh xs[MP];
+    for (int i = 0; i < MP; ++i) xs[i] = (__m512bh)_mm512_loadu_si512(panels + i * panel_words + p * kPanelRows);
+    for (int j = 0; j < NR; ++j) {
+      uint32_t word;
+      std::memcpy(&word, w + j * k_len + 2 * p, sizeof(word));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int i = 0; i < MP; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xs[i], b);
+    }
+  }
+  for (int i = 0; i < MP; ++i) {
+    for (int j = 0; j < NR; ++j) _mm512_store_ps(c + (i * kPanelRows + j) * kPanelRows, acc[i][j]);
+  }
+}
+
+template <int MP, int... NR>
 constexpr auto PairPanelTiles(std::integer_sequence<int, NR...>) {
-  return std::array{&PairPanelTile<MP, NR + 1, C>...};
+  return std::array{&PairPanelTile<MP, NR + 1>...};
 }
 
 // y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16, y
-// float32 or bfloat16 (rounded by the tile, see PairPanelTile). Tile t takes rows n0 + t + c * stride
-// of w, c < kPairTileCols (see the top of the file). Every tile of a group of panels runs before the
-// next group's: the group's rows of y then stay in the cache while its tiles' outputs are scattered
-// over them (group by group for each tile, the stores missed the cache: a tenth of the products).
+// float32 or bfloat16 (rounded to nearest even, values under float32's normal range flushed to
+// zero). A tile takes kPairTileCols adjacent rows of w, so that its sums land in adjacent columns of
+// y, stored a row at a time once transposed (StoreTransposed); one value at a time, scattered, they
+// cost a twentieth of a prefill's products. Every tile of a group of panels runs before the next
+// group's: the group's rows of y then stay in the cache while its tiles' sums are stored.
 template <typename Y>
 void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_len, int64_t k_len, int64_t m0,
                     int64_t m1, int64_t n0, int64_t n1) {
   static_assert(kPairPanels == 3, "one row of kTiles per panel count");
   static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
-  constexpr std::array kTiles{PairPanelTiles<Y, 1>(kCols), PairPanelTiles<Y, 2>(kCols),
-                              PairPanelTiles<Y, 3>(kCols)};
+  constexpr std::array kTiles{PairPanelTiles<1>(kCols), PairPanelTiles<2>(kCols), PairPanelTiles<3>(kCols)};
   const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
-  const int64_t stride = CeilDiv(n1 - n0, kPairTileCols);
-  Y c[kPairPanels * kPairTileCols * kPanelRows];
+  alignas(64) float c[kPairPanels * kPanelRows * kPanelRows] = {};  // (slots no tile fills: zeros, never stored)
   for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
     const int64_t panels_here = std::min<int64_t>(kPairPanels, CeilDiv(m1 - m, kPanelRows));
-    const int64_t rows = std::min(panels_here * kPanelRows, m1 - m);
-    for (int64_t t = 0; t < stride; ++t) {
-      const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
-      kTiles[panels_here - 1][cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len,
-                                        stride * k_len, pairs, c);
-      for (int64_t r = 0; r < rows; ++r) {
-        const Y* cr = c + r / kPanelRows * kPairTileCols * kPanelRows + r % kPanelRows;
-        Y* yr = y + (m + r) * n_len + n;
-        for (int64_t j = 0; j < cols; ++j) yr[j * stride] = cr[j * kPanelRows];
+    for (int64_t n = n0; n < n1; n += kPairTileCols) {
+      const int64_t cols = std::min<int64_t>(kPairTileCols, n1 - n);
+      kTiles[panels_here - 1][cols - 1](panels + m / kPanelRows * panel_words, panel_words, w + n * k_len, k_len,
+                                        pairs, c);
+      for (int64_t i = 0; i < panels_here; ++i) {
+        StoreTransposed(c + i * kPanelRows * kPanelRows, std::min(kPanelRows, m1 - m - i * kPanelRows), cols,
+                        y + (m + i * kPanelRows) * n_len + n, n_len);
       }
     }
   }
