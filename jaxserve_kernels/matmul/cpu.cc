@@ -29,9 +29,10 @@
 // lane, 32 multiply-adds per instruction with w never widened (the products are exact in float32;
 // only the order of the sums changes).
 // - From 16 rows on, PairPanelTile: x in panels of 16 rows whose lane r holds row r's pair (k, k + 1)
-//   as one 32-bit word, one pair of a row of w broadcast per k pair, 3 panels x 8 rows of w per tile
-//   (24 accumulators of the 32 AVX-512 registers), at every row count. The tile rounds a bfloat16 y
-//   itself, and y is written in its own dtype (no float32 copy to zero, then round).
+//   as one 32-bit word, one pair of a row of w broadcast per k pair, 3 panels x 8 adjacent rows of w
+//   per tile (24 accumulators of the 32 AVX-512 registers), at every row count. A tile's sums are
+//   transposed in registers and stored a row of y at a time, rounded there for a bfloat16 y: y is
+//   written in its own dtype (no float32 copy to zero, then round).
 // - Under 16 rows, PairTile: 32 values of k of a row of x and of w per instruction, both as they lie
 //   in memory (no shifts, no reordered copy of x).
 //
