@@ -212,8 +212,8 @@ __attribute__((always_inline)) inline void Transpose16(__m512 r[16]) {
 #if defined(__AVX512BF16__)
 // The 16 x 16 sums at c (64-byte aligned; row j: w's row j against 16 rows of x) stored as y's rows:
 // y row i, columns [0, cols), gets c's column i, for i < rows; in float32, or rounded to bfloat16 (to
-// nearest even). Transposed in registers: stored one value at a time, a block's sums cost as much as
-// its products where K is small.
+// nearest even). Transposed in registers (stored one value at a time instead, a block's sums cost as
+// much as its products where K is small).
 template <typename Y>
 inline void StoreTransposed(const float* c, int64_t rows, int64_t cols, Y* y, int64_t ldy) {
   __m512 t[16];

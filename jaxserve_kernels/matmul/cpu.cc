@@ -367,7 +367,7 @@ void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_l
   static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
   constexpr std::array kTiles{PairPanelTiles<1>(kCols), PairPanelTiles<2>(kCols), PairPanelTiles<3>(kCols)};
   const int64_t pairs = k_len / 2, panel_words = kPanelRows * pairs;
-  alignas(64) float c[kPairPanels * kPanelRows * kPanelRows] = {};  // (slots no tile fills: zeros, never stored)
+  alignas(64) float c[kPairPanels * kPanelRows * kPanelRows] = {};  // (slots past a tile's columns: never stored)
   for (int64_t m = m0; m < m1; m += kPairPanels * kPanelRows) {
     const int64_t panels_here = std::min<int64_t>(kPairPanels, CeilDiv(m1 - m, kPanelRows));
     for (int64_t n = n0; n < n1; n += kPairTileCols) {
