@@ -2,8 +2,9 @@
 # `make test` installs the test extras too and runs the default suite;
 # `make test-all` also runs the tests marked slow;
 # `make docs` writes docs/cli.md from the code (a test fails when it is stale);
-# `make bench` runs the serving benchmark against llama.cpp and transformers (bench/serving.py)
-# and writes bench/RESULTS.md (the first run builds llama-server: about 15 min on 2 cores);
+# `make bench` runs the serving benchmark against llama.cpp's server, vLLM's CPU build and transformers
+# (bench/serving.py) and writes bench/RESULTS.md (the first run builds llama-server, about 15 min on 2 cores,
+# and installs vLLM and Debian's tcmalloc for it: bench/peers.py);
 # `make soak` runs a few hundred mixed requests, bad ones and hang-ups among them, against run_server.py on
 # loopback and checks the answers, the KV pages, the memory and the event loop lag afterwards (bench/soak.py).
 PYTHON ?= python3

