@@ -157,6 +157,36 @@ def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
         assert np.abs(want[:real]).max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_decode_row_alone_splits_its_keys(dtype):
+    """A decode row alone in the call (one stream) takes its keys in two halves on two threads, when it
+    sees 512 or more: against the reference, and against the one-row form on one thread (batch-invariant
+    steps keep that) within float32 rounding. Halves that end inside a block of 4 keys and inside a
+    page, windows that leave more than 512 keys and fewer, soft caps, a padding row after it."""
+    needs_cpu_backend()
+    from test_kernels import ATTENTION, as_float32, ragged_batch
+
+    rows_or_blocks = jax.jit(paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap", "impl",
+                                                                "row_by_row"))
+    rng = np.random.default_rng(7)
+    for cached in (300, 511, 601):
+        args = ragged_batch(rng, [(cached, 1)], num_kv_heads=3, group=3, head_dim=64, dtype=dtype, width=80,
+                            rows=2, num_tokens=2)
+        for window, cap in ((None, None), (550, None), (40, None), (None, 4.0)):
+            want = np.asarray(ATTENTION(*as_float32(args), sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                                        impl="reference"))
+            split, one_row = (np.asarray(rows_or_blocks(*args, sm_scale=0.125, sliding_window=window, soft_cap=cap,
+                                                        impl="cpu", row_by_row=row_by_row), np.float32)
+                              for row_by_row in (False, True))
+            np.testing.assert_allclose(split[:1], want[:1], atol=1e-5 if dtype == "float32" else 2e-2, rtol=0)
+            # (bfloat16: a weight rounded either side of a bfloat16 step moves a sum by one such step)
+            np.testing.assert_allclose(split[:1], one_row[:1], atol=1e-6 if dtype == "float32" else 1e-2, rtol=0)
+            np.testing.assert_array_equal(split[1:], 0.0)
+            assert np.abs(want[:1]).max() > 0.1
+            if dtype == "float32" and cached == 601 and window is None:  # (the split ran: sums in two parts differ)
+                assert (split[:1] != one_row[:1]).any()
+
+
 @pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", X86_64_V2), ("-march=x86-64-v3", X86_64_V3)])
 def test_cpu_kernel_built_for_other_cpus_matches_reference(flags, needs, monkeypatch, tmp_path):
     """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: 8-lane vectors,

@@ -21,9 +21,8 @@
 // Work items are (sequence, block of up to 16 query rows), claimed from an atomic counter by the
 // calling thread and by helpers scheduled on XLA's intra-op thread pool (common.h's ParallelFor).
 // An item takes all KV heads, so that a key's slot (every KV head side by side) is read at once.
-// (Splitting one decoding sequence's KV heads over the threads made an engine step faster in
-// isolation, but the server's one-stream decode slower and less steady: the threads it waits for
-// share the cores with the server's own.)
+// A decode row alone in the call (one stream) splits its keys in two halves instead, over the
+// kernels' own helper (AttendSplit). (Splitting its KV heads, 2 and 1 of 3, was slower.)
 
 #include <algorithm>
 #include <cmath>
@@ -488,6 +487,15 @@ inline int64_t Work(const Problem& p, const Item& item) {
   return (item.end_row - item.first_row) * (keys.End(item.end_row - 1) - keys.Begin(item.first_row));
 }
 
+// query [heads][d] = q's row t, as float32.
+inline void QueryRow(const Problem& p, int64_t t, float* query) {
+  const int64_t n = p.num_heads * p.head_dim, in = t * n;
+  for (int64_t i = 0; i < n; ++i) {
+    query[i] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + i])
+                        : static_cast<const float*>(p.q)[in + i];
+  }
+}
+
 // One work item: every query head, for every row of its block.
 template <typename T>
 void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
@@ -510,9 +518,7 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     const int64_t first_key = keys.Begin(t), num_keys = keys.End(t) - first_key;
     const int64_t* seen = slots.data() + first_key;
     const int64_t in = t * heads * d;  // the row's first query head
-    for (int64_t i = 0; i < heads * d; ++i) {
-      query[i] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + i]) : static_cast<const float*>(p.q)[in + i];
-    }
+    QueryRow(p, t, query);
     Scores(query, kv_heads, group, k_pages, seen, num_keys, d, scores, kv_len, v_pages);
     for (int64_t h = 0; h < heads; ++h) {
       float* s = scores + h * kv_len;
@@ -529,6 +535,73 @@ void Attend(const Problem& p, const Item& item, std::vector<float>& scratch) {
     }
   }
 }
+
+// A decode row alone in the call, its keys split in two halves over the calling thread and the
+// kernels' own helper (as one item it left the other core idle for a quarter of a one-stream step):
+// each half's scores, their largest and the sum of their exponentials; then each half's weights
+// normalized by the row's total and its values summed; the two sums added. Within float32 rounding
+// of the one-row form (its weights rescaled from the half's largest score; its sums in two parts).
+template <typename T>
+void AttendSplit(ffi::ThreadPool& pool, const Problem& p, const Item& item) {
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
+  const int64_t kv_heads = p.num_kv_heads, heads = p.num_heads;
+  const Keys keys(p, item);
+  const int64_t t = item.first_row, first_key = keys.Begin(t), n = keys.End(t) - first_key;
+  const int64_t bounds[3] = {0, n / 2 / kKeysPerBlock * kKeysPerBlock, n};
+  const T* k_pages = static_cast<const T*>(p.k);
+  const T* v_pages = static_cast<const T*>(p.v);
+  // scores [heads][n], the query row [heads][d], each half's value sums [2][heads][d], and per half
+  // and head its largest score and the sum of its exponentials [2][heads]
+  thread_local std::vector<float> buffer;
+  buffer.resize(heads * n + 3 * heads * d + 4 * heads);
+  float* scores = buffer.data();
+  float* query = scores + heads * n;
+  float* acc = query + heads * d;
+  float* top = acc + 2 * heads * d;
+  float* total = top + 2 * heads;
+  thread_local std::vector<int64_t> slots;
+  Slots(p, item.seq, first_key, n, slots);
+  const int64_t* seen = slots.data();  // (the lambdas below would name the helper's own thread_local)
+  const int64_t in = t * heads * d;
+  QueryRow(p, t, query);
+  ParallelFor(pool, 2, [&](int64_t half, std::vector<float>&) {
+    const int64_t j0 = bounds[half], m = bounds[half + 1] - j0;
+    Scores(query, kv_heads, group, k_pages, seen + j0, m, d, scores + j0, n, v_pages);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* s = scores + h * n + j0;
+      const float max = p.soft_cap > 0.0f ? ScaleCapped(s, m, p.sm_scale, p.soft_cap) : Scale(s, m, p.sm_scale);
+      top[half * heads + h] = max;
+      total[half * heads + h] = ExpShifted(s, max, m);
+    }
+  }, true);
+  for (int64_t h = 0; h < heads; ++h) {  // total[half][h]: what that half's exponentials are divided by
+    const float max = std::max(top[h], top[heads + h]);
+    const float c0 = std::exp(top[h] - max), c1 = std::exp(top[heads + h] - max);
+    const float sum = total[h] * c0 + total[heads + h] * c1;
+    total[h] = sum / c0;
+    total[heads + h] = sum / c1;
+  }
+  ParallelFor(pool, 2, [&](int64_t half, std::vector<float>&) {
+    const int64_t j0 = bounds[half], m = bounds[half + 1] - j0;
+    for (int64_t h = 0; h < heads; ++h) {
+      Normalize(scores + h * n + j0, total[half * heads + h], m, std::is_same_v<T, uint16_t>);
+    }
+    Values(scores + j0, kv_heads, group, n, v_pages, seen + j0, m, d, acc + half * heads * d);
+  }, true);
+  for (int64_t i = 0; i < heads * d; ++i) {
+    const float sum = acc[i] + acc[heads * d + i];
+    if (p.out_bf16) {
+      static_cast<uint16_t*>(p.out)[in + i] = FloatToBf16(sum);
+    } else {
+      static_cast<float*>(p.out)[in + i] = sum;
+    }
+  }
+}
+
+// Keys a decode row alone needs before AttendSplit makes a one-stream step faster: alone the split
+// is ahead from 128 keys, but under about 500 the step loses what it gains (the engine thread's
+// host work, which ran on the idle core meanwhile, then waits); bench/RESULTS.md.
+constexpr int64_t kSplitKeys = 512;
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                           ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_table,
@@ -579,6 +652,16 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer
   }
   // the costliest items first (a prompt's last blocks see the most keys), so that the threads end together
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return Work(p, a) > Work(p, b); });
+  // (not in batch-invariant mode, block_rows 0, where each row keeps the one-row form)
+  if (items.size() == 1 && items[0].end_row - items[0].first_row == 1 && p.block_rows > 0 &&
+      pool.num_threads() > 1 && Work(p, items[0]) >= kSplitKeys) {
+    if (pages_bf16) {
+      AttendSplit<uint16_t>(pool, p, items[0]);
+    } else {
+      AttendSplit<float>(pool, p, items[0]);
+    }
+    return ffi::Error::Success();
+  }
   ParallelFor(pool, static_cast<int64_t>(items.size()), [&](int64_t i, std::vector<float>& scratch) {
     if (pages_bf16) {
       Attend<uint16_t>(p, items[i], scratch);
