@@ -3,8 +3,10 @@
     python bench/step_profile.py --dtype float32 --rows 32      # a decode step of 32 sequences
     python bench/step_profile.py --dtype float32 --prefill 512  # a 512-token prefill chunk
     python bench/step_profile.py --model default --rows 1       # the default model, one stream
+    python bench/step_profile.py --prefill 512 --prompt-tokens 2048  # chunks of long prompts
 
-Each sequence has a 128-token prompt. For decode, the prompts are prefilled first; then the
+Each sequence has a 128-token prompt (`--prompt-tokens`: longer ones are prefilled in chunks, each
+attending to the chunks before it). For decode, the prompts are prefilled first; then the
 profiler records `--steps` steps and the table lists, per operation (the CPU kernels by their
 custom-call target, XLA's fusions by kind), its time per step. A fusion's time is summed over the
 threads that ran it: one that runs on both threads for 1 ms counts 2 ms. A custom call counts its
@@ -82,6 +84,7 @@ def main() -> None:
     group = ap.add_mutually_exclusive_group()
     group.add_argument("--rows", type=int, default=32, help="decode: sequences per step")
     group.add_argument("--prefill", type=int, help="prefill: prompt tokens per step (a multiple of 128)")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each sequence's prompt")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--top", type=int, default=12)
     args = ap.parse_args()
@@ -92,17 +95,19 @@ def main() -> None:
             model = model.with_name(model.name + "-bf16")
     model = None if args.model == "default" else str(args.model or model)
     tokens = args.prefill or 512
-    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=512,
+    prompt_tokens = args.prompt_tokens
+    llm = LLM(model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_model_len=max(512, prompt_tokens + 64 + 2 * args.steps),
               max_num_seqs=max(64, args.rows), max_num_batched_tokens=tokens)
     engine = llm.engine
     rng = np.random.default_rng(0)
     # prefill: enough prompts that every profiled step is a full chunk; decode: `rows` sequences
-    prompts = (args.steps * 3 + 4) * tokens // PROMPT_TOKENS if args.prefill else args.rows
+    prompts = -(-(args.steps * 3 + 4) * tokens // prompt_tokens) if args.prefill else args.rows
     params = SamplingParams(max_tokens=1 if args.prefill else 64 + 2 * args.steps, temperature=0, ignore_eos=True)
     for i in range(prompts):
-        engine.add_request(str(i), rng.integers(100, 30000, PROMPT_TOKENS).tolist(), params)
+        engine.add_request(str(i), rng.integers(100, 30000, prompt_tokens).tolist(), params)
     if not args.prefill:
-        for _ in range(-(-args.rows * PROMPT_TOKENS // tokens) + 2):
+        for _ in range(-(-args.rows * prompt_tokens // tokens) + 2):
             engine.step()
     walls, cpus, launches, alone_launches, alone_computes = [], [], [], [], []
     executable = engine.runner._executable
@@ -147,7 +152,8 @@ def main() -> None:
         jax.profiler.stop_trace()
         times, calls = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
 
-    kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
+    kind = (f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences") + \
+        f", prompts of {prompt_tokens} tokens"
     cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
     print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: "
           f"{np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "

@@ -130,12 +130,14 @@ def test_matches_reference_on_wide_tiles(dtype, kv_dtype, impl, head_dim, seqs):
         assert np.abs(want[:query_start[-1]]).max() > 0.1 and np.all(want[query_start[-1]:] == 0)
 
 
-@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 20), (1, 48)])
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (5, 20), (1, 48), (5, 96)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_blocks_of_query_rows_match_reference(group, head_dim, dtype):
     """Prefill chunks go through the CPU kernel as blocks of up to 16 query rows, a KV head's rows side
     by side in 16-lane vectors: groups whose rows fill the lanes partly (3 x 16 = 48, 5 x 7 = 35), head
-    dimensions past the last whole 16, items of 2 to 16 rows, windows and soft caps that cut keys per row."""
+    dimensions past the last whole 16, items of 2 to 16 rows, windows and soft caps that cut keys per row.
+    In bfloat16 with AVX512-BF16, head dimensions of multiples of 32 take the pair form: 96 = a value
+    tile of 64 dimensions and one of 32, 5 x 16 = 80 lanes = value tiles of 6 lanes and one of 2."""
     needs_cpu_backend()
     from test_kernels import ATTENTION, as_float32, ragged_batch
 

@@ -8,8 +8,10 @@
 //
 // A work item of several query rows (a prefill chunk, drafts to verify) takes AttendBlock: per KV
 // head, the rows of its query heads are the lanes of 16-lane vectors, so that each key and value read
-// serves them all (bench/kernels.py, its CPU shapes). It sums in another order than the one-row
-// form, so a batch-invariant step (`block_rows` 0) keeps every row in the one-row form.
+// serves them all (bench/paged_attention.py, its CPU shapes); in bfloat16 on a CPU with AVX512-BF16,
+// two dimensions (scores) or two keys (values) per multiply-add (PairBlockHead). It sums in another
+// order than the one-row form, so a batch-invariant step (`block_rows` 0) keeps every row in the
+// one-row form.
 //
 // A decode row alone: the scores of every query head, 4 keys at a time (a block's slots are read
 // for every KV head while they are in L1; bfloat16 keys widened once for the KV head's query heads;
@@ -411,11 +413,198 @@ void SoftmaxLanes(float* st, int64_t n, int64_t ld, const int32_t* lo, const int
   }
 }
 
+// o [lanes][d] = one KV head's attention for a block's lanes (the float form): queries transposed
+// into qt, keys widened 16 at a time into kb, scores st [keys][ld], values summed 4 lanes at a time.
+template <typename T>
+void FloatBlockHead(const Problem& p, const Item& item, int64_t g, int64_t n, int64_t ld, const int32_t* lo,
+                    const int32_t* hi, const int64_t* slots, std::vector<float>& scratch, float* o) {
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, heads = p.num_heads;
+  const int64_t lanes = (item.end_row - item.first_row) * group, padded = CeilDiv(n, kWide) * kWide;
+  scratch.resize(d * ld + kWide * d + padded * ld);
+  float *qt = scratch.data(), *kb = qt + d * ld, *st = kb + kWide * d;
+  std::fill(qt, qt + d * ld, 0.0f);
+  for (int64_t m = 0; m < lanes; ++m) {
+    const int64_t in = ((item.first_row + m / group) * heads + g * group + m % group) * d;
+    for (int64_t c = 0; c < d; ++c) {
+      qt[c * ld + m] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + c])
+                                : static_cast<const float*>(p.q)[in + c];
+    }
+  }
+  const T* k_pages = static_cast<const T*>(p.k) + g * d;
+  for (int64_t j0 = 0; j0 < n; j0 += kWide) {
+    std::fill(kb, kb + kWide * d, 0.0f);
+    for (int64_t j = j0; j < std::min(n, j0 + kWide); ++j) {
+      for (int64_t c = 0; c < d; ++c) kb[(j - j0) * d + c] = Widen(k_pages[slots[j] + c]);
+    }
+    ScoreBlock(kb, d, qt, ld, st + j0 * ld);
+  }
+  SoftmaxLanes(st, n, ld, lo, hi, p.sm_scale, p.soft_cap, std::is_same_v<T, uint16_t>);
+  std::fill(o, o + ld * d, 0.0f);
+  const T* values = static_cast<const T*>(p.v) + g * d;
+  const int64_t whole = d / kWide;
+  for (int64_t m0 = 0; m0 < lanes; m0 += 4) {  // 4 lanes at a time, over the keys one of them sees
+    const int64_t m1 = std::min(lanes, m0 + 4);
+    const int64_t j0 = *std::min_element(lo + m0, lo + m1), j1 = *std::max_element(hi + m0, hi + m1);
+    const float* w = st + j0 * ld + m0;
+    for (int64_t c = 0; c < whole; c += 4) {
+      ValueChunks<Wide, 4>(w, 1, ld, values, slots + j0, j1 - j0, c * kWide, std::min<int64_t>(4, whole - c),
+                           o + m0 * d, d);
+    }
+    for (int64_t m = m0; m < m1; ++m) {  // the dimensions past the last whole 16
+      for (int64_t c = whole * kWide; c < d; ++c) {
+        float sum = 0.0f;
+        for (int64_t j = j0; j < j1; ++j) sum += st[j * ld + m] * Widen(values[slots[j] + c]);
+        o[m * d + c] = sum;
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+// The pair form, where q and the cache are bfloat16 and the CPU multiplies pairs of bfloat16 values
+// (vdpbf16ps, as the products' pair form: 32 multiply-adds an instruction, each product exact in
+// float32, the sums in another order). A lane's scores take its query's dimensions two at a time
+// against a key's pair broadcast, read straight from its page (nothing widened); its values, keys two
+// at a time: two value rows interleaved into pairs, against the lane's two weights (bfloat16 values
+// already, as the reference rounds them) broadcast.
+constexpr int64_t kPairLanes = 6;   // lanes whose value sums a tile keeps in registers
+constexpr int64_t kPairDims = 64;   // dimensions a value tile takes, 32 per interleaved pair of vectors
+
+// st[j * ld + m0 + ...] = key j . query lanes m0.. for J keys (keys[j]: its d values) and C chunks of
+// 16 lanes of qp [d / 2][ld] (lane m's pair of dimensions 2c, 2c + 1 as one word).
+template <int J, int C>
+void ScorePairTile(const uint16_t* const* keys, const uint32_t* qp, int64_t pairs, int64_t ld, int64_t m0, float* st) {
+  __m512 acc[J][C];
+  for (int j = 0; j < J; ++j) {
+    for (int i = 0; i < C; ++i) acc[j][i] = _mm512_setzero_ps();
+  }
+  for (int64_t c = 0; c < pairs; ++c) {
+    __m512bh qs[C];
+    for (int i = 0; i < C; ++i) qs[i] = (__m512bh)_mm512_loadu_si512(qp + c * ld + m0 + i * kWide);
+    for (int j = 0; j < J; ++j) {
+      uint32_t word;
+      std::memcpy(&word, keys[j] + 2 * c, sizeof(word));
+      const __m512bh k = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+      for (int i = 0; i < C; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], qs[i], k);
+    }
+  }
+  for (int j = 0; j < J; ++j) {
+    for (int i = 0; i < C; ++i) _mm512_storeu_ps(st + j * ld + m0 + i * kWide, acc[j][i]);
+  }
+}
+
+// o[(m0 + m) * d + c0 ...] = sum over keys 2i, 2i + 1 (i0 <= i < i1) of lane m0 + m's weights (wp
+// [pairs of keys][ld]: both as one word) times their values (values[j]: key j's row), dimensions
+// [c0, c0 + 32 P), for M lanes. Interleaving two rows puts dimensions 8q + 0..3 in lo's lanes 4q..
+// 4q + 3 and 8q + 4..7 in hi's; the stores put them back in order.
+template <int M, int P>
+void ValuePairTile(const uint32_t* wp, int64_t ld, int64_t m0, const uint16_t* const* values, int64_t i0,
+                   int64_t i1, int64_t c0, float* o, int64_t d) {
+  __m512 lo[M][P], hi[M][P];
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < P; ++c) lo[m][c] = hi[m][c] = _mm512_setzero_ps();
+  }
+  for (int64_t i = i0; i < i1; ++i) {
+    __m512bh vlo[P], vhi[P];
+    for (int c = 0; c < P; ++c) {
+      const __m512i a = _mm512_loadu_si512(values[2 * i] + c0 + 32 * c);
+      const __m512i b = _mm512_loadu_si512(values[2 * i + 1] + c0 + 32 * c);
+      vlo[c] = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi[c] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[i * ld + m0 + m]));
+      for (int c = 0; c < P; ++c) {
+        lo[m][c] = _mm512_dpbf16_ps(lo[m][c], vlo[c], w), hi[m][c] = _mm512_dpbf16_ps(hi[m][c], vhi[c], w);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int m = 0; m < M; ++m) {
+    for (int c = 0; c < P; ++c) {
+      float* out = o + (m0 + m) * d + c0 + 32 * c;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(lo[m][c], first, hi[m][c]));
+      _mm512_storeu_ps(out + kWide, _mm512_permutex2var_ps(lo[m][c], second, hi[m][c]));
+    }
+  }
+}
+
+template <int M>
+void ValuePairTiles(const uint32_t* wp, int64_t ld, int64_t m0, const uint16_t* const* values, int64_t i0,
+                    int64_t i1, float* o, int64_t d) {
+  for (int64_t c0 = 0; c0 < d; c0 += kPairDims) {
+    if (d - c0 >= kPairDims) ValuePairTile<M, 2>(wp, ld, m0, values, i0, i1, c0, o, d);
+    else ValuePairTile<M, 1>(wp, ld, m0, values, i0, i1, c0, o, d);
+  }
+}
+
+// o [lanes][d] = one KV head's attention for a block's lanes, in the pair form (d a multiple of 32).
+void PairBlockHead(const Problem& p, const Item& item, int64_t g, int64_t n, int64_t ld, const int32_t* lo,
+                   const int32_t* hi, const int64_t* slots, std::vector<float>& scratch, float* o) {
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, heads = p.num_heads, pairs = d / 2;
+  const int64_t lanes = (item.end_row - item.first_row) * group, key_pairs = CeilDiv(n, 2);
+  thread_local std::vector<uint32_t> qp, wp;
+  thread_local std::vector<uint16_t> zeros;
+  thread_local std::vector<const uint16_t*> keys, values;
+  qp.assign(pairs * ld, 0);
+  uint32_t* qt = qp.data();  // (pointers: each use of a thread's vector in a loop would look it up)
+  const uint16_t* q = static_cast<const uint16_t*>(p.q);
+  for (int64_t m = 0; m < lanes; ++m) {
+    const uint16_t* row = q + ((item.first_row + m / group) * heads + g * group + m % group) * d;
+    for (int64_t c = 0; c < pairs; ++c) std::memcpy(qt + c * ld + m, row + 2 * c, sizeof(uint32_t));
+  }
+  zeros.assign(d, 0);  // the key and value past the last, where a tile takes them
+  keys.assign(CeilDiv(n, 8) * 8, zeros.data());
+  values.assign(2 * key_pairs, zeros.data());
+  const uint16_t **k = keys.data(), **v = values.data();
+  for (int64_t j = 0; j < n; ++j) {
+    k[j] = static_cast<const uint16_t*>(p.k) + slots[j] + g * d;
+    v[j] = static_cast<const uint16_t*>(p.v) + slots[j] + g * d;
+  }
+  scratch.resize(CeilDiv(n, kWide) * kWide * ld);
+  float* st = scratch.data();
+  for (int64_t m0 = 0; m0 < ld;) {
+    const int64_t chunks = std::min<int64_t>(4, (ld - m0) / kWide);
+    for (int64_t j = 0; j < n; j += chunks <= 2 ? 8 : 4) {
+      switch (chunks) {
+        case 1: ScorePairTile<8, 1>(k + j, qt, pairs, ld, m0, st + j * ld); break;
+        case 2: ScorePairTile<8, 2>(k + j, qt, pairs, ld, m0, st + j * ld); break;
+        case 3: ScorePairTile<4, 3>(k + j, qt, pairs, ld, m0, st + j * ld); break;
+        default: ScorePairTile<4, 4>(k + j, qt, pairs, ld, m0, st + j * ld);
+      }
+    }
+    m0 += chunks * kWide;
+  }
+  SoftmaxLanes(st, n, ld, lo, hi, p.sm_scale, p.soft_cap, true);
+  wp.resize(key_pairs * ld);  // a lane's weights of keys 2i and 2i + 1 (bfloat16 values: their high halves)
+  uint32_t* w = wp.data();
+  for (int64_t i = 0; i < key_pairs; ++i) {
+    for (int64_t m = 0; m < ld; m += kWide) {
+      const __m512i a = _mm512_loadu_si512(st + 2 * i * ld + m);
+      const __m512i b = 2 * i + 1 < n ? _mm512_loadu_si512(st + (2 * i + 1) * ld + m) : _mm512_setzero_si512();
+      _mm512_storeu_si512(w + i * ld + m, _mm512_or_si512(_mm512_srli_epi32(a, 16),
+                                                          _mm512_and_si512(b, _mm512_set1_epi32(0xFFFF0000u))));
+    }
+  }
+  for (int64_t m0 = 0; m0 < lanes; m0 += kPairLanes) {  // over the keys one of the tile's lanes sees
+    const int64_t m1 = std::min(lanes, m0 + kPairLanes);
+    const int64_t i0 = *std::min_element(lo + m0, lo + m1) / 2;
+    const int64_t i1 = CeilDiv(*std::max_element(hi + m0, hi + m1), 2);
+    switch (m1 - m0) {
+      case 1: ValuePairTiles<1>(w, ld, m0, v, i0, i1, o, d); break;
+      case 2: ValuePairTiles<2>(w, ld, m0, v, i0, i1, o, d); break;
+      case 3: ValuePairTiles<3>(w, ld, m0, v, i0, i1, o, d); break;
+      case 4: ValuePairTiles<4>(w, ld, m0, v, i0, i1, o, d); break;
+      case 5: ValuePairTiles<5>(w, ld, m0, v, i0, i1, o, d); break;
+      default: ValuePairTiles<6>(w, ld, m0, v, i0, i1, o, d);
+    }
+  }
+}
+#endif  // __AVX512BF16__
+
 template <typename T>
 void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, heads = p.num_heads;
-  const T* k_pages = static_cast<const T*>(p.k);
-  const T* v_pages = static_cast<const T*>(p.v);
   const int64_t rows = item.end_row - item.first_row, lanes = rows * group, ld = CeilDiv(lanes, kWide) * kWide;
   const Keys keys(p, item);
   const int64_t first = keys.Begin(item.first_row), n = keys.End(item.end_row - 1) - first;
@@ -429,47 +618,16 @@ void AttendBlock(const Problem& p, const Item& item, std::vector<float>& scratch
   }
   thread_local std::vector<int64_t> slots;
   Slots(p, item.seq, first, n, slots);
-  const int64_t padded = CeilDiv(n, kWide) * kWide;
-  scratch.resize(d * ld + kWide * d + padded * ld + ld * d);
-  float *qt = scratch.data(), *kb = qt + d * ld, *st = kb + kWide * d, *o = st + padded * ld;
+  thread_local std::vector<float> sums;
+  sums.resize(ld * d);
+  float* o = sums.data();  // (a pointer: each use of the thread's vector in a loop would look it up)
   for (int64_t g = 0; g < p.num_kv_heads; ++g) {
-    std::fill(qt, qt + d * ld, 0.0f);
-    for (int64_t m = 0; m < lanes; ++m) {
-      const int64_t in = ((item.first_row + m / group) * heads + g * group + m % group) * d;
-      for (int64_t c = 0; c < d; ++c) {
-        qt[c * ld + m] = p.q_bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(p.q)[in + c])
-                                  : static_cast<const float*>(p.q)[in + c];
-      }
-    }
-    for (int64_t j0 = 0; j0 < n; j0 += kWide) {
-      std::fill(kb, kb + kWide * d, 0.0f);
-      for (int64_t j = j0; j < std::min(n, j0 + kWide); ++j) {
-        const T* key = k_pages + slots[j] + g * d;
-        for (int64_t c = 0; c < d; ++c) kb[(j - j0) * d + c] = Widen(key[c]);
-      }
-      ScoreBlock(kb, d, qt, ld, st + j0 * ld);
-    }
-    SoftmaxLanes(st, n, ld, lo.data(), hi.data(), p.sm_scale, p.soft_cap, std::is_same_v<T, uint16_t>);
-    std::fill(o, o + ld * d, 0.0f);
-    const T* values = v_pages + g * d;
-    const int64_t whole = d / kWide;
-    for (int64_t m0 = 0; m0 < lanes; m0 += 4) {  // 4 lanes at a time, over the keys one of them sees
-      const int64_t m1 = std::min(lanes, m0 + 4);
-      const int64_t j0 = *std::min_element(lo.begin() + m0, lo.begin() + m1);
-      const int64_t j1 = *std::max_element(hi.begin() + m0, hi.begin() + m1);
-      const float* w = st + j0 * ld + m0;
-      for (int64_t c = 0; c < whole; c += 4) {
-        ValueChunks<Wide, 4>(w, 1, ld, values, slots.data() + j0, j1 - j0, c * kWide, std::min<int64_t>(4, whole - c),
-                             o + m0 * d, d);
-      }
-      for (int64_t m = m0; m < m1; ++m) {  // the dimensions past the last whole 16
-        for (int64_t c = whole * kWide; c < d; ++c) {
-          float sum = 0.0f;
-          for (int64_t j = j0; j < j1; ++j) sum += st[j * ld + m] * Widen(values[slots[j] + c]);
-          o[m * d + c] = sum;
-        }
-      }
-    }
+#if defined(__AVX512BF16__)
+    if (std::is_same_v<T, uint16_t> && p.q_bf16 && d % 32 == 0) {
+      PairBlockHead(p, item, g, n, ld, lo.data(), hi.data(), slots.data(), scratch, o);
+    } else
+#endif
+      FloatBlockHead<T>(p, item, g, n, ld, lo.data(), hi.data(), slots.data(), scratch, o);
     for (int64_t m = 0; m < lanes; ++m) {
       const int64_t at = ((item.first_row + m / group) * heads + g * group + m % group) * d;
       if (p.out_bf16) {
