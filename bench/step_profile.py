@@ -152,8 +152,8 @@ def main() -> None:
         jax.profiler.stop_trace()
         times, calls = per_op(trace_dir, custom_call_targets(llm, shapes), args.steps)
 
-    kind = (f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences") + \
-        f", prompts of {prompt_tokens} tokens"
+    kind = f"prefill of {tokens} tokens" if args.prefill else f"decode of {args.rows} sequences"
+    kind += f", prompts of {prompt_tokens} tokens"
     cache = "" if args.kv_cache_dtype == "auto" else f" ({args.kv_cache_dtype} KV cache)"
     print(f"# {args.model or 'bench-125m'} {args.dtype}{cache}, {kind}: "
           f"{np.median(walls) * 1e3:.1f} ms per step (median, unprofiled), "

@@ -466,7 +466,8 @@ void FloatBlockHead(const Problem& p, const Item& item, int64_t g, int64_t n, in
 // float32, the sums in another order). A lane's scores take its query's dimensions two at a time
 // against a key's pair broadcast, read straight from its page (nothing widened); its values, keys two
 // at a time: two value rows interleaved into pairs, against the lane's two weights (bfloat16 values
-// already, as the reference rounds them) broadcast.
+// already, as the reference rounds them) broadcast. vdpbf16ps takes values under float32's normal
+// range as zeros and flushes such results (a weight under 2^-126 counts 0, where the float form keeps it).
 constexpr int64_t kPairLanes = 6;   // lanes whose value sums a tile keeps in registers
 constexpr int64_t kPairDims = 64;   // dimensions a value tile takes, 32 per interleaved pair of vectors
 
