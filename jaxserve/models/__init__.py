@@ -167,7 +167,9 @@ def forward_residual(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inpu
     if not batch_invariant:
         with live_rows(inputs.query_start[-1]):  # (the kernels' products skip the bucket's padding)
             kv, x, hidden = model.run(kv, inputs, num_hidden)
-        return kv, model.logits(x[inputs.logits_indices]), x, hidden
+        with live_rows(inputs.num_samples):  # (a prompt step's LM head: one row of its 8 or more)
+            logits = model.logits(x[inputs.logits_indices])
+        return kv, logits, x, hidden
     kv, x = invariant.forward_in_tiles(model, kv, inputs)
     return kv, invariant.by_rows(model.logits, x[inputs.logits_indices], inputs.num_seqs), x, None
 

@@ -87,6 +87,9 @@ class ModelInputs:
     # i32[L + 1] per layer (the last: the final norm) the slot its hidden states are gathered into
     # (H: none); None: the engine gathers none (`Decoder.run`)
     hidden_slots: jax.Array | None = None
+    # i32[] the rows of logits_indices the sampler reads (each sequence's, then its drafts'); the LM head
+    # computes only those (`live_rows`), the others' logits are zero. None: every row
+    num_samples: jax.Array | None = None
     # a batch-invariant step's tile (`invariant.tile_inputs`): attention takes each row alone
     batch_invariant: bool = flax.struct.field(pytree_node=False, default=False)
 

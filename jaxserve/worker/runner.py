@@ -314,7 +314,7 @@ class Runner:
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices,
                              lora=self._lora_rows(batch, slots or {}, num_tokens),
                              steer=self._steer_rows(batch, slots or {}, num_tokens),
-                             hidden_slots=self._hidden_slots(batch))
+                             hidden_slots=self._hidden_slots(batch), num_samples=np.asarray(len(samples), np.int32))
         rows = [SamplingRow(params=r.params, seed=r.seed,
                             position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
                             token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,
