@@ -19,6 +19,11 @@ and stop when it stops.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # (first: it may run this command again, with tcmalloc, before the imports below)
+    from jaxserve.host_memory import preload_tcmalloc
+
+    preload_tcmalloc()
+
 import argparse
 import asyncio
 import gc

@@ -146,6 +146,9 @@ def main() -> None:
         "jaxserve int8": lambda port: jaxserve_cmd(f32, "bfloat16", port, "--quantization", "int8"),
         "llama.cpp q8_0": lambda port: llama_cmd(gguf(f32, "q8_0"), port),
         "jaxserve smollm2 Q4_1": lambda port: jaxserve_cmd(DEFAULT_MODEL_NAME, "bfloat16", port),
+        # (glibc's malloc where the server would preload tcmalloc: what that preload is worth)
+        "jaxserve smollm2 Q4_1 glibc": lambda port: ["env", "JAXSERVE_MALLOC=glibc",
+                                                     *jaxserve_cmd(DEFAULT_MODEL_NAME, "bfloat16", port)],
         "llama.cpp smollm2 Q4_1": lambda port: llama_cmd(smollm2, port),
         "jaxserve smollm2 bf16": lambda port: jaxserve_cmd(bf16_checkpoint(smollm2), "bfloat16", port),
         "vllm smollm2 bf16": lambda port: vllm_cmd(bf16_checkpoint(smollm2), port),

@@ -16,11 +16,19 @@ threads (the event loop, the engine's launches, XLA's pool), the served speed wa
 Only where JAX can run on nothing but the CPU: a TPU or GPU host keeps glibc's defaults, since
 there the big host allocations (weights on their way to the device) should go back to the system
 once freed. `jaxserve` calls it on import.
+
+The server goes one step further where the system has tcmalloc (Debian's libtcmalloc-minimal4, which
+vLLM's CPU build preloads too): `run_server.py` runs itself again with it preloaded (`preload_tcmalloc`).
+glibc's arena costs the engine thread's small blocks between steps (a launch's, the inputs' arrays) the
+walks of its free lists; tcmalloc's per-thread caches do not (bench/RESULTS.md, "tcmalloc in the server").
+Its release rate is set to 0 (unless given): freed pages stay mapped, as with glibc's settings above.
+`JAXSERVE_MALLOC=glibc` keeps glibc with the settings above, `=default` glibc's own settings.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import importlib.metadata
 import importlib.util
 import os
@@ -33,6 +41,7 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 TRIM_THRESHOLD = 1 << 30
 # glibc's HEAP_MAX_SIZE on 64-bit hosts: the most a thread arena's heap holds
 TOP_PAD = 64 << 20
+TCMALLOC_RELEASE = "TCMALLOC_RELEASE_RATE"  # how fast tcmalloc gives freed pages back to the system
 
 
 def cpu_only() -> bool:
@@ -46,7 +55,8 @@ def cpu_only() -> bool:
 
 def reuse_freed_memory() -> bool:
     """Sets glibc's malloc as above where JAX runs on the CPU only; True where it did."""
-    if not sys.platform.startswith("linux") or os.environ.get("JAXSERVE_MALLOC") == "default" or not cpu_only():
+    if not sys.platform.startswith("linux") or os.environ.get("JAXSERVE_MALLOC") in ("default", "tcmalloc") or \
+            not cpu_only():
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt  # (glibc's; another libc keeps its own ways)
@@ -54,3 +64,23 @@ def reuse_freed_memory() -> bool:
         return False
     return all(mallopt(param, value) == 1 for param, value in
                ((M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, TRIM_THRESHOLD), (M_TOP_PAD, TOP_PAD)))
+
+
+def tcmalloc_to_preload() -> str | None:
+    """The tcmalloc library `preload_tcmalloc` preloads: where JAX runs on the CPU only, JAXSERVE_MALLOC is
+    unset, no allocator is preloaded yet and the system has tcmalloc; else None."""
+    if not sys.platform.startswith("linux") or "JAXSERVE_MALLOC" in os.environ or \
+            "malloc" in os.environ.get("LD_PRELOAD", "") or not cpu_only():
+        return None
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
+def preload_tcmalloc() -> None:
+    """Runs this process's command again (`os.execve`: the same process id) with `tcmalloc_to_preload`
+    preloaded, if any; else returns. Call it before the heavy imports: they would be made twice."""
+    library = tcmalloc_to_preload()
+    if library is not None:
+        preload = ":".join(filter(None, (library, os.environ.get("LD_PRELOAD"))))
+        # (freed memory kept mapped, as the glibc settings above keep it, for the next step's temporaries)
+        environ = {TCMALLOC_RELEASE: "0", **os.environ, "LD_PRELOAD": preload, "JAXSERVE_MALLOC": "tcmalloc"}
+        os.execve(sys.executable, sys.orig_argv, environ)

@@ -58,3 +58,31 @@ def test_only_a_cpu_only_host_changes_malloc(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("JAXSERVE_MALLOC", "default")
     assert not host_memory.reuse_freed_memory()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD")
+def test_the_server_runs_again_with_tcmalloc_only_where_the_system_has_it_and_nothing_else_was_chosen(monkeypatch):
+    runs = []
+    monkeypatch.setattr(host_memory.os, "execve", lambda path, argv, env: runs.append((path, argv, env)))
+    monkeypatch.setattr(host_memory.ctypes.util, "find_library",
+                        lambda name: "libtcmalloc_minimal.so.4" if name == "tcmalloc_minimal" else None)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("JAXSERVE_MALLOC", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("TCMALLOC_RELEASE_RATE", raising=False)
+    host_memory.preload_tcmalloc()
+    assert runs == [(sys.executable, sys.orig_argv, {**os.environ, "LD_PRELOAD": "libtcmalloc_minimal.so.4",
+                                                      "JAXSERVE_MALLOC": "tcmalloc", "TCMALLOC_RELEASE_RATE": "0"})]
+    monkeypatch.setenv("TCMALLOC_RELEASE_RATE", "2")  # (the user's, kept)
+    host_memory.preload_tcmalloc()
+    assert runs[-1][2]["TCMALLOC_RELEASE_RATE"] == "2"
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")  # (kept, after it)
+    host_memory.preload_tcmalloc()
+    assert runs[-1][2]["LD_PRELOAD"] == "libtcmalloc_minimal.so.4:libother.so"
+    for name, value in (("LD_PRELOAD", "libjemalloc.so.2"), ("JAXSERVE_MALLOC", "glibc"), ("JAX_PLATFORMS", "tpu")):
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            host_memory.preload_tcmalloc()
+    monkeypatch.setattr(host_memory.ctypes.util, "find_library", lambda name: None)  # (not on the system)
+    host_memory.preload_tcmalloc()
+    assert len(runs) == 3

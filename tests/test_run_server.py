@@ -20,6 +20,7 @@ import pytest
 import trustme
 from server import free_port, serving
 
+from jaxserve import host_memory
 from jaxserve_kernels import implementation as attention_implementation
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,8 @@ def test_serves_then_stops_cleanly_with_a_stream_in_flight(sig, https, tmp_path)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert r.json()["usage"]["prompt_tokens"] == len("[user] hi\n[assistant] ")  # the --chat-template
         assert client.get(url + "/v1/models").status_code == 401
+        maps = Path(f"/proc/{proc.pid}/maps").read_text()  # (the same process, run again where it preloads)
+        assert ("tcmalloc" in maps) == (host_memory.tcmalloc_to_preload() is not None)
         r = client.post(url + "/v1/completions", headers=auth, json={"prompt": "x", "ignore_eos": True})
         assert r.json()["usage"]["completion_tokens"] == 7  # --override-generation-config's max_new_tokens
         r = client.post(url + "/v1/completions", headers=auth, json={"prompt": "x", "logprobs": 4})
