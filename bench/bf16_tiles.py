@@ -32,7 +32,7 @@ from roofline import best_time
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SHAPES = {"q, o (576 -> 576)": (576, 576), "k, v (576 -> 192)": (192, 576), "up, gate (576 -> 1536)": (1536, 576),
-          "down (1536 -> 576)": (576, 1536)}  # [out, in]
+          "down (1536 -> 576)": (576, 1536), "LM head (576 -> 49152)": (49152, 576)}  # [out, in]
 ROWS = (1, 4, 8, 16, 32, 128, 512)
 STREAMED_BYTES = 2**30
 PAIRS_TARGET = "bench_pairs_matmul_t"
