@@ -84,12 +84,9 @@ class ModelInputs:
     logits_indices: jax.Array  # i32[B] row of each sequence's last token
     lora: LoraRows | None = None  # the rows' adapter slots; None: the engine serves no adapters
     steer: jax.Array | None = None  # i32[T] each row's steering slot (S: none); None: the engine steers nothing
-    # i32[L + 1] per layer (the last: the final norm) the slot its hidden states are gathered into
-    # (H: none); None: the engine gathers none (`Decoder.run`)
+    # i32[L + 1] per layer (the last: the final norm) its hidden states' slot (H: none); None: none (`Decoder.run`)
     hidden_slots: jax.Array | None = None
-    # i32[] the rows of logits_indices the sampler reads (each sequence's, then its drafts'); the LM head
-    # computes only those (`live_rows`), the others' logits are zero. None: every row
-    num_samples: jax.Array | None = None
+    num_samples: jax.Array | None = None  # i32[] logits rows the sampler reads: the LM head's `live_rows`
     # a batch-invariant step's tile (`invariant.tile_inputs`): attention takes each row alone
     batch_invariant: bool = flax.struct.field(pytree_node=False, default=False)
 
