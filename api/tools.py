@@ -29,6 +29,10 @@ class ToolError(ValueError):
         self.param = param
 
 
+# A function without `parameters` takes none (OpenAI's "an empty parameter list"): its arguments are {}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 @dataclasses.dataclass
 class ToolRequest:
     tools: list[dict]  # OpenAI tools, for the chat template
@@ -39,7 +43,7 @@ class ToolRequest:
 
     @property
     def constraint(self) -> Constraint | None:
-        schemas = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in self.tools}
+        schemas = {t["function"]["name"]: t["function"].get("parameters") or NO_PARAMETERS for t in self.tools}
         if self.mode == "named":
             return Constraint("json_schema", json.dumps(schemas[self.name]))
         if self.mode == "required":

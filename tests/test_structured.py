@@ -189,6 +189,17 @@ def test_required_tool_calls_validate_and_parallel_false_gives_one(client):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_a_function_without_parameters_is_called_with_no_arguments(client):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list."""
+    ping = {"type": "function", "function": {"name": "ping", "description": "Ping the server"}}
+    for seed in range(3):
+        for choice in ("required", {"type": "function", "function": {"name": "ping"}}):
+            r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=1.0, seed=seed,
+                                               tools=[ping], tool_choice=choice, parallel_tool_calls=False)
+            (call,) = r.choices[0].message.tool_calls
+            assert call.function.name == "ping" and json.loads(call.function.arguments) == {}
+
+
 def test_streamed_equals_non_streamed_at_temperature_zero(client):
     kw = dict(model=MODEL, messages=ASK, max_tokens=240, temperature=0.0,
               response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})
