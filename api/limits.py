@@ -70,6 +70,8 @@ class Limits:
 def check_model(model, limits: Limits) -> str:
     """404 unless `model` names a served model or LoRA adapter (or is None) -> the name the answer
     carries: its own, as vLLM answers, or the first served name."""
+    if model is not None and not isinstance(model, str):
+        raise APIError("'model' must be a string", param="model")
     if model is not None and model not in limits.model_names and model not in limits.adapters:
         names = [*limits.model_names, *(adapter.lora_name for adapter in limits.adapters)]
         raise APIError(f"The model '{model}' does not exist; this server serves "

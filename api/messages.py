@@ -18,7 +18,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, Literal
 
-from pydantic import MISSING, BaseModel, ConfigDict, ValidationError
+from pydantic import MISSING, BaseModel, ConfigDict, Field, ValidationError
 from quart import Blueprint
 from quart_schema import document_request, document_response
 
@@ -52,7 +52,7 @@ class MessagesRequest(BaseModel):
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     stream: bool | None = None
-    temperature: float | None = None
+    temperature: float | None = Field(None, ge=0.0, le=1.0)  # (Anthropic's range, narrower than OpenAI's)
     top_p: float | None = None
     top_k: int | None = None
     tools: list[dict[str, Any]] | None = None

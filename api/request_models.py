@@ -200,6 +200,8 @@ class GenerationFields(BaseModel):
         for name, used in _NOT_YET.items():
             if name in (self.model_extra or {}) and used(self.model_extra[name]):
                 raise APIError(f"'{name}' is not supported by this server yet", param=name)
+        if self.given("best_of") is not None and self.given("n", 1) > self.given("best_of"):  # (as vLLM)
+            raise APIError("'best_of' must be at least 'n'", param="best_of")
         if self.given("logits_processors"):
             raise APIError("'logits_processors' are registered when the server starts (--logits-processors); a "
                            "request uses them through their arguments, in 'vllm_xargs'", param="logits_processors")

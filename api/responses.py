@@ -11,6 +11,7 @@ false`, and `previous_response_id` (which needs a stored response) is a 400.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Iterator
 
 from pydantic import MISSING
@@ -138,6 +139,9 @@ def _response_format(body: dict) -> dict:
         return {"response_format": {"type": "json_schema", "json_schema": schema}}
     raise APIError(f"text.format type {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
                    param="text")
+
+
+_CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
 
 def chat_request(body: dict) -> dict:
@@ -312,10 +316,14 @@ class ResponseBuilder:
 async def create_response():
     """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
-    req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
-    builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
-                              req.params.top_p, logprobs=req.params.logprobs is not None)
-    req = await admit(state, req, builder.state.id, chat=True)
+    try:
+        req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
+        builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
+                                  req.params.top_p, logprobs=req.params.logprobs is not None)
+        req = await admit(state, dataclasses.replace(req, prompt_field="input"), builder.state.id, chat=True)
+    except APIError as e:  # (an error of the chat request names the Responses field it came from)
+        e.param = _CHAT_FIELDS.get(e.param, e.param)
+        raise
     return await streamed_or_whole(req, lambda: _events_or_failure(state, req, builder),
                                    lambda: _events(state, req, builder), lambda: builder.state)
 

@@ -32,6 +32,8 @@ def _response_format(name: str, fmt) -> ResponseFormat:
     spec = fmt.get("json_schema") if kind == "json_schema" else None
     if kind == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
         raise ValueError("'response_format.json_schema' needs a 'schema' object")
+    if kind == "json_schema" and not isinstance(spec.get("name"), str):  # (required by OpenAI's API and vLLM's)
+        raise ValueError("'response_format.json_schema' needs a 'name' string")
     return ResponseFormat(type=kind, json_schema=spec)
 
 

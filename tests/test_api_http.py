@@ -72,6 +72,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "user": 5}, 400, "user"),
     ("/v1/completions", {"prompt": "a", "logit_bias": [1, 2]}, 400, "logit_bias"),
     ("/v1/responses", {"input": "a", "max_output_tokens": 0}, 400, "max_output_tokens"),
+    ("/v1/responses", {"input": "a " * MAX_MODEL_LEN}, 400, "input"),  # (the Responses field, not chat's)
+    ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 1}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "a", "model": 5}, 400, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "metadata": "x"}, 400, "metadata"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "parallel_tool_calls": "x"}, 400,
      "parallel_tool_calls"),

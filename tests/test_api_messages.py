@@ -128,6 +128,9 @@ def test_errors_take_anthropics_envelope_and_classes(served, claude):
     r = httpx.post(served[0].url + "/v1/messages", json={"model": MODEL, "max_tokens": "4", "messages": [
         {"role": "user", "content": "hi"}]})  # (a string is not the schema's integer)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    r = httpx.post(served[0].url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "temperature": 1.5,
+                                                         "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]  # (Anthropic's is 0..1)
     with pytest.raises(anthropic.NotFoundError):
         claude.messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
     bound = served[1].admission
