@@ -212,6 +212,8 @@ def test_truncate_prompt_tokens_and_allowed_token_ids_offline(default_llm):
     assert out.prompt_token_ids == list(range(55, 60)) and set(out.outputs[0].token_ids) <= {70, 71}
     with pytest.raises(ValueError, match="allowed_token_ids"):
         default_llm.generate("x", SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):  # (as vLLM: not taken as "no truncation")
+        default_llm.generate("x", SamplingParams(truncate_prompt_tokens=10**6), use_tqdm=False)
 
 
 def _holds(tokens: list[int], word: list[int]) -> bool:
@@ -297,7 +299,16 @@ def test_structured_outputs_offline_as_vllms(default_llm):
                                        use_tqdm=False)
     assert (dead_end.outputs[0].text, dead_end.outputs[0].finish_reason) == ("", "abort")
     assert len(dead_end.outputs[0].token_ids) == 1
-    for wrong, match in ((StructuredOutputsParams(regex="a", choice=["a"]), "exactly one"),
+    # its fields as a dict; a grammar in GBNF (llama.cpp's, vLLM's default backend's) as well as Lark
+    yes_no, gbnf = default_llm.generate(["d", "e"], [
+        SamplingParams(max_tokens=20, structured_outputs={"choice": ["yes", "no"]}),
+        SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(grammar='root ::= "ab" [0-9]+'))],
+        use_tqdm=False)
+    assert yes_no.outputs[0].text in ("yes", "no") and re.fullmatch("ab[0-9]+", gbnf.outputs[0].text)
+    with pytest.raises(ValueError, match="one kind"):  # (as vLLM's: when it is made)
+        StructuredOutputsParams(regex="a", choice=["a"])
+    for wrong, match in ((StructuredOutputsParams(), "exactly one"), ({"regexp": "a"}, "regexp"),
+                         ("a+", "StructuredOutputsParams or a dict"),
                          (StructuredOutputsParams(regex="a", whitespace_pattern=" "), "whitespace_pattern")):
         with pytest.raises(ValueError, match=match):
             SamplingParams(structured_outputs=wrong)

@@ -165,6 +165,9 @@ def test_guided_json_and_grammar_extras(client):
     r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,
                                   extra_body={"guided_grammar": 'start: "yes" | "no" | "x" NUM\nNUM: /[0-9]+/'})
     assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
+    r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,  # (GBNF too)
+                                  extra_body={"guided_grammar": 'root ::= "yes" | "no" | "x" [0-9]+'})
+    assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
 
 
 def test_forced_named_tool_call_always_validates(client):

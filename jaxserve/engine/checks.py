@@ -37,6 +37,9 @@ class RequestChecks:
         response starts."""
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise RequestError(f"priority must be an integer, got {priority!r}", "priority")
+        if (params.truncate_prompt_tokens or 0) > self.config.max_model_len:  # (as vLLM)
+            raise RequestError(f"truncate_prompt_tokens ({params.truncate_prompt_tokens}) is greater than "
+                               f"max_model_len ({self.config.max_model_len})", "truncate_prompt_tokens")
         if priority and self.config.scheduling_policy != "priority":
             raise RequestError(f"Got priority {priority} but priority scheduling is not enabled (the scheduling "
                                "policy is fcfs: start the engine with --scheduling-policy priority)", "priority")

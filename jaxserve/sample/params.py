@@ -82,7 +82,7 @@ class SamplingParams:
     # computed whole
     prompt_logprobs: int | None = None
     constraint: Constraint | None = None  # grammar the output must follow (JSON schema, regex, choice, ...)
-    structured_outputs: StructuredOutputsParams | None = None  # vLLM's form of `constraint` (sets it)
+    structured_outputs: StructuredOutputsParams | dict | None = None  # vLLM's form of `constraint` (sets it)
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's older name of `structured_outputs`
     skip_special_tokens: bool = True  # leave special tokens out of the text
     spaces_between_special_tokens: bool = True  # False: added tokens in a row join without spaces (vLLM's)
@@ -135,7 +135,14 @@ class SamplingParams:
             _check(self.structured_outputs in (None, self.guided_decoding),
                    "give structured_outputs or guided_decoding (its older name), not both")
             normalize("structured_outputs", self.guided_decoding)
+        if isinstance(self.structured_outputs, dict):  # (its fields as a dict, as the HTTP API takes them)
+            try:
+                normalize("structured_outputs", StructuredOutputsParams(**self.structured_outputs))
+            except TypeError as e:
+                raise RequestError(f"structured_outputs: {e}", "structured_outputs") from e
         if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams),
+                   f"structured_outputs must be a StructuredOutputsParams or a dict, got {self.structured_outputs!r}")
             derived = self.structured_outputs.constraint()
             _check(self.constraint in (None, derived), "give structured_outputs or constraint, not both")
             normalize("constraint", derived)

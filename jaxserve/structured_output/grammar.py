@@ -1,7 +1,7 @@
 """Grammar-constrained decoding: a per-row allowed-token bitmask each step, from llguidance.
 
 A request may carry a `Constraint` (JSON schema, any JSON object, regex, a choice
-among strings, or a Lark grammar). Each constrained sequence gets an llguidance
+among strings, or a grammar: Lark, or GBNF made Lark). Each constrained sequence gets an llguidance
 matcher; before a step, the rows that sample get their allowed-token bitmask
 (packed 32 tokens per int32, as llguidance writes it), which the jitted sampler
 applies; after the step, each sampled token advances its matcher. When the
@@ -35,7 +35,7 @@ CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 @dataclasses.dataclass(frozen=True)
 class Constraint:
     kind: str  # one of CONSTRAINT_KINDS
-    value: str | tuple[str, ...] | None = None  # schema (JSON text), regex, choices, or Lark grammar
+    value: str | tuple[str, ...] | None = None  # schema (JSON text), regex, choices, or grammar (Lark or GBNF)
     # a reasoning model's thinking comes first, free, as vLLM lets it with a reasoning parser:
     # (start tag, end tag); the start tag "" where the output starts inside the thinking
     thinking: tuple[str, str] | None = None
@@ -90,12 +90,20 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None  # vLLM's; not supported (None only)
     structural_tag: str | None = None  # vLLM's; not supported (None only)
 
+    def __post_init__(self):  # (as vLLM's: more than one kind is an error as soon as it is made)
+        given = self._given()
+        if len(given) > 1:
+            raise ValueError(f"structured_outputs takes one kind of constraint, got {given}")
+
+    def _given(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, name) not in (None, False)]
+
     def constraint(self) -> Constraint:
         for name in ("whitespace_pattern", "structural_tag"):
             if getattr(self, name) is not None:
                 raise ValueError(f"structured_outputs.{name} is not supported")
-        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
-                 if getattr(self, name) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar or json_object, "
                              f"got {given or 'none'}")
@@ -194,7 +202,7 @@ def _grammar_of(c: Constraint, llguidance) -> str:
     elif c.kind == "choice":
         grammar = llguidance.grammar_from("choice", list(c.value))
     elif c.kind == "grammar":
-        grammar = llguidance.LLMatcher.grammar_from_lark(c.value)
+        grammar = llguidance.grammar_from("grammar", c.value)  # Lark, or GBNF (llama.cpp's, xgrammar's) made Lark
     else:
         raise ValueError(f"unknown constraint kind {c.kind!r}; expected one of {CONSTRAINT_KINDS}")
     return grammar
