@@ -51,8 +51,8 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
                  "repetition_penalty": (1,), "min_tokens": (0,), "prompt_logprobs": (), "stop": ([""], []),
                  "stop_token_ids": ([],), "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
                  "response_format": ("text",), "tools": ([],), "guided_json": (), "guided_regex": (),
-                 "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "return_entropy": (False,),
-                 "return_hidden_states": (False,), "steering": ([],), "steer_prompt": (True,),
+                 "guided_choice": (), "guided_grammar": (), "grammar": (), "json_schema": (), "structured_outputs": (),
+                 "return_entropy": (False,), "return_hidden_states": (False,), "steering": ([],), "steer_prompt": (True,),
                  "min_weight_version": (0,),
                  **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
 
@@ -131,6 +131,8 @@ class GenerationFields(BaseModel):
     guided_regex: guided("guided_regex", STRING) = None
     guided_choice: guided("guided_choice", STRINGS) = None
     guided_grammar: guided("guided_grammar", STRING) = None
+    grammar: guided("grammar", STRING) = None  # llama.cpp's: a GBNF (or Lark) grammar, as guided_grammar
+    json_schema: guided("json_schema", {"anyOf": [OBJECT, STRING]}) = None  # llama.cpp's: as guided_json
     structured_outputs: StructuredOutputsField = None
     stream_options: object_of("stream_options", '{"include_usage": bool, "continuous_usage_stats": bool}') = None
     return_tokens_as_token_ids: Bool = None

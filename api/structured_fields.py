@@ -14,7 +14,8 @@ from api.fields import OBJECT, checked
 # vLLM's `structured_outputs` keys -> the guided_* field each stands for, and the grammar kind of each
 STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
                       "grammar": "guided_grammar"}
-GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
+          "grammar": "grammar", "json_schema": "json_schema"}  # (the last two: llama.cpp's fields)
 
 
 class ResponseFormat(BaseModel):
@@ -39,7 +40,7 @@ def _response_format(name: str, fmt) -> ResponseFormat:
 
 def guided_spec(name: str, value) -> str | tuple[str, ...]:
     """A guided_* field (or its `structured_outputs` key) as its constraint's spec."""
-    if name == "guided_json" and isinstance(value, dict):
+    if name in ("guided_json", "json_schema") and isinstance(value, dict):
         return json.dumps(value)
     if name == "guided_choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):

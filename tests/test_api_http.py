@@ -103,6 +103,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "a", "guided_regex": "(unclosed"}, 400, "guided_regex"),
     ("/v1/completions", {"prompt": "a", "guided_choice": []}, 400, "guided_choice"),
     ("/v1/completions", {"prompt": "a", "guided_choice": ["a"], "guided_regex": "b"}, 400, "guided_choice"),
+    ("/v1/completions", {"prompt": "a", "grammar": "root ::= (("}, 400, "grammar"),
+    ("/v1/completions", {"prompt": "a", "grammar": "root ::= \"a\"", "json_schema": {}}, 400, "json_schema"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]},
      400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"},

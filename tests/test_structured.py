@@ -165,9 +165,13 @@ def test_guided_json_and_grammar_extras(client):
     r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,
                                   extra_body={"guided_grammar": 'start: "yes" | "no" | "x" NUM\nNUM: /[0-9]+/'})
     assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
-    r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,  # (GBNF too)
-                                  extra_body={"guided_grammar": 'root ::= "yes" | "no" | "x" [0-9]+'})
-    assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
+    for field in ("guided_grammar", "grammar"):  # (GBNF too; `grammar`: llama.cpp's name)
+        r = client.completions.create(model=MODEL, prompt="g", max_tokens=30, temperature=1.0, seed=2,
+                                      extra_body={field: 'root ::= "yes" | "no" | "x" [0-9]+'})
+        assert re.fullmatch(r"yes|no|x[0-9]+", r.choices[0].text)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0.7, seed=1,
+                                       extra_body={"json_schema": WEATHER["function"]["parameters"]})  # (llama.cpp's)
+    jsonschema.validate(json.loads(r.choices[0].message.content), WEATHER["function"]["parameters"])
 
 
 def test_forced_named_tool_call_always_validates(client):
