@@ -326,6 +326,9 @@ async def _request(state: APIState, body: dict, counting: bool = False) -> Gener
     chat = chat_request(body, reasoning=state.reasoning_parser is not None, counting=counting)
     req = await state.off_loop(parse_chat, chat, state.limits, state.text_tokenizer(PATH))
     room = state.limits.max_model_len - len(req.prompts[0])
+    if room < 1 and not counting:  # (the messages alone fill the context: max_tokens is not what to lower)
+        raise APIError(f"prompt is too long: {len(req.prompts[0])} tokens, and this model's context of "
+                       f"{state.limits.max_model_len} leaves no room for an answer", param="messages")
     if req.params.max_tokens is not None and 0 < room < req.params.max_tokens:
         req = dataclasses.replace(req, params=dataclasses.replace(req.params, max_tokens=room))
     return req

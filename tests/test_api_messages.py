@@ -57,6 +57,10 @@ def test_a_message_is_the_chat_answer_whole_and_streamed(served, claude, client)
     # max_tokens is a bound: past the context's room (clients ask for tens of thousands), the room
     long = claude.messages.create(**{**ask, "max_tokens": 4096})  # (a 400 in chat: past max_model_len)
     assert long.usage.output_tokens <= MAX_MODEL_LEN - long.usage.input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):  # (messages that fill the context)
+        claude.messages.create(**{**ask, "messages": [{"role": "user", "content": "hi " * MAX_MODEL_LEN}]})
+    assert claude.messages.count_tokens(model=MODEL, messages=[
+        {"role": "user", "content": "hi " * MAX_MODEL_LEN}]).input_tokens > MAX_MODEL_LEN  # (counted all the same)
 
 
 def test_stop_sequences_and_a_continued_assistant_message(claude, client):
