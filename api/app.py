@@ -25,7 +25,7 @@ from api.completions import completions
 from api.cors import CorsPolicy
 from api.embeddings import embeddings
 from api.errors import APIError
-from api.generation import RETRY_AFTER
+from api.generation import shutting_down
 from api.limits import Limits
 from api.lora import lora
 from api.messages import PATH as MESSAGES_PATH
@@ -109,8 +109,7 @@ async def _check_key():
 async def _check_draining():
     """While the server drains before stopping, a 503 for new work (the requests in flight go on)."""
     if api_state().draining and request.method == "POST" and request.path != "/ping":
-        raise APIError("the server is shutting down: send the request to another replica", status=503,
-                       type="service_unavailable", code="shutting_down", headers={"Retry-After": RETRY_AFTER})
+        raise shutting_down()
 
 
 def _error_response(e: APIError):

@@ -28,6 +28,12 @@ log = logging.getLogger(__name__)
 RETRY_AFTER = "1"  # seconds a client refused for a full queue or a draining server waits before retrying
 
 
+def shutting_down() -> APIError:
+    """The 503 of a server draining before it stops: for new requests, and for /health."""
+    return APIError("the server is shutting down: send the request to another replica", status=503,
+                    type="service_unavailable", code="shutting_down", headers={"Retry-After": RETRY_AFTER})
+
+
 async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: bool) -> GenerationRequest:
     """400 before anything is sent where the request cannot run: "auto" tools the server does not
     serve, a prompt the engine would refuse, or a constraint that does not compile (in time: it is

@@ -8,6 +8,7 @@ import importlib.metadata
 
 from quart import Blueprint, Response
 
+from api.generation import shutting_down
 from api.limits import Limits, check_model
 from api.response_models import EngineDown, ModelCard, ModelList, ModelPermission, ServerLoad, Version
 from api.sse import new_id, now
@@ -26,8 +27,9 @@ async def health():
     engine = state.engine
     if engine.is_ready and not state.draining:
         return "", 200
-    error = ("engine not running" if not engine.is_running else "shutting down: finishing the requests in flight"
-             if state.draining else "engine warming up: compiling its first step buckets")
+    if state.draining and engine.is_running:  # (as every new request gets it: code, Retry-After)
+        raise shutting_down()
+    error = "engine not running" if not engine.is_running else "engine warming up: compiling its first step buckets"
     return EngineDown(error=error), 503
 
 

@@ -166,6 +166,21 @@ def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead():
     assert Router(replicas=1, page_size=4, slack=0).choose(a, None, [100]) == 0
 
 
+def test_replicas_stop_together():
+    """Every replica is told to stop at once: one after another, each would go on compiling until its
+    turn. (Here each stop waits for the other's: called in turn, the barrier would time out.)"""
+    together = threading.Barrier(2, timeout=10)
+
+    class Stopping:
+        engine = SimpleNamespace(config=SimpleNamespace(page_size=PAGE, max_num_seqs=4))
+
+        def shutdown(self, timeout):
+            together.wait()
+            return True
+
+    assert Replicas([Stopping(), Stopping()]).shutdown()
+
+
 def test_kv_events_config_is_vllms():
     assert KVEventsConfig.parse(None) is None
     assert KVEventsConfig.parse({"enable_kv_cache_events": False}) is None

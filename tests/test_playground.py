@@ -219,6 +219,19 @@ def test_a_chat_answer_streams_with_each_tokens_probability_and_its_alternatives
     assert page.evaluate("document.activeElement.dataset.testid") != "token"
 
 
+def test_the_end_of_turn_token_shows_no_text(page, url):
+    """The chat answer's last logprob is the end-of-turn token, whose bytes name it ("<|im_end|>"): it is
+    shown (its probability, its alternatives) but adds no text to the answer."""
+    page.settings(max_tokens=40, temperature=0)
+    page.send("hi")
+    page.answered()
+    api = chat(url, messages=[{"role": "user", "content": "hi"}], max_tokens=40, temperature=0)
+    assert api["finish_reason"] == "stop" and api["logprobs"]["content"][-1]["token"] == "<|im_end|>"
+    tokens = page.tokens()
+    assert len(tokens) == len(api["logprobs"]["content"]) and tokens[-1]["token"] == ""
+    assert "".join(t["token"] for t in tokens) == api["message"]["content"]
+
+
 def test_choosing_an_alternative_branches_from_that_token_and_the_branches_are_kept(page, url):
     page.settings(seed=5, max_tokens=24, temperature=0.7)
     page.send(QUESTION)

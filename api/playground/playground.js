@@ -294,8 +294,19 @@ function record(branch, chunk) {
     choice.tokens.push(...added);
     choice.finish = part.finish_reason ?? choice.finish;
     choice.view?.add(added);
+    if (part.delta && part.finish_reason === "stop") hideEnd(choice);
   }
   return appeared;
+}
+
+// A chat answer's last token where the answer does not end with its text: the end-of-turn token (its
+// bytes name it: "<|im_end|>") or a stop string's, neither of them the answer's. It shows no text, as
+// in the completions form, where a token's text is the answer's from its offset.
+function hideEnd(choice) {
+  const last = choice.tokens.at(-1);
+  if (!last?.text || choice.content.endsWith(last.text)) return;
+  last.text = "";
+  choice.view?.retext(last);
 }
 
 function alternatives(id, prob, top) {
