@@ -52,8 +52,8 @@ _BEAM_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "min_p": (0,), "presence_penal
                  "stop_token_ids": ([],), "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
                  "response_format": ("text",), "tools": ([],), "guided_json": (), "guided_regex": (),
                  "guided_choice": (), "guided_grammar": (), "grammar": (), "json_schema": (), "structured_outputs": (),
-                 "return_entropy": (False,), "return_hidden_states": (False,), "steering": ([],), "steer_prompt": (True,),
-                 "min_weight_version": (0,),
+                 "return_entropy": (False,), "return_hidden_states": (False,), "steering": ([],),
+                 "steer_prompt": (True,), "min_weight_version": (0,),
                  **{name: (getattr(SamplingParams(), name),) for name in LLAMACPP_FIELDS}}
 
 

@@ -190,6 +190,9 @@ export class ChoiceView {
     if (!span) return;
     span.dataset.token = tok.text;
     span.textContent = tok.text.replaceAll("\n", "↵\n");
+    // (a token without text, as the end-of-turn token: a small block, named for screen readers)
+    if (tok.text) span.removeAttribute("aria-label");
+    else span.setAttribute("aria-label", "a token without text");
   }
 
   key(e, span) {
