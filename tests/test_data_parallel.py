@@ -82,8 +82,20 @@ def replicas(tmp_path_factory):
     port = free_port()
     with serving(port, "--data-parallel-size", "2", "--kv-events-config", config, *FLAGS,
                  env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}):
-        yield f"http://127.0.0.1:{port}", subscriber
+        url = f"http://127.0.0.1:{port}"
+        _wait_until_compiled(url)
+        yield url, subscriber
     subscriber.close()
+
+
+def _wait_until_compiled(url: str) -> None:
+    """Until both replicas have compiled every step bucket: /health answers once one replica serves, and
+    the prompts' prefixes would all be placed on it (their replica keeps them while it has seats)."""
+    deadline = time.time() + 240
+    while (metrics := scrape((type("S", (), {"url": url}),)))["jaxserve:step_buckets_compiled"] < \
+            metrics["jaxserve:step_buckets"]:
+        assert time.time() < deadline, "the replicas did not compile their step buckets"
+        time.sleep(0.5)
 
 
 def _complete_all(url: str, prompts: list[list[int]]) -> list[str]:
@@ -223,7 +235,7 @@ class _Replica:
 
     def __init__(self, lose: str | None = None):
         self.engine = SimpleNamespace(config=SimpleNamespace(page_size=PAGE, max_num_seqs=4))
-        self.lose, self.served, self.is_ready = lose, [], True
+        self.lose, self.served, self.is_ready, self.hold = lose, [], True, None  # hold: an event each waits for
         self.admission = SimpleNamespace(queued=(0, 0))
         self.stats = SimpleNamespace(num_running=0)
 
@@ -231,6 +243,10 @@ class _Replica:
         if self.lose == "before":
             raise ReplicaLost("gone")
         self.served.append(request_id)
+        if hasattr(self.admission, "arrived"):  # (in the engine's queue: its figures count it from its next step)
+            self.admission.arrived(request_id)
+        if self.hold is not None:
+            await self.hold.wait()
         yield Update(request_id=request_id, index=0, text="x", token_ids=[1], num_prompt_tokens=len(prompt),
                      logprobs=[], num_cached_tokens=0, num_output_tokens=1, finish_reason=None, stop_reason=None)
         if self.lose == "after":
@@ -309,6 +325,42 @@ def test_the_replicas_of_one_process_compile_each_grammar_once(offline):
     second.fill(1, constraint, row)  # (the same sequence id in two replicas: two matchers)
     assert first.accept(1, hf.encode("ab", add_special_tokens=False)[0]) is None
     assert first._matchers[1] is not second._matchers[1]
+
+
+def test_the_load_is_what_the_front_sent_and_has_not_seen_finish():
+    """A replica's own figures lag its steps (here one still counts three sequences that have since
+    finished, the other none, and neither what the front sent since): the front balances by the requests it sent each replica, the first
+    `max_num_seqs` (4) of them running and the others waiting (vLLM's score, 4 x waiting + running)."""
+    stale, fresh = _Replica(), _Replica()
+    stale.stats.num_running = 3
+    for replica in (stale, fresh):
+        replica.admission = QueueBound(None, None, lambda: (0, 0))
+    front = Replicas([stale, fresh])
+    prompts = [[7 * i + j for j in range(5)] for i in range(10)]  # (no shared pages: no prefix affinity)
+
+    async def run():
+        release = asyncio.Event()
+        for replica in (stale, fresh):
+            replica.hold = release
+        tasks = []
+        for i, prompt in enumerate(prompts[:8]):
+            front.admit([(f"r{i}", prompt)])
+            tasks.append(asyncio.create_task(_drain(front.generate(f"r{i}", prompt, SamplingParams(max_tokens=1)))))
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.01)
+        assert len(stale.served) == len(fresh.served) == 4
+        assert [front.load(r) for r in (0, 1)] == [4, 4]
+        front.admit([("r8", prompts[8])])  # (a fifth request waits: it weighs 4)
+        assert sorted(front.load(r) for r in (0, 1)) == [4, 8]
+        release.set()
+        await asyncio.gather(*tasks)
+        assert front._active == {} and sorted(front.load(r) for r in (0, 1)) == [0, 1]  # (r8 admitted, not sent)
+
+    asyncio.run(run())
+
+
+async def _drain(updates) -> list:
+    return [u async for u in updates]
 
 
 def test_a_request_for_a_full_replica_goes_to_one_with_room_and_a_refused_one_holds_no_place():

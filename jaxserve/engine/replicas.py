@@ -4,8 +4,10 @@ by prefix affinity; `Replicas` gives the API one `AsyncEngine`'s interface over 
 A request goes to the replica that holds the longest prefix of its prompt (the pages the prefix
 cache would reuse), where that prefix is at least half the prompt (`MIN_SHARE`) and that replica's
 load is at most `slack` above the least loaded one's (SGLang's router decides the same way);
-otherwise to the least loaded replica. The load is vLLM's balancing score: 4 x waiting + running.
-What a replica holds is what the router sent it: the keys of each prompt's full pages
+otherwise to the least loaded replica. The load is vLLM's balancing score, 4 x waiting + running, of
+the requests the front sent the replica and has not seen finish (the first `max_num_seqs` of them
+run, the others wait): a replica's own figures lag its steps, and a burst read from them piled requests
+on one replica while another had free seats. What a replica holds is what the router sent it: the keys of each prompt's full pages
 (`prefix_hashes`, the prefix cache's own) are remembered for the replica they went to, the most
 recent `PREFIX_ENTRIES` of them.
 """
@@ -75,12 +77,6 @@ class Router:
         return chosen
 
 
-def load_of(replica: AsyncEngine) -> float:
-    """vLLM's balancing score: requests waiting to start (those on their way too) weigh four times
-    the sequences running."""
-    return WAITING_WEIGHT * replica.admission.queued[0] + replica.stats.num_running
-
-
 def total_stats(stats: list[SchedulerStats]) -> SchedulerStats:
     """The replicas' figures added up (the per-position acceptance counts position by position; the
     names of LoRA adapters, those of any replica)."""
@@ -106,6 +102,7 @@ class Replicas:
         self.router = Router.for_config(len(replicas), config)
         self._pending: dict[str, tuple[int, float]] = {}  # request id -> (its replica, when admitted): not started
         self._active: dict[str, int] = {}  # request id -> its replica, while it runs
+        self.seats = config.max_num_seqs  # each replica's
 
     @property
     def tokenizer(self):
@@ -167,8 +164,7 @@ class Replicas:
         try:
             for request_id, prompt in requests:
                 replica = self._choose(prompt, cache_salt)
-                others = sorted((r for r in range(len(self.replicas)) if r != replica),
-                                key=lambda r: load_of(self.replicas[r]))
+                others = sorted((r for r in range(len(self.replicas)) if r != replica), key=self.load)
                 for candidate in (replica, *others):
                     try:
                         self.replicas[candidate].admission.admit([(request_id, prompt)])
@@ -199,8 +195,15 @@ class Replicas:
         usable = [r not in avoid and replica.is_ready for r, replica in enumerate(self.replicas)]
         if not any(usable):
             usable = [r not in avoid for r in range(len(self.replicas))]
-        loads = [load_of(replica) if ok else math.inf for replica, ok in zip(self.replicas, usable)]
+        loads = [self.load(r) if ok else math.inf for r, ok in enumerate(usable)]
         return self.router.choose(prompt, cache_salt, loads)
+
+    def load(self, replica: int) -> float:
+        """vLLM's balancing score of a replica: the requests this front sent it and has not seen finish
+        (admitted or running), of which those past its seats wait and weigh four times."""
+        sent = (sum(route == replica for route, _ in self._pending.values())
+                + sum(route == replica for route in self._active.values()))
+        return WAITING_WEIGHT * max(0, sent - self.seats) + min(sent, self.seats)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0,
