@@ -146,6 +146,13 @@ def live_rows(count: jax.Array | None):
         _LIVE_ROWS.reset(token)
 
 
+def kernels_here(impl: str | None = None) -> bool:
+    """Whether the C++ kernels run in the computation being traced: the "cpu" implementation (`impl`,
+    else the default), and no mesh of more than one device (XLA partitions its own ops, not a custom call)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return implementation(impl) == "cpu" and (mesh.empty or mesh.size == 1)
+
+
 def kernels_run(devices: int) -> bool:
     """Whether the C++ kernels take a step's products on `devices` (else XLA's dot takes them all:
     another backend, the "xla" implementation, a mesh)."""
@@ -185,9 +192,7 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
     dtype = jnp.dtype(dtype or x.dtype)
     *lead, k = x.shape
     rows = math.prod(lead)
-    mesh = jax.sharding.get_abstract_mesh()
-    if (implementation(impl) == "xla" or (not mesh.empty and mesh.size > 1)
-            or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES)):
+    if not kernels_here(impl) or not {x.dtype, weight.dtype, dtype} <= set(KERNEL_DTYPES):
         return matmul_t_reference(x, weight, dtype)
     if impl is None and rows > row_limit(x.dtype, weight.dtype):
         if weight.dtype != jnp.float32:  # widened by the kernel, ordered after x (see WidenAfter in cpu.cc)
@@ -199,13 +204,12 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
 
 def gated_silu(gate: jax.Array, up: jax.Array, *, token_rows: bool) -> jax.Array | None:
     """silu(gate) * up as `jaxserve.models.layers.gated` computes it, by the C++ kernel (`cpu.cc`)
-    where the products' kernels run (`kernels_run`: the "cpu" implementation, no mesh) on float32 or
+    where the products' kernels run (`kernels_here`: the "cpu" implementation, no mesh) on float32 or
     bfloat16: XLA's fusion of it runs every row of a step's bucket, and on the CPU slower per row.
     Where gate's rows are the step's tokens (`token_rows`, not a Mixture-of-Experts layer's routed
     rows), only the `live_rows` are computed. None where the kernel does not run."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if (implementation() == "xla" or (not mesh.empty and mesh.size > 1) or gate.ndim != 2
-            or gate.dtype not in KERNEL_DTYPES or up.dtype != gate.dtype or up.shape != gate.shape):
+    if (not kernels_here() or gate.ndim != 2 or gate.dtype not in KERNEL_DTYPES or up.dtype != gate.dtype
+            or up.shape != gate.shape):
         return None
     rows = gate.shape[0]
     call = jax.ffi.ffi_call(GATED_TARGET, jax.ShapeDtypeStruct(gate.shape, gate.dtype))
@@ -255,9 +259,7 @@ def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype) -> lis
 
 def _quantized_kernel(x: jax.Array, dtype, impl: str | None) -> bool:
     """Whether the C++ kernel multiplies x by a quantized weight (else XLA's dot of the dequantized one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return (implementation(impl) != "xla" and (mesh.empty or mesh.size == 1)
-            and {x.dtype, jnp.dtype(dtype)} <= set(KERNEL_DTYPES))
+    return kernels_here(impl) and {x.dtype, jnp.dtype(dtype)} <= set(KERNEL_DTYPES)
 
 
 def _row_group(weight: QuantizedWeight) -> np.int64:
