@@ -30,7 +30,9 @@ import gc
 import logging
 import os
 import signal
+import socket
 import ssl
+import sys
 import time
 from pathlib import Path
 
@@ -81,7 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_server_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or env JAXSERVE_API_KEY)")
+    p.add_argument("--api-key", nargs="+", default=None,
+                   help="require 'Authorization: Bearer KEY' with one of these keys (default: env JAXSERVE_API_KEY, "
+                        "else vLLM's VLLM_API_KEY)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=["debug", "info", "warning", "error", "critical", "trace"],
@@ -90,6 +94,8 @@ def _add_server_arguments(p) -> None:
                    help="log each request (its id, prompt length and sampling settings) as it arrives")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older name: do not log each request (the default)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="vLLM's: each response has an X-Request-Id header (the request's own, else a new id)")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no stats line (throughput, running and waiting sequences, KV cache use, prefix cache "
                         "hit rate) every --log-stats-interval seconds while busy")
@@ -185,7 +191,7 @@ def _add_multihost_arguments(p) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(dashed(sys.argv[1:] if argv is None else argv))
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             p.error(f"two models: {args.model_tag} and --model {args.model}")
@@ -203,6 +209,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile")
     if args.log_stats_interval <= 0:
         p.error(f"--log-stats-interval must be > 0, got {args.log_stats_interval}")
+    try:
+        args.chat_template = read_chat_template(args.chat_template)
+    except (OSError, ValueError) as e:
+        p.error(f"--chat-template: {e}")
     if args.chat_template_timeout <= 0:
         p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
     if args.max_request_body_bytes <= 0:
@@ -230,6 +240,7 @@ VLLM_SERVER_NO_EFFECT = {
     "enable_server_load_tracking": "GET /load always counts the requests being generated",
     "disable_uvicorn_access_log": "Hypercorn logs no access lines",
     "disable_frontend_multiprocessing": "the API and the engine share one process",
+    "enable_sleep_mode": "/sleep and /wake_up are always served",
 }
 CLI_REFERENCE = Path(__file__).resolve().parent / "docs" / "cli.md"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -244,11 +255,42 @@ def cli_reference() -> str:
         "arguments under the same names (dashes as underscores).") + "\n"
 
 
+def dashed(argv: list[str]) -> list[str]:
+    """Options spelled with underscores (`--max_model_len 64`, as vLLM's parser takes them) with dashes."""
+    def option(arg: str) -> str:
+        name, sep, value = arg.partition("=")
+        return name.replace("_", "-") + sep + value
+    return [option(arg) if arg.startswith("--") else arg for arg in argv]
+
+
 def read_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself; a value with none of a template's `{`,
+    `}` or line breaks that names no file is a path that is not there (as vLLM says)."""
     if value is None:
         return None
     path = Path(value)
-    return path.read_text() if len(value) < 4096 and path.is_file() else value
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"{value!r} looks like a file path, but there is no such file")
+    return value
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys the guarded routes take: --api-key, else $JAXSERVE_API_KEY, else vLLM's $VLLM_API_KEY."""
+    env = os.environ.get("JAXSERVE_API_KEY") or os.environ.get("VLLM_API_KEY")
+    return args.api_key or ([env] if env else [])
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail now, not after loading and compiling the model, where the address cannot be listened on."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as Hypercorn binds it)
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise SystemExit(f"jaxserve: cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 async def serve(app, args: argparse.Namespace, engine: Replicas) -> None:
@@ -343,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
     multihost = (args.coordinator_address, args.num_processes, args.process_id)
     if args.distributed or any(a is not None for a in multihost):
         initialize_distributed(*multihost, heartbeat_timeout_s=args.distributed_timeout)
+    if is_leader():
+        check_port(args.host, args.port)
     try:  # (warmed up by the engine thread, while the server answers /health)
         front, engines = start_replicas(args)
     except (FileNotFoundError, ValueError) as e:  # (a model that is not there or not runnable: one line says why)
@@ -361,14 +405,15 @@ def main(argv: list[str] | None = None) -> None:
                     response_role=args.response_role, force_include_usage=args.enable_force_include_usage,
                     processor_args=engine.processors.arg_names, chat_template_timeout=args.chat_template_timeout,
                     pooler=Pooler.of(engine.config), hidden_size=engine.model_config.hidden_size)
-    app = create_app(front, limits, api_key=args.api_key or os.environ.get("JAXSERVE_API_KEY"),
+    app = create_app(front, limits, api_key=api_keys(args),
                      tool_parser=PARSERS[args.tool_call_parser]() if args.tool_call_parser else None,
                      auto_tool_choice=args.enable_auto_tool_choice, log_requests=args.enable_log_requests,
                      cors=CorsPolicy(tuple(args.allowed_origins), tuple(args.allowed_methods),
                                      tuple(args.allowed_headers), args.allow_credentials),
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
-                     runtime_lora_updating=args.allow_runtime_lora_updating)
+                     runtime_lora_updating=args.allow_runtime_lora_updating,
+                     request_id_headers=args.enable_request_id_headers)
     add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()
     front.start()
@@ -385,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
 def start_replicas(args: argparse.Namespace) -> tuple[Replicas, list]:
     """(the replicas behind the API, the engines of this process): `--data-parallel-size` engines in
     threads of this process, or (`--data-parallel-backend ray`) as Ray actors, whose engines are theirs."""
-    chat_template = read_chat_template(args.chat_template)
+    chat_template = args.chat_template  # (read by parse_args)
     bounds = dict(max_queued_requests=args.max_num_queued_reqs, max_queued_tokens=args.max_num_queued_tokens)
     if args.engine.data_parallel_backend == "ray":
         from jaxserve.engine.ray_replicas import start_ray_replicas

@@ -15,6 +15,8 @@ from __future__ import annotations
 import hmac
 import importlib.metadata
 import logging
+import uuid
+from collections.abc import Sequence
 
 from quart import Quart, current_app, request
 from quart_schema import Info, QuartSchema
@@ -50,13 +52,15 @@ KEYED_PATHS = ("/v1", "/invocations", "/inference", *TRAINING_PATHS)  # the rout
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
 
 
-def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | None = None,
+def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Sequence[str] | None = None,
                tool_parser: ToolParser | None = None, auto_tool_choice: bool = True,
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
                reasoning_parser: str | None = None, docs: bool = True,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True,
-               runtime_lora_updating: bool = False) -> Quart:
-    """The app over `engine`'s data-parallel replicas (or one); `tool_parser` reads "auto" tool calls (default: the one the chat template points to).
+               runtime_lora_updating: bool = False, request_id_headers: bool = False) -> Quart:
+    """The app over `engine`'s data-parallel replicas (or one); `api_key`: the key (or any one of the keys)
+    the guarded routes (KEYED_PATHS) take; `tool_parser` reads "auto" tool calls (default: the one the chat
+    template points to).
     Without `auto_tool_choice` a request whose tools are chosen "auto" is a 400, as in vLLM without
     --enable-auto-tool-choice ("required" and a named function are still served). `log_requests`
     logs each request as it starts. `cors` says which web pages may call the API (any, by default).
@@ -66,7 +70,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     refuses it from its Content-Length before reading any of it, and a chunked one as soon as what has
     come exceeds the limit (the rest is not kept). `playground`: serve the browser playground at GET /
     (`api/playground.py`). `runtime_lora_updating`: serve vLLM's routes that load and unload LoRA
-    adapters (`api/lora.py`)."""
+    adapters (`api/lora.py`). `request_id_headers`: each response has an X-Request-Id header, the
+    request's own or a new one (vLLM's --enable-request-id-headers)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
     app.request_class = UnboundedWeights
@@ -79,11 +84,14 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
     metrics = Metrics(engine, limits.served_model_name)
     app.before_serving(metrics.loop_lag.start)  # (/metrics' event loop lag)
     app.after_serving(metrics.loop_lag.stop)
+    keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     APIState(engine, limits, tool_parser or parser_for_template(template), metrics, auto_tool_choice=auto_tool_choice,
-             api_key=api_key, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
+             api_keys=keys, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
     cors.install(app)  # its preflight answer comes before the API key check
     app.before_request(_check_key)
     app.before_request(_check_draining)
+    if request_id_headers:
+        app.after_request(_request_id_header)
     app.register_error_handler(APIError, _api_error)
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
@@ -96,14 +104,19 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | No
 
 async def _check_key():
     """--api-key: a 401 on the guarded routes without `Authorization: Bearer KEY` (or Anthropic's
-    `x-api-key: KEY`)."""
-    api_key = api_state().api_key
-    if api_key and request.path.startswith(KEYED_PATHS):
+    `x-api-key: KEY`) of one of the keys."""
+    keys = api_state().api_keys
+    if keys and request.path.startswith(KEYED_PATHS):
         header = request.headers.get("Authorization", "")
         given = header[len("Bearer "):] if header.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
+        if not any([hmac.compare_digest(given.encode(), key.encode()) for key in keys]):  # (each compared)
             raise APIError("invalid or missing API key (send 'Authorization: Bearer KEY')", status=401,
                            type="authentication_error", code="invalid_api_key")
+
+
+async def _request_id_header(response):
+    response.headers["X-Request-Id"] = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    return response
 
 
 async def _check_draining():

@@ -23,7 +23,7 @@ playground = Blueprint("playground", __name__, static_folder=str(STATIC), static
 async def page():
     """The page; with --api-key it says so, and asks for the key before its first call."""
     html = (STATIC / "index.html").read_text()
-    if api_state().api_key:
+    if api_state().api_keys:
         html = html.replace("<body>", '<body data-api-key="required">', 1)
     return html, 200, {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": CONTENT_SECURITY_POLICY}
 

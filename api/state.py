@@ -33,7 +33,7 @@ class APIState:
     limits: Limits
     tool_parser: ToolParser  # reads "auto" tool calls
     metrics: Metrics
-    api_key: str | None = None  # --api-key: what the /v1 routes ask for
+    api_keys: tuple[str, ...] = ()  # --api-key: the keys the guarded routes take (none: no key asked)
     auto_tool_choice: bool = True  # vLLM's --enable-auto-tool-choice: "auto" tools are served
     log_requests: bool = False  # one log line per request as it starts
     reasoning_parser: str | None = None  # `api/reasoning.py`: the thinking apart from the answer

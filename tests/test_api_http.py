@@ -211,6 +211,25 @@ def test_api_key_guards_v1_routes(served):
         assert wrong.status_code == 401
         assert (await test.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 200
         assert (await test.post("/invocations", json={"prompt": "a"})).status_code == 401
+        assert (await test.get("/is_sleeping")).status_code == 401  # (the trainer's controls too)
+        assert (await test.get("/version")).status_code == 200
+        assert "X-Request-Id" not in (await test.get("/health")).headers
+
+    asyncio.run(check())
+
+
+def test_several_api_keys_and_request_id_headers(served):
+    """vLLM's --api-key takes several keys (any one of them serves) and --enable-request-id-headers
+    answers with the request's X-Request-Id, else a new one."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key=["k1", "k2"], request_id_headers=True)
+
+    async def check():
+        test = app.test_client()
+        for key, status in (("k1", 200), ("k2", 200), ("k3", 401)):
+            assert (await test.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code == status
+        assert (await test.get("/health", headers={"X-Request-Id": "abc-1"})).headers["X-Request-Id"] == "abc-1"
+        given = [(await test.get("/health")).headers["X-Request-Id"] for _ in range(2)]
+        assert given[0] != given[1] and all(len(g) == 32 for g in given)
 
     asyncio.run(check())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import socket
 
 import pytest
 
@@ -12,6 +13,7 @@ import run_server
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields, flag_name
 from jaxserve.config.vllm import VLLM_OPTIONS
+from jaxserve.engine.chat_template import check_chat_template
 from jaxserve.llm import LLM
 
 # Every flag (option strings) of `python run_server.py` and its default, as they stood when the flags
@@ -117,6 +119,8 @@ FLAGS = {
     ('--reasoning-parser',): None,
     ('--enable-auto-tool-choice', '--no-enable-auto-tool-choice'): True,
     ('--disable-log-stats',): False,
+    ('--enable-request-id-headers',): False,
+    ('--enable-sleep-mode',): False,
     ('--log-stats-interval',): 10.0,
     ('--max-num-queued-reqs',): None,
     ('--max-num-queued-tokens',): None,
@@ -171,6 +175,41 @@ def test_a_bad_engine_flag_is_named_as_the_flag(capsys):
     with pytest.raises(SystemExit):
         run_server.parse_args(["--quantization", "awq"])
     assert "--quantization='awq' is not supported" in capsys.readouterr().err
+
+
+def test_vllm_spellings_keys_and_chat_template_paths(capsys, monkeypatch, tmp_path):
+    """Flags with underscores (vLLM's parser takes them); several --api-key keys, else $JAXSERVE_API_KEY,
+    else vLLM's $VLLM_API_KEY; a --chat-template that looks like a path but names no file, a
+    negative --seed: each an error that names the flag, before any model is loaded."""
+    args = run_server.parse_args(["--max_model_len", "64", "--served_model_name=a", "--api-key", "k1", "k2"])
+    assert args.engine.max_model_len == 64 and args.served_model_name == ["a"]
+    assert run_server.api_keys(args) == ["k1", "k2"]
+    monkeypatch.delenv("JAXSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "vk")
+    assert run_server.api_keys(run_server.parse_args([])) == ["vk"]
+    monkeypatch.setenv("JAXSERVE_API_KEY", "jk")
+    assert run_server.api_keys(run_server.parse_args([])) == ["jk"]
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert run_server.parse_args(["--chat-template", str(template)]).chat_template == template.read_text()
+    assert run_server.parse_args(["--chat-template", "{{ 'x' }}"]).chat_template == "{{ 'x' }}"
+    for flags, said in ((["--chat-template", str(tmp_path / "missing.jinja")], "--chat-template: "),
+                        (["--seed", "-1"], "--seed must be >= 0")):
+        with pytest.raises(SystemExit):
+            run_server.parse_args(flags)
+        assert said in capsys.readouterr().err
+    with pytest.raises(ValueError, match="the chat template does not compile: Encountered unknown tag 'bad'"):
+        check_chat_template("{%bad")  # (the tokenizer checks a given template: the server fails as it starts)
+    check_chat_template("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}")  # (transformers' tag)
+
+
+def test_a_port_in_use_fails_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit, match="cannot listen on 127.0.0.1"):
+            run_server.check_port("127.0.0.1", taken.getsockname()[1])
+    run_server.check_port("127.0.0.1", 0)  # (a free one passes)
 
 
 def test_llm_keyword_arguments_are_engine_config_fields():

@@ -17,6 +17,20 @@ _DEPRECATED_ROLES = {"developer": "system", "function": "tool"}
 CONTENT_FORMATS = ("auto", "string", "openai")
 
 
+def check_chat_template(template: str) -> None:
+    """A ValueError where a chat template does not compile (its Jinja syntax), said when it is given
+    rather than at every request; compiled as transformers compiles it for `apply_chat_template`."""
+    from jinja2 import TemplateSyntaxError
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # (a transformers without it: the error shows at the first chat request)
+        return
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"the chat template does not compile: {e.message} (line {e.lineno})") from None
+
+
 def loops_over_content(template: str) -> bool:
     """Whether a chat template has a `for` loop over a message's content (`m.content`, `m['content']`,
     through filters, tests, slices or an `or` default), as vLLM's "auto" content format looks for."""

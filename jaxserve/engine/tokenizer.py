@@ -16,8 +16,8 @@ import re
 from pathlib import Path
 
 from checkpoints.byte_level import bytes_to_unicode
-from jaxserve.engine.chat_template import (CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS, loops_over_content,
-                                           render_time_limit, template_options_error)
+from jaxserve.engine.chat_template import (CHAT_TEMPLATE_TIMEOUT_S, CONTENT_FORMATS, check_chat_template,
+                                           loops_over_content, render_time_limit, template_options_error)
 
 
 def _not_about_torch(record: logging.LogRecord) -> bool:
@@ -52,6 +52,7 @@ class Tokenizer:
         check_tokenizer_files(model_dir)
         self.hf = AutoTokenizer.from_pretrained(str(model_dir))
         if chat_template is not None:
+            check_chat_template(chat_template)
             self.hf.chat_template = chat_template
         self._token_bytes: dict[int, bytes] = {}
         self._added: dict[int, str] | None = None  # added token id -> its text (`added_content`)
