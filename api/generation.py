@@ -109,7 +109,7 @@ def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[A
                                                       cache_salt=req.cache_salt,
                                                       min_weight_version=req.min_weight_version,
                                                       lora_request=req.lora),
-                                req.params.n)
+                                req.params.n, (req.beam or req.params).max_tokens)
             for i, ids in enumerate(req.prompts)]
 
 

@@ -91,8 +91,10 @@ def _figures(stats: SchedulerStats, compile_progress: tuple[int, int], queued: t
         (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
         (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
          stats.kv_pages_total),
-        (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens prefilled (recomputation included).",
-         stats.num_prompt_tokens_computed),
+        (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests prefilled, cached ones included "
+         "(vLLM's: each prompt counted once, when its first token is sampled).", stats.num_prompt_tokens),
+        (ours, CounterMetricFamily, "prompt_tokens_computed", "Prompt tokens computed (not found in the prefix "
+         "cache; recomputation after a preemption included).", stats.num_prompt_tokens_computed),
         (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", stats.num_generated_tokens),
         (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", stats.num_preemptions),
         (both, CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
@@ -112,6 +114,11 @@ def _figures(stats: SchedulerStats, compile_progress: tuple[int, int], queued: t
              stats.num_accepted_tokens),
         ]
     return figures
+
+
+def token_buckets(largest: int) -> list[int]:
+    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `largest`."""
+    return [m * 10**e for e in range(len(str(largest))) for m in (1, 2, 5) if m * 10**e <= largest]
 
 
 class _Twins:
@@ -177,15 +184,27 @@ class Metrics:
         self.e2e = twins(Histogram, "e2e_request_latency_seconds", "Time from a sequence's request to its end.",
                          buckets=LATENCY_BUCKETS)
         self.finished = twins(Counter, "request_success", "Finished sequences by finish reason.", ("finished_reason",))
+        counts = token_buckets(engine.engine.config.max_model_len)
+        self.prompt_lengths = twins(Histogram, "request_prompt_tokens", "Prompt tokens of each finished sequence.",
+                                    buckets=counts)
+        self.output_lengths = twins(Histogram, "request_generation_tokens", "Tokens each finished sequence "
+                                    "generated.", buckets=counts)
+        self.params_n = twins(Histogram, "request_params_n", "Each request's n.", buckets=(1, 2, 5, 10, 20))
+        self.params_max_tokens = twins(Histogram, "request_params_max_tokens", "Each request's max_tokens.",
+                                       buckets=counts)
         self.errors = Counter(PREFIXES[0] + "request_errors", "Requests answered with an error, by HTTP status.",
                               ["status"], registry=self.registry)  # (vLLM has no such metric)
 
     def error(self, status: int) -> None:
         self.errors.labels(str(status)).inc()
 
-    async def timed(self, stream: AsyncIterator[Update], n: int) -> AsyncIterator[Update]:
+    async def timed(self, stream: AsyncIterator[Update], n: int, max_tokens: int | None) -> AsyncIterator[Update]:
         """Pass the updates of n sequences through, observing time to first token, inter-token
-        latency, end-to-end latency and outcomes (sequences cut short by a disconnect count as "abort")."""
+        latency, end-to-end latency, lengths and outcomes (sequences cut short by a disconnect count as "abort")."""
+        for metric in self.params_n():
+            metric.observe(n)
+        for metric in self.params_max_tokens() if max_tokens is not None else ():
+            metric.observe(max_tokens)
         start = time.perf_counter()
         last: dict[int, float] = {}
         finished = 0
@@ -201,6 +220,10 @@ class Metrics:
                         metric.inc()
                     for metric in self.e2e():
                         metric.observe(t - start)
+                    for metric in self.prompt_lengths():
+                        metric.observe(update.num_prompt_tokens)
+                    for metric in self.output_lengths():
+                        metric.observe(update.num_output_tokens)
                 yield update
         finally:
             if finished < n:
@@ -225,7 +248,7 @@ class StatsLog:
         """The figures since the last call; None while idle (after one line that shows it went idle)."""
         (t0, s0), (t1, s1) = self._last, (time.perf_counter(), self.engine.stats)
         self._last = t1, s1
-        prompt = s1.num_prompt_tokens_computed - s0.num_prompt_tokens_computed
+        prompt = s1.num_prompt_tokens - s0.num_prompt_tokens
         generated = s1.num_generated_tokens - s0.num_generated_tokens
         busy = bool(s1.num_running or s1.num_waiting or prompt or generated)
         if not (busy or self._was_busy):

@@ -44,6 +44,29 @@ def key(prefix: str, name: str) -> str:
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")  # under both names
 
 
+def test_prompt_tokens_count_each_prompt_as_vllms(served, client):
+    """vLLM's prompt_tokens counts each request's whole prompt, cached tokens included; what was
+    computed is jaxserve:prompt_tokens_computed (the second time, the prompt's cached pages are not).
+    vLLM's per-request histograms: prompt and generated tokens, n and max_tokens."""
+    prompt = f"prompt tokens {time.time_ns()} " * 3
+    deltas = []
+    for _ in range(2):
+        before = scrape(served)
+        usage = completion(client, prompt=prompt, max_tokens=2, **GREEDY).usage
+        after = scrape(served)
+        deltas.append([after[key(p, n)] - before.get(key(p, n), 0) for p, n in
+                       (("jaxserve:", "prompt_tokens_total"), ("vllm:", "prompt_tokens_total"),
+                        ("jaxserve:", "prompt_tokens_computed_total"))])
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached > 0
+    assert deltas == [[usage.prompt_tokens] * 3, [usage.prompt_tokens] * 2 + [usage.prompt_tokens - cached]]
+    for prefix in ("jaxserve:", "vllm:"):
+        for name, value in (("request_prompt_tokens", usage.prompt_tokens), ("request_generation_tokens", 2),
+                            ("request_params_n", 1), ("request_params_max_tokens", 2)):
+            assert after[key(prefix, name + "_sum")] - before.get(key(prefix, name + "_sum"), 0) == value, name
+            assert after[key(prefix, name + "_count")] - before.get(key(prefix, name + "_count"), 0) == 1, name
+
+
 def test_metrics_parse_and_move(served, client):
     before = scrape(served)
     start = time.perf_counter()

@@ -43,9 +43,9 @@ POLL_SECONDS = 0.2  # how often a handle reads its replica's figures
 IDLE = SchedulerStats(0, 0, 0, 1, 0, 0, 0, 0, 0, {})  # a replica's figures before it answers
 MAX_CALLS = 100_000  # an actor's concurrent calls
 PLACEMENT_SECONDS = 300  # how long a replica's placement group may wait for room
-COUNTERS = ("num_prompt_tokens_computed", "num_generated_tokens", "num_preemptions", "num_prefix_queried_tokens",
-            "num_prefix_hit_tokens", "finish_counts", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
-            "accepted_per_position")
+COUNTERS = ("num_prompt_tokens", "num_prompt_tokens_computed", "num_generated_tokens", "num_preemptions",
+            "num_prefix_queried_tokens", "num_prefix_hit_tokens", "finish_counts", "num_drafts", "num_draft_tokens",
+            "num_accepted_tokens", "accepted_per_position")
 
 
 def with_counters(stats: SchedulerStats, before: SchedulerStats) -> SchedulerStats:

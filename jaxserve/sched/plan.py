@@ -183,6 +183,7 @@ class SchedulerStats:
     num_prefix_queried_tokens: int  # prompt tokens looked up in the prefix cache
     num_prefix_hit_tokens: int  # ... and found there
     finish_counts: dict[str, int]  # finish reason -> sequences
+    num_prompt_tokens: int = 0  # the prompts of the sequences that have sampled a first token (vLLM's prompt_tokens)
     num_queued_requests: int = 0  # requests none of whose sequences has started yet
     num_queued_tokens: int = 0  # their prompt tokens
     num_drafts: int = 0  # rows that checked draft tokens (speculative decoding)

@@ -71,11 +71,11 @@ class Scheduler:
         self.seqs: dict[int, Sequence] = {}  # every unfinished sequence
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # the prompts of the sequences that have sampled their first token (vLLM's)
         self.num_prompt_tokens_computed = 0  # prefill work, recomputation included
         self.num_generated_tokens = 0
-        # prefix cache lookups of new sequences: their prompt tokens, and those found cached
-        self.num_prefix_queried_tokens = 0
-        self.num_prefix_hit_tokens = 0
+        self.num_prefix_queried_tokens = 0  # prefix cache lookups of new sequences: their prompt tokens,
+        self.num_prefix_hit_tokens = 0  # ... and those found cached
         self.finish_counts: collections.Counter[str] = collections.Counter()  # finish reason -> sequences
         self.by_priority = config.scheduling_policy == "priority"
         # requests none of whose sequences has run yet (their first sequence waits, never preempted)
@@ -150,7 +150,8 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running), num_waiting=len(self.waiting),
             kv_pages_used=alloc.num_usable - alloc.num_free, kv_pages_total=alloc.num_usable,
-            num_prompt_tokens_computed=self.num_prompt_tokens_computed, num_generated_tokens=self.num_generated_tokens,
+            num_prompt_tokens=self.num_prompt_tokens, num_prompt_tokens_computed=self.num_prompt_tokens_computed,
+            num_generated_tokens=self.num_generated_tokens,
             num_preemptions=self.num_preemptions, num_prefix_queried_tokens=self.num_prefix_queried_tokens,
             num_prefix_hit_tokens=self.num_prefix_hit_tokens, finish_counts=dict(self.finish_counts),
             num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens,
@@ -308,6 +309,7 @@ class Scheduler:
                 slots = slots[:self._accept(seq, row, out.token_ids[slots]) + 1]
             if row.sample:  # first: a step in flight may already have computed this token's K/V
                 seq.num_pending -= 1
+                self.num_prompt_tokens += seq.num_prompt_tokens if len(seq.token_ids) == seq.num_prompt_tokens else 0
                 seq.token_ids.extend(int(out.token_ids[slot]) for slot in slots)
             if self.config.enable_prefix_caching:
                 self.allocator.register_full_pages(seq)
