@@ -27,6 +27,7 @@ if __name__ == "__main__":  # (first: it may run this command again, with tcmall
 import argparse
 import asyncio
 import gc
+import json
 import logging
 import os
 import signal
@@ -81,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_server_arguments(p) -> None:
+    p.add_argument("--config", default=None, help="vLLM's: a YAML file of flags, keyed by their names (max_model_len: "
+                   "64, enable_prefix_caching: false, ...); the command line's own flags win")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", nargs="+", default=None,
@@ -191,7 +194,11 @@ def _add_multihost_arguments(p) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = build_parser()
-    args = p.parse_args(dashed(sys.argv[1:] if argv is None else argv))
+    argv = dashed(sys.argv[1:] if argv is None else argv)
+    try:
+        args = p.parse_args(config_flags(argv, set(p._option_string_actions)) + argv)
+    except (OSError, ValueError) as e:  # (the --config file)
+        p.error(f"--config: {e}")
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             p.error(f"two models: {args.model_tag} and --model {args.model}")
@@ -261,6 +268,36 @@ def dashed(argv: list[str]) -> list[str]:
         name, sep, value = arg.partition("=")
         return name.replace("_", "-") + sep + value
     return [option(arg) if arg.startswith("--") else arg for arg in argv]
+
+
+def config_flags(argv: list[str], options: set[str]) -> list[str]:
+    """The flags of the --config YAML file in `argv` (none without it), as vLLM reads one: `key: value`
+    as `--key value`, a list as its values, a mapping as JSON, true as `--key`, false as `--no-key`
+    where the parser has it (`options`), else as nothing (a switch left off)."""
+    import yaml
+
+    given = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not given:
+        return []
+    arg = argv[given[-1]]
+    path = arg.partition("=")[2] if "=" in arg else (argv[given[-1] + 1] if given[-1] + 1 < len(argv) else "")
+    try:
+        settings = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path} is not YAML: {e}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} must hold a mapping of flag names to values")
+    flags = []
+    for key, value in settings.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            off = "--no-" + flag[2:]
+            flags += [flag] if value else [off] if off in options else []
+        elif isinstance(value, list):
+            flags += [flag, *map(str, value)]
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return flags
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -119,6 +119,7 @@ FLAGS = {
     ('--reasoning-parser',): None,
     ('--enable-auto-tool-choice', '--no-enable-auto-tool-choice'): True,
     ('--disable-log-stats',): False,
+    ('--config',): None,
     ('--enable-request-id-headers',): False,
     ('--enable-sleep-mode',): False,
     ('--log-stats-interval',): 10.0,
@@ -198,6 +199,16 @@ def test_vllm_spellings_keys_and_chat_template_paths(capsys, monkeypatch, tmp_pa
         with pytest.raises(SystemExit):
             run_server.parse_args(flags)
         assert said in capsys.readouterr().err
+    config = tmp_path / "config.yaml"  # (vLLM's --config: its flags, the command line's winning)
+    config.write_text("model: jaxserve-tiny\nmax_model_len: 64\nenable_prefix_caching: false\n"
+                      "served_model_name: [a, b]\ndisable_log_stats: false\noverride_generation_config: {top_k: 3}\n")
+    args = run_server.parse_args(["--config", str(config), "--max-model-len", "128"])
+    assert (args.model, args.engine.max_model_len, args.engine.enable_prefix_caching, args.served_model_name,
+            args.disable_log_stats, args.override_generation_config) == ("jaxserve-tiny", 128, False, ["a", "b"],
+                                                                         False, {"top_k": 3})
+    with pytest.raises(SystemExit):
+        run_server.parse_args([f"--config={tmp_path / 'missing.yaml'}"])
+    assert "--config: " in capsys.readouterr().err
     with pytest.raises(ValueError, match="the chat template does not compile: Encountered unknown tag 'bad'"):
         check_chat_template("{%bad")  # (the tokenizer checks a given template: the server fails as it starts)
     check_chat_template("{% generation %}{{ messages[0]['content'] }}{% endgeneration %}")  # (transformers' tag)
