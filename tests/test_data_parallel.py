@@ -22,6 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 from server import ROOT, free_port, serving
 from test_api_metrics import scrape
 
@@ -92,8 +93,11 @@ def _wait_until_compiled(url: str) -> None:
     """Until both replicas have compiled every step bucket: /health answers once one replica serves, and
     the prompts' prefixes would all be placed on it (their replica keeps them while it has seats)."""
     deadline = time.time() + 240
-    while (metrics := scrape((type("S", (), {"url": url}),)))["jaxserve:step_buckets_compiled"] < \
-            metrics["jaxserve:step_buckets"]:
+    while True:
+        figures = {f.name: f.samples[0].value for f in text_string_to_metric_families(
+            httpx.get(url + "/metrics", timeout=60).text) if f.name.startswith("jaxserve:step_buckets")}
+        if figures["jaxserve:step_buckets_compiled"] == figures["jaxserve:step_buckets"]:
+            return
         assert time.time() < deadline, "the replicas did not compile their step buckets"
         time.sleep(0.5)
 
@@ -163,7 +167,7 @@ def test_kv_events_name_the_pages_the_prompts_store_and_what_pressure_evicts(rep
     assert all(n == list(range(n[0], n[0] + len(n))) for n in numbers.values())  # late subscriber misses)
 
 
-def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead():
+def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead_or_full():
     router = Router(replicas=3, page_size=4, slack=8)
     a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 4, 3, 2, 1]
     assert [router.choose([i], None, [0, 0, 0]) for i in range(4)] == [0, 1, 2, 0]  # no prefix: in turn
@@ -176,6 +180,12 @@ def test_the_router_follows_the_prefix_until_its_replica_is_a_batch_ahead():
     assert router.choose(a[:8] + list(range(20, 40)), None, [0, 1, 0]) == 0  # a prefix under half: by load
     assert router.choose(b, None, [0, 0, 0]) in (0, 1, 2)
     assert Router(replicas=1, page_size=4, slack=0).choose(a, None, [100]) == 0
+    seated = Router(replicas=2, page_size=4, slack=8, seats=4)
+    assert seated.choose(a, None, [0, 0]) == 0
+    assert seated.choose(a, None, [3, 0]) == 0  # a seat free on the prefix's replica: there
+    assert seated.choose(a, None, [4, 0]) == 1  # none (it would wait), one free on the other: there
+    assert seated.choose(a, None, [8, 5]) == 1  # ... (now the prefix's replica)
+    assert seated.choose(a, None, [4, 5]) == 1  # both full: the prefix's, within the slack
 
 
 def test_replicas_stop_together():

@@ -3,8 +3,9 @@ by prefix affinity; `Replicas` gives the API one `AsyncEngine`'s interface over 
 
 A request goes to the replica that holds the longest prefix of its prompt (the pages the prefix
 cache would reuse), where that prefix is at least half the prompt (`MIN_SHARE`) and that replica's
-load is at most `slack` above the least loaded one's (SGLang's router decides the same way);
-otherwise to the least loaded replica. The load is vLLM's balancing score, 4 x waiting + running, of
+load is at most `slack` above the least loaded one's (SGLang's router decides the same way), unless
+it would wait there for a seat while the least loaded one has one free; otherwise to the least
+loaded replica. The load is vLLM's balancing score, 4 x waiting + running, of
 the requests the front sent the replica and has not seen finish (the first `max_num_seqs` of them
 run, the others wait): a replica's own figures lag its steps, and a burst read from them piled requests
 on one replica while another had free seats. What a replica holds is what the router sent it: the keys of each prompt's full pages
@@ -46,12 +47,13 @@ MAX_SLACK = 32  # the most a prefix's replica may be loaded above the least load
 class Router:
     @classmethod
     def for_config(cls, replicas: int, config) -> Router:
-        return cls(replicas, config.page_size, min(config.max_num_seqs, MAX_SLACK))
+        return cls(replicas, config.page_size, min(config.max_num_seqs, MAX_SLACK), config.max_num_seqs)
 
-    def __init__(self, replicas: int, page_size: int, slack: int):
+    def __init__(self, replicas: int, page_size: int, slack: int, seats: float = math.inf):
         """`slack`: how much more loaded than the least loaded replica the one holding a prompt's
-        prefix may be and still be chosen (`for_config`: a batch, at most MAX_SLACK)."""
-        self.replicas, self.page_size, self.slack = replicas, page_size, slack
+        prefix may be and still be chosen (`for_config`: a batch, at most MAX_SLACK); `seats`: each
+        replica's sequences (a load under it: a seat is free)."""
+        self.replicas, self.page_size, self.slack, self.seats = replicas, page_size, slack, seats
         self._owner: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # page key -> replica
         self._next = 0  # where ties between equally loaded replicas are broken from (in turn)
 
@@ -67,7 +69,8 @@ class Router:
             holder, held = self._owner[key], held + 1
         least = min(range(self.replicas), key=lambda r: (loads[r], (r - self._next) % self.replicas))
         draws = holder is not None and held * self.page_size >= MIN_SHARE * len(prompt_token_ids)
-        chosen = holder if draws and loads[holder] - loads[least] <= self.slack else least
+        waits = loads[holder] >= self.seats > loads[least] if draws else False  # (for a seat, with one free there)
+        chosen = holder if draws and not waits and loads[holder] - loads[least] <= self.slack else least
         self._next = (chosen + 1) % self.replicas
         for key in keys:
             self._owner[key] = chosen
