@@ -5,12 +5,12 @@ A request goes to the replica that holds the longest prefix of its prompt (the p
 cache would reuse), where that prefix is at least half the prompt (`MIN_SHARE`) and that replica's
 load is at most `slack` above the least loaded one's (SGLang's router decides the same way), unless
 it would wait there for a seat while the least loaded one has one free; otherwise to the least
-loaded replica. The load is vLLM's balancing score, 4 x waiting + running, of
-the requests the front sent the replica and has not seen finish (the first `max_num_seqs` of them
-run, the others wait): a replica's own figures lag its steps, and a burst read from them piled requests
-on one replica while another had free seats. What a replica holds is what the router sent it: the keys of each prompt's full pages
-(`prefix_hashes`, the prefix cache's own) are remembered for the replica they went to, the most
-recent `PREFIX_ENTRIES` of them.
+loaded replica. The load is vLLM's balancing score, 4 x waiting + running, of the requests the front
+sent the replica and has not seen finish (the first `max_num_seqs` of them run, the others wait): a
+replica's own figures lag its steps, and a burst read from them piled requests on one replica while
+another had free seats. What a replica holds is what the router sent it: the keys of each prompt's
+full pages (`prefix_hashes`, the prefix cache's own) are remembered for the replica they went to, the
+most recent `PREFIX_ENTRIES` of them.
 """
 
 from __future__ import annotations
