@@ -339,8 +339,9 @@ def test_the_replicas_of_one_process_compile_each_grammar_once(offline):
 
 def test_the_load_is_what_the_front_sent_and_has_not_seen_finish():
     """A replica's own figures lag its steps (here one still counts three sequences that have since
-    finished, the other none, and neither what the front sent since): the front balances by the requests it sent each replica, the first
-    `max_num_seqs` (4) of them running and the others waiting (vLLM's score, 4 x waiting + running)."""
+    finished, the other none, and neither what the front sent since): the front balances by the
+    requests it sent each replica, the first `max_num_seqs` (4) of them running and the others
+    waiting (vLLM's score, 4 x waiting + running)."""
     stale, fresh = _Replica(), _Replica()
     stale.stats.num_running = 3
     for replica in (stale, fresh):
