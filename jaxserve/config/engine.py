@@ -17,7 +17,6 @@ from jaxserve.errors import RequestError
 from jaxserve.models import invariant
 from jaxserve.models.config import ModelConfig
 
-
 FEW_SEQS_MIN_TOKENS = 64  # steps of at least this many tokens also get a bucket of few sequences
 FEW_SEQS_ROWS = 16  # ... of tokens / 16 sequences
 
@@ -210,8 +209,6 @@ class EngineConfig:
                              f"got {self.scheduling_policy!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no cap) or >= 0, got {self.max_logprobs}")
         object.__setattr__(self, "logits_processors", tuple(self.logits_processors or ()))
@@ -234,8 +231,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-        if min(self.max_hidden_states_layers, self.max_steering_slots) < 0:
-            raise ValueError("max_hidden_states_layers and max_steering_slots must be >= 0")
+        for name in ("max_hidden_states_layers", "max_steering_slots", "seed"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.enable_lora and self.batch_invariant:
             raise ValueError("enable_lora with batch_invariant is not supported: drop one of them")
         if self.speculative is not None and self.batch_invariant:
