@@ -189,6 +189,12 @@ class Metrics:
                                     buckets=counts)
         self.output_lengths = twins(Histogram, "request_generation_tokens", "Tokens each finished sequence "
                                     "generated.", buckets=counts)
+        self.spans = {span: twins(Histogram, f"request_{span}_time_seconds", f"Each finished sequence's {doc} (as "
+                                  "the engine measured it).", buckets=LATENCY_BUCKETS)
+                      for span, doc in (("queue", "wait for its first step"),
+                                        ("prefill", "time from its first step to its first token"),
+                                        ("decode", "time from its first token to its last"),
+                                        ("inference", "time from its first step to its last token"))}
         self.params_n = twins(Histogram, "request_params_n", "Each request's n.", buckets=(1, 2, 5, 10, 20))
         self.params_max_tokens = twins(Histogram, "request_params_max_tokens", "Each request's max_tokens.",
                                        buckets=counts)
@@ -224,6 +230,9 @@ class Metrics:
                         metric.observe(update.num_prompt_tokens)
                     for metric in self.output_lengths():
                         metric.observe(update.num_output_tokens)
+                    for span, seconds in zip(self.spans, update.timings or ()):  # (RequestTimings' order)
+                        for metric in self.spans[span]():
+                            metric.observe(seconds)
                 yield update
         finally:
             if finished < n:

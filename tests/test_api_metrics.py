@@ -47,7 +47,8 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 def test_prompt_tokens_count_each_prompt_as_vllms(served, client):
     """vLLM's prompt_tokens counts each request's whole prompt, cached tokens included; what was
     computed is jaxserve:prompt_tokens_computed (the second time, the prompt's cached pages are not).
-    vLLM's per-request histograms: prompt and generated tokens, n and max_tokens."""
+    vLLM's per-request histograms: prompt and generated tokens, n and max_tokens, and the engine's
+    timings of each sequence (its wait, prefill, decode, and the last two together)."""
     prompt = f"prompt tokens {time.time_ns()} " * 3
     deltas = []
     for _ in range(2):
@@ -65,6 +66,13 @@ def test_prompt_tokens_count_each_prompt_as_vllms(served, client):
                             ("request_params_n", 1), ("request_params_max_tokens", 2)):
             assert after[key(prefix, name + "_sum")] - before.get(key(prefix, name + "_sum"), 0) == value, name
             assert after[key(prefix, name + "_count")] - before.get(key(prefix, name + "_count"), 0) == 1, name
+        spans = {}
+        for span in ("queue", "prefill", "decode", "inference"):
+            name = f"request_{span}_time_seconds"
+            assert after[key(prefix, name + "_count")] - before.get(key(prefix, name + "_count"), 0) == 1, name
+            spans[span] = after[key(prefix, name + "_sum")] - before.get(key(prefix, name + "_sum"), 0)
+        assert min(spans.values()) >= 0 and spans["prefill"] > 0 and spans["decode"] > 0
+        assert spans["inference"] == pytest.approx(spans["prefill"] + spans["decode"], rel=1e-3)
 
 
 def test_metrics_parse_and_move(served, client):

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import numpy as np
 
-from jaxserve.engine.outputs import HiddenStates, Update
+from jaxserve.engine.outputs import HiddenStates, RequestTimings, Update
 from jaxserve.engine.detokenizer import IncrementalDetokenizer, find_stop, undecided_tail
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.sched.plan import ScheduledBatch
@@ -160,9 +161,12 @@ class OutputProcessor:
 
 def update_of(seq: Sequence, text: str, token_ids: list[int], logprobs: list[TokenLogprobs], entropies: list[float],
               num_output_tokens: int, weight_version: int) -> Update:
+    if token_ids and seq.first_token_at is None:
+        seq.first_token_at = time.monotonic()
     return Update(request_id=seq.request_id, index=seq.index, text=text, token_ids=token_ids, logprobs=logprobs,
                   num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                   num_output_tokens=num_output_tokens, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
                   prompt_logprobs=None if seq.params.prompt_logprobs is None else seq.prompt_logprobs,
                   entropies=entropies, cumulative_logprob=seq.cumulative_logprob, weight_version=weight_version,
-                  hidden_states=HiddenStates.of(seq) if seq.finish_reason and seq.params.return_hidden_states else None)
+                  hidden_states=HiddenStates.of(seq) if seq.finish_reason and seq.params.return_hidden_states else None,
+                  timings=RequestTimings.of(seq) if seq.finish_reason else None)

@@ -6,6 +6,8 @@ in vLLM's shapes: `RequestOutput` with one `CompletionOutput` per sequence, and 
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -38,10 +40,28 @@ class Update:
     cumulative_logprob: float = 0.0  # of the sequence's tokens so far
     weight_version: int = 0  # of the weights that sampled its tokens (`Engine.update_weights`)
     hidden_states: HiddenStates | None = None  # on its last update, when asked for (`HiddenStates.of`)
+    timings: RequestTimings | None = None  # on its last update
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class RequestTimings(NamedTuple):
+    """vLLM's request timings of a finished sequence, in seconds (measured by the engine)."""
+
+    queued: float  # from its arrival to its first step
+    prefill: float  # from its first step to its first token
+    decode: float  # from its first token to its last
+    inference: float  # from its first step to its last token
+
+    @staticmethod
+    def of(seq: Sequence) -> RequestTimings:
+        """A sequence's, as it finishes now (one that never ran or released a token: those spans 0)."""
+        now = time.monotonic()
+        scheduled = seq.scheduled_at or now
+        first = seq.first_token_at or now
+        return RequestTimings(scheduled - seq.arrived_at, first - scheduled, now - first, now - scheduled)
 
 
 @dataclasses.dataclass

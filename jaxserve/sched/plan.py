@@ -4,6 +4,7 @@ the device gives back for it (`StepOutput`), and the scheduler's counters (`Sche
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -55,6 +56,7 @@ class ScheduledSeq:
         be the pending token of the step before (only ever one: a row that samples covers all known
         tokens)."""
         start = seq.num_computed_tokens
+        seq.scheduled_at = seq.scheduled_at or time.monotonic()
         token_ids = seq.token_ids[start:start + n]
         pending_row = -1
         if len(token_ids) < n:

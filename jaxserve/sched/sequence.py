@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +62,11 @@ class Sequence:
     index: int = 0  # which of the request's n choices
     priority: int = 0  # under priority scheduling, lower first
     arrival: int = 0  # the request's place in arrival order (its siblings share it)
+    # time.monotonic() when it came (its siblings share it), when it was first in a step, when its first
+    # token was released: vLLM's request timings (`Update.timings`)
+    arrived_at: float = dataclasses.field(default_factory=time.monotonic)
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
     # the prefix cache key of its first page's predecessor: None, or its request's cache_salt hashed
     # (only requests with the same salt share pages)
     hash_seed: bytes | None = None
@@ -133,7 +139,7 @@ class Sequence:
                         max_tokens=self.max_tokens, page_ids=list(self.page_ids), page_hashes=list(self.page_hashes),
                         num_computed_tokens=self.num_computed_tokens, status=self.status, index=self.index + k,
                         num_cached_tokens=self.num_cached_tokens, priority=self.priority, arrival=self.arrival,
-                        hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs,
+                        arrived_at=self.arrived_at, hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs,
                         hidden_states=dict(self.hidden_states))
 
     def drop_tokens_after(self, num_output_tokens: int) -> int:
