@@ -105,7 +105,6 @@ class Replicas:
         self.router = Router.for_config(len(replicas), config)
         self._pending: dict[str, tuple[int, float]] = {}  # request id -> (its replica, when admitted): not started
         self._active: dict[str, int] = {}  # request id -> its replica, while it runs
-        self.seats = config.max_num_seqs  # each replica's
 
     @property
     def tokenizer(self):
@@ -206,7 +205,8 @@ class Replicas:
         (admitted or running), of which those past its seats wait and weigh four times."""
         sent = (sum(route == replica for route, _ in self._pending.values())
                 + sum(route == replica for route in self._active.values()))
-        return WAITING_WEIGHT * max(0, sent - self.seats) + min(sent, self.seats)
+        seats = self.router.seats
+        return WAITING_WEIGHT * max(0, sent - seats) + min(sent, seats)
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
                  priority: int = 0, cache_salt: str | None = None, min_weight_version: int = 0,
