@@ -97,6 +97,8 @@ def _add_server_arguments(p) -> None:
                    help="log each request (its id, prompt length and sampling settings) as it arrives")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older name: do not log each request (the default)")
+    p.add_argument("--root-path", default="", help="vLLM's: the path prefix a proxy serves the API under (requests "
+                   "are served with or without it)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="vLLM's: each response has an X-Request-Id header (the request's own, else a new id)")
     p.add_argument("--disable-log-stats", action="store_true",
@@ -233,6 +235,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                        or args.ray_address):
         p.error("--ray-address, --ray-hosts-per-replica and --ray-bundle place replicas on Ray: add "
                 "--data-parallel-backend ray")
+    if args.engine.profiler and args.engine.data_parallel_backend == "ray":
+        p.error("--profiler-config traces the server's process, which replicas on Ray are not in: profile with "
+                "--data-parallel-backend thread")
     if args.shutdown_timeout < 0:
         p.error(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     args.allow_runtime_lora_updating |= os.environ.get(RUNTIME_LORA_ENV, "").lower() in ("1", "true")
@@ -450,7 +455,8 @@ def main(argv: list[str] | None = None) -> None:
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
                      runtime_lora_updating=args.allow_runtime_lora_updating,
-                     request_id_headers=args.enable_request_id_headers)
+                     request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
+                     profiler=engine.config.profiler)
     add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()
     front.start()

@@ -35,6 +35,8 @@ from api.messages import error_body as anthropic_error_body
 from api.messages import messages
 from api.metrics import Metrics
 from api.playground import playground as playground_pages
+from api.profiling import PATHS as PROFILING_PATHS
+from api.profiling import profiling_routes
 from api.responses import responses
 from api.rl import PATHS as TRAINING_PATHS
 from api.rl import UnboundedWeights, training
@@ -43,12 +45,13 @@ from api.state import APIState, api_state
 from api.tokenize import tokenize
 from api.tokens_io import tokens_io
 from api.tool_parsers import ToolParser, parser_for_template
+from jaxserve.config.profiler import ProfilerConfig
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.replicas import Replicas
 
 log = logging.getLogger(__name__)
 
-KEYED_PATHS = ("/v1", "/invocations", "/inference", *TRAINING_PATHS)  # the routes --api-key guards
+KEYED_PATHS = ("/v1", "/invocations", "/inference", *TRAINING_PATHS, *PROFILING_PATHS)  # the routes --api-key guards
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
 
 
@@ -57,7 +60,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
                log_requests: bool = False, cors: CorsPolicy = CorsPolicy(),
                reasoning_parser: str | None = None, docs: bool = True,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True,
-               runtime_lora_updating: bool = False, request_id_headers: bool = False) -> Quart:
+               runtime_lora_updating: bool = False, request_id_headers: bool = False, root_path: str = "",
+               profiler: ProfilerConfig | None = None) -> Quart:
     """The app over `engine`'s data-parallel replicas (or one); `api_key`: the key (or any one of the keys)
     the guarded routes (KEYED_PATHS) take; `tool_parser` reads "auto" tool calls (default: the one the chat
     template points to).
@@ -71,14 +75,20 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     come exceeds the limit (the rest is not kept). `playground`: serve the browser playground at GET /
     (`api/playground.py`). `runtime_lora_updating`: serve vLLM's routes that load and unload LoRA
     adapters (`api/lora.py`). `request_id_headers`: each response has an X-Request-Id header, the
-    request's own or a new one (vLLM's --enable-request-id-headers)."""
+    request's own or a new one (vLLM's --enable-request-id-headers). `root_path`: the path prefix a
+    proxy serves the API under (vLLM's --root-path, `RootPath`). `profiler`: serve POST /start_profile
+    and /stop_profile, traces of this process (`api/profiling.py`)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
     app.request_class = UnboundedWeights
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
     app.config["MAX_CONTENT_LENGTH"] = max_request_body_bytes
     paths = {} if docs else dict(openapi_path=None, redoc_ui_path=None, scalar_ui_path=None, swagger_ui_path=None)
-    QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")), **paths)
+    root_path = root_path.rstrip("/")
+    QuartSchema(app, info=Info(title="jaxserve", version=importlib.metadata.version("jaxserve")),
+                servers=[{"url": root_path}] if root_path else None, **paths)
+    if root_path:
+        app.asgi_app = RootPath(app.asgi_app, root_path)
     app.json.sort_keys = False  # a completion's top_logprobs are in rank order, as in the stream
     template = None if engine.tokenizer is None else engine.tokenizer.hf.chat_template
     metrics = Metrics(engine, limits.served_model_name)
@@ -97,9 +107,27 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
     for blueprint in (server_info, completions, chat, responses, messages, embeddings, tokenize, training, tokens_io,
-                      *([playground_pages] if playground else []), *([lora] if runtime_lora_updating else [])):
+                      *([playground_pages] if playground else []), *([lora] if runtime_lora_updating else []),
+                      *([profiling_routes(profiler)] if profiler else [])):
         app.register_blueprint(blueprint)
     return app
+
+
+class RootPath:
+    """vLLM's --root-path: the API served behind a proxy under a path prefix, as FastAPI's root_path
+    routes it: a path under the prefix is routed without it, and one without it as it is (from a
+    proxy that strips the prefix)."""
+
+    def __init__(self, asgi_app, root_path: str):
+        self.asgi_app, self.root_path = asgi_app, root_path
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] in ("http", "websocket") and path.startswith(self.root_path):
+            rest = path[len(self.root_path):]
+            if rest == "" or rest.startswith("/"):
+                scope = {**scope, "path": rest or "/"}
+        return await self.asgi_app(scope, receive, send)
 
 
 async def _check_key():

@@ -11,15 +11,17 @@ Each app has its own registry.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.replicas import Replicas
-from jaxserve.sched.plan import SchedulerStats
+from jaxserve.sched.plan import SchedulerStats, step_token_bounds
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vLLM's
@@ -56,9 +58,33 @@ class _EngineCollector:
                                                             labels=[*labels, "position"])
                     for position, accepted in enumerate(stats.accepted_per_position):
                         metrics[name].add_metric([*labels.values(), str(position)], accepted)
+                if stats.step_token_counts:
+                    self._step_tokens(metrics, prefix, labels, stats)
                 if front.engine.config.enable_lora:
                     self._lora_info(metrics, prefix, labels, stats, front.engine.config.max_loras)
+                self._cache_config_info(metrics, prefix, labels)
             yield from metrics.values()
+
+    def _step_tokens(self, metrics: dict, prefix: str, labels: dict, stats: SchedulerStats) -> None:
+        """vLLM's `iteration_tokens_total`: the tokens each engine step computed, as a histogram."""
+        name = "iteration_tokens_total"
+        if name not in metrics:
+            metrics[name] = HistogramMetricFamily(prefix + name, "Tokens per engine step.", labels=list(labels))
+        bounds = step_token_bounds(self.engine.engine.config.max_num_batched_tokens)
+        cumulative = list(itertools.accumulate(stats.step_token_counts))
+        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        metrics[name].add_metric(list(labels.values()), buckets, stats.num_step_tokens)
+
+    def _cache_config_info(self, metrics: dict, prefix: str, labels: dict) -> None:
+        """vLLM's `cache_config_info`: the KV cache's settings as labels, 1 as the value."""
+        config, name = self.engine.engine.config, "cache_config_info"
+        info = {"block_size": config.page_size, "cache_dtype": config.kv_dtype, "num_gpu_blocks": config.num_pages,
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "gpu_memory_utilization": config.kv_cache_memory_fraction}
+        labels = {**{key: str(value) for key, value in info.items()}, **labels}
+        if name not in metrics:
+            metrics[name] = GaugeMetricFamily(prefix + name, "The KV cache's settings.", labels=list(labels))
+        metrics[name].add_metric(list(labels.values()), 1)
 
     @staticmethod
     def _lora_info(metrics: dict, prefix: str, labels: dict, stats: SchedulerStats, max_loras: int) -> None:
@@ -195,6 +221,8 @@ class Metrics:
                                         ("prefill", "time from its first step to its first token"),
                                         ("decode", "time from its first token to its last"),
                                         ("inference", "time from its first step to its last token"))}
+        self.tpot = twins(Histogram, "request_time_per_output_token_seconds", "Each finished sequence's decode time "
+                          "over its tokens after the first (0 for one token).", buckets=LATENCY_BUCKETS)
         self.params_n = twins(Histogram, "request_params_n", "Each request's n.", buckets=(1, 2, 5, 10, 20))
         self.params_max_tokens = twins(Histogram, "request_params_max_tokens", "Each request's max_tokens.",
                                        buckets=counts)
@@ -233,6 +261,8 @@ class Metrics:
                     for span, seconds in zip(self.spans, update.timings or ()):  # (RequestTimings' order)
                         for metric in self.spans[span]():
                             metric.observe(seconds)
+                    for metric in self.tpot() if update.timings else ():
+                        metric.observe(update.timings.decode / max(update.num_output_tokens - 1, 1))
                 yield update
         finally:
             if finished < n:

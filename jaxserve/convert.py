@@ -10,7 +10,7 @@ import argparse
 import time
 
 from checkpoints import resolve_model
-from jaxserve.config.engine import QUANTIZATIONS
+from jaxserve.config.checkpoint import QUANTIZATIONS
 from jaxserve.worker.weights import convert_checkpoint
 
 

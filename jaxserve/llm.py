@@ -24,6 +24,7 @@ from jaxserve.engine.core import Engine, next_weight_version
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
+from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.replicas import Router
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
@@ -163,6 +164,21 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
         return self.tokenizer.hf
+
+    def start_profile(self) -> None:
+        """vLLM's: start a trace of this process (its threads and devices) by JAX's profiler, into the
+        directory of `profiler_config` (or VLLM_TORCH_PROFILER_DIR); RuntimeError where neither is set."""
+        self._profiler().start()
+
+    def stop_profile(self) -> None:
+        """vLLM's: stop the trace and write it (TensorBoard's profile plugin and Perfetto read it)."""
+        self._profiler().stop()
+
+    def _profiler(self) -> Profiler:
+        if self.engine.config.profiler is None:
+            raise RuntimeError("Profiler is not enabled: make the LLM with profiler_config={\"profiler\": \"torch\", "
+                               "\"torch_profiler_dir\": DIR} (or set VLLM_TORCH_PROFILER_DIR)")
+        return Profiler(self.engine.config.profiler)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget the prefix cache's pages (of every replica); False (and nothing forgotten) while

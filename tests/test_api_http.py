@@ -19,6 +19,7 @@ from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.limits import Limits
+from jaxserve.config.profiler import ProfilerConfig
 
 
 def test_health_and_models(served, client):
@@ -232,6 +233,52 @@ def test_several_api_keys_and_request_id_headers(served):
         assert given[0] != given[1] and all(len(g) == 32 for g in given)
 
     asyncio.run(check())
+
+
+def test_a_root_path_serves_the_api_under_its_prefix_and_without_it(served):
+    """vLLM's --root-path (FastAPI's root_path): behind a proxy the routes answer under the prefix and
+    without it (a proxy that strips it); the prefix is not matched inside a name, and the OpenAPI
+    document names it as the server's URL."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="k", root_path="/llm/")
+
+    async def check():
+        test = app.test_client()
+        key = {"Authorization": "Bearer k"}
+        for path in ("/llm/v1/models", "/v1/models"):
+            assert (await test.get(path, headers=key)).status_code == 200
+        assert (await test.get("/llm/v1/models")).status_code == 401  # (the key guards it under the prefix)
+        assert (await test.get("/llmv1/models", headers=key)).status_code == 404
+        assert (await test.get("/llm")).status_code == (await test.get("/")).status_code == 200  # (the playground)
+        assert (await (await test.get("/llm/openapi.json")).get_json())["servers"] == [{"url": "/llm"}]
+
+    asyncio.run(check())
+
+
+def test_profiling_routes_trace_the_process_where_profiling_is_on(served, tmp_path, monkeypatch):
+    """vLLM's POST /start_profile and /stop_profile: served with a profiler config (else 404s, as
+    vLLM's), guarded by the API key; the trace of a request is written under the directory; a second
+    start, or a stop with none running, is a 400. VLLM_TORCH_PROFILER_DIR turns profiling on too."""
+    app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="k", profiler=ProfilerConfig(str(tmp_path)))
+    plain = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260))
+    key = {"Authorization": "Bearer k"}
+
+    async def check():
+        test = app.test_client()
+        assert (await test.post("/start_profile")).status_code == 401
+        assert [(await test.post(path, headers=key)).status_code for path in ("/start_profile", "/start_profile")] \
+            == [200, 400]
+        body = {"model": MODEL, "prompt": "profiled", "max_tokens": 2}
+        assert (await test.post("/v1/completions", json=body, headers=key)).status_code == 200
+        assert [(await test.post(path, headers=key)).status_code for path in ("/stop_profile", "/stop_profile")] \
+            == [200, 400]
+        assert (await plain.test_client().post("/start_profile")).status_code == 404
+
+    asyncio.run(check())
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
+    assert ProfilerConfig.parse(None) == ProfilerConfig(str(tmp_path))
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
+    assert ProfilerConfig.parse(None) is None and ProfilerConfig.parse({"profiler": None}) is None
 
 
 def test_the_playground_page_and_its_files_are_served_unless_turned_off(served):

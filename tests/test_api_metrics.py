@@ -73,6 +73,32 @@ def test_prompt_tokens_count_each_prompt_as_vllms(served, client):
             spans[span] = after[key(prefix, name + "_sum")] - before.get(key(prefix, name + "_sum"), 0)
         assert min(spans.values()) >= 0 and spans["prefill"] > 0 and spans["decode"] > 0
         assert spans["inference"] == pytest.approx(spans["prefill"] + spans["decode"], rel=1e-3)
+        tpot = "request_time_per_output_token_seconds_sum"  # (decode time over the tokens after the first: 1 here)
+        assert after[key(prefix, tpot)] - before.get(key(prefix, tpot), 0) == pytest.approx(spans["decode"], rel=1e-3)
+
+
+def test_step_tokens_and_the_cache_config_as_vllms(served, client):
+    """vLLM's iteration_tokens_total (each step's tokens: the prompt's step, then one a decode step)
+    under its bounds (1, 8, powers of two up to the token budget), and cache_config_info (the KV
+    cache's settings as labels)."""
+    before = scrape(served)
+    usage = completion(client, prompt=f"steps {time.time_ns()}", max_tokens=3, **GREEDY).usage
+    after = scrape(served)
+    for prefix in ("jaxserve:", "vllm:"):
+        name = "iteration_tokens_total"
+        labels = "" if prefix == "jaxserve:" else f"|0|{MODEL}"
+        moved = [after[prefix + name + part + labels] - before[prefix + name + part + labels]
+                 for part in ("_count", "_sum")]
+        assert moved == [3, usage.prompt_tokens + 2], prefix
+    text = httpx.get(served[0].url + "/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    bounds = [s.labels["le"] for s in families["vllm:iteration_tokens_total"].samples if s.name.endswith("_bucket")]
+    top = float(ENGINE.get("max_num_batched_tokens", 512))
+    assert bounds == [str(float(b)) for b in (1, 8, 16, 32, 64, 128, 256) if b < top] + [str(top), "+Inf"]
+    [info] = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["block_size"] == str(ENGINE.get("page_size", 16))
+    assert info.labels["num_gpu_blocks"] == str(ENGINE["num_pages"]) and info.labels["engine"] == "0"
+    assert info.labels["enable_prefix_caching"] == "True"
 
 
 def test_metrics_parse_and_move(served, client):

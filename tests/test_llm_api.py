@@ -327,14 +327,27 @@ def test_detokenize_false_gives_token_ids_alone(default_llm):
         SamplingParams(stop=["x"], detokenize=False)
 
 
-def test_vllm_engine_options_and_request_arguments(default_llm):
+def test_vllm_engine_options_and_request_arguments(default_llm, tmp_path):
     """vLLM's engine options and per-request arguments: taken where they change nothing here,
-    a ValueError that names what is not supported where they would."""
+    a ValueError that names what is not supported where they would. And vLLM's profiling: a trace
+    of the process between start_profile and stop_profile, written where profiler_config says."""
     llm = LLM("jaxserve-tiny", **SMALL_ENGINE, enforce_eager=True, disable_log_stats=True, swap_space=4, enable_chunked_prefill=True,
               distributed_executor_backend="mp", quantization=None, revision=None, task="generate",
-              enable_lora=False, max_logprobs=3, override_generation_config={"temperature": 0.0, "max_new_tokens": 5})
+              enable_lora=False, max_logprobs=3, override_generation_config={"temperature": 0.0, "max_new_tokens": 5},
+              max_num_partial_prefills=1, long_prefill_token_threshold=4,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
     assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    llm.start_profile()
+    with pytest.raises(ValueError, match="already being taken"):
+        llm.start_profile()
     (out,) = llm.generate("hello", lora_request=None, priority=[0], use_tqdm=False)
+    llm.stop_profile()
+    with pytest.raises(ValueError, match="no profile is being taken"):
+        llm.stop_profile()
+    traces = [path.name for path in tmp_path.glob("plugins/profile/*/*")]
+    assert any(name.endswith(".xplane.pb") for name in traces) and any(name.endswith(".trace.json.gz") for name in traces)
+    with pytest.raises(RuntimeError, match="Profiler is not enabled"):
+        default_llm.start_profile()
     want = default_llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 5
     assert (out.lora_request, out.metrics, out.encoder_prompt, out.outputs[0].lora_request) == (None,) * 4
@@ -344,7 +357,12 @@ def test_vllm_engine_options_and_request_arguments(default_llm):
                            (dict(enable_lora=True, batch_invariant=True), "LoRA|lora"),
                            (dict(pipeline_parallel_size=2), "pipeline"),
                            (dict(task="embed"), "generates text"), (dict(max_logprobs=-2), "max_logprobs"),
-                           (dict(override_generation_config={"do_sample": True}), "do_sample")):
+                           (dict(override_generation_config={"do_sample": True}), "do_sample"),
+                           (dict(max_num_partial_prefills=2), "partial prefills"),
+                           (dict(profiler_config={"profiler": "cuda"}), "profiler must be one of torch, jax"),
+                           (dict(profiler_config={"profiler": "torch"}), "torch_profiler_dir must name"),
+                           (dict(profiler_config={"torch_profiler_with_stack": True}), "'torch_profiler_with_stack' "
+                            "not supported")):
         with pytest.raises(ValueError, match=match):
             LLM("jaxserve-tiny", **SMALL_ENGINE, **options)
     with pytest.raises(TypeError, match="no_such_option"):

@@ -167,6 +167,28 @@ def test_prefill_is_chunked_under_the_token_budget_while_decodes_continue():
     assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 1, True), (1, 10, True)]
 
 
+def test_long_prefill_token_threshold_caps_a_prompts_chunk_and_leaves_room_for_the_next():
+    """vLLM's long_prefill_token_threshold: a prompt computes at most that many tokens a step, and
+    the budget left goes to the prompts behind it (without it the first takes the whole step)."""
+    sched = make_scheduler(long_prefill_token_threshold=6)
+    sched.add(make_seq(0, 20, max_tokens=2))
+    sched.add(make_seq(1, 4, max_tokens=2))
+    sched.add(make_seq(2, 10, max_tokens=2))
+    batch = run_step(sched)
+    assert [(r.seq_id, len(r.token_ids), r.sample) for r in batch.rows] == [(0, 6, False), (1, 4, True), (2, 6, False)]
+    batch = run_step(sched)
+    assert [(r.seq_id, len(r.token_ids)) for r in batch.rows] == [(0, 6), (1, 1), (2, 4)]
+    while sched.has_unfinished():
+        assert max(len(r.token_ids) for r in run_step(sched).rows) <= 6
+    assert sched.finish_counts["length"] == 3
+    uncapped = make_scheduler()
+    uncapped.add(make_seq(0, 20))
+    uncapped.add(make_seq(1, 4))
+    assert [(r.seq_id, len(r.token_ids)) for r in run_step(uncapped).rows] == [(0, 16)]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        make_scheduler(long_prefill_token_threshold=-1)
+
+
 @pytest.mark.parametrize("computed_from", [0, 512, 513, None])
 def test_a_step_padded_far_past_its_tokens_is_cut_to_the_bucket_below(computed_from):
     """Waiting prompts that would end a step in the lower half between two token buckets (from 64

@@ -1,5 +1,5 @@
 """What the engine reads from a checkpoint's own files: the sampling defaults of its
-generation_config.json (vLLM's `--generation-config`) and its dtype."""
+generation_config.json (vLLM's `--generation-config`) and its dtype; and how its weights may be kept."""
 
 from __future__ import annotations
 
@@ -59,3 +59,13 @@ def resolve_dtype(dtype: str, model_dir: str | Path) -> str:
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     stored = str(hf.get("torch_dtype") or hf.get("dtype") or "float32").removeprefix("torch.")
     return DTYPE_ALIASES.get(stored, stored if stored in DTYPES else "float32")
+
+
+# how weights may be kept (`EngineConfig.quantization`): formats of jaxserve_kernels.matmul.quant, a GGUF
+# file's own types, or floats
+QUANTIZATIONS = ("int8", "int4", "gguf", "none")
+
+
+def quantization_flag(text: str) -> str | None:
+    """--quantization's value: vLLM's scripts pass "None" for the default."""
+    return None if text == "None" else text

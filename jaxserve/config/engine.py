@@ -8,9 +8,10 @@ import functools
 import math
 
 from checkpoints import DEFAULT_MODEL_NAME, OFFLINE_MODEL_NAME
-from jaxserve.config.checkpoint import DTYPE_ALIASES, DTYPES
+from jaxserve.config.checkpoint import DTYPE_ALIASES, DTYPES, QUANTIZATIONS, quantization_flag
 from jaxserve.config.fields import json_object, options_to_fields, setting
 from jaxserve.config.kv_events import KVEventsConfig
+from jaxserve.config.profiler import ProfilerConfig
 from jaxserve.config.speculative import SpeculativeConfig
 from jaxserve.config.vllm import check_vllm_options
 from jaxserve.errors import RequestError
@@ -39,16 +40,6 @@ DATA_PARALLEL_BACKENDS = ("thread", "ray")
 PAGE_TABLE_WIDTHS = ("auto", "4x", "widest")  # see `EngineConfig.page_table_widths`
 
 
-# how weights may be kept (`EngineConfig.quantization`): formats of jaxserve_kernels.matmul.quant, a GGUF
-# file's own types, or floats
-QUANTIZATIONS = ("int8", "int4", "gguf", "none")
-
-
-def _quantization(text: str) -> str | None:
-    """--quantization's value: vLLM's scripts pass "None" for the default."""
-    return None if text == "None" else text
-
-
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting, declared once (`fields.setting`): run_server.py's engine flags and
@@ -70,13 +61,15 @@ class EngineConfig:
     quantization: str | None = setting(
         None, "how the weights are kept: int8 or int4 (blocks of 32 values with a scale, int4 also a minimum), "
         "quantized at load; gguf, a GGUF file's own types; none, dequantized into --dtype. Default: a GGUF file as "
-        "it is stored, any other checkpoint in --dtype", flags=("-q",), type=_quantization, compiled=True)
+        "it is stored, any other checkpoint in --dtype", flags=("-q",), type=quantization_flag, compiled=True)
     kv_cache_dtype: str = setting("auto", "the KV cache's values (default: auto, the same as --dtype)",
                                   choices=("auto", *DTYPES), compiled=True)
     max_model_len: int | None = setting(None, "prompt + output tokens (default: the model's)", type=int,
                                         compiled=True)
     max_num_seqs: int = setting(64, "sequences per step", compiled=True)
     max_num_batched_tokens: int = setting(512, "tokens per step (the token budget)", compiled=True)
+    long_prefill_token_threshold: int = setting(0, "vLLM's: the most tokens of one prompt a step computes (a longer "
+                                                "prompt is chunked by it, leaving room for others); 0: no cap")
     page_size: int = setting(16, "tokens per KV page", flags=("--block-size",), aliases=("block_size",),
                              compiled=True)
     num_pages: int | None = setting(None, "KV pages, the null page 0 included (default: enough for max-num-seqs, "
@@ -148,6 +141,10 @@ class EngineConfig:
         'earlier tokens, and each step checks them all at once, exactly (outputs are distributed as without it); '
         'disable_by_batch_size (default 8): no drafts while more sequences run (docs/speculative.md)',
         type=json_object)
+    profiler_config: dict | None = setting(
+        None, 'JSON, vLLM\'s: \'{"profiler": "torch", "torch_profiler_dir": DIR}\' serves POST /start_profile and '
+        "/stop_profile (LLM: start_profile, stop_profile): a trace of the process by JAX's profiler, written under "
+        "DIR (default: vLLM's VLLM_TORCH_PROFILER_DIR, where set)", type=json_object)
     kv_events_config: dict | None = setting(
         None, 'JSON: publish the prefix cache\'s KV events for external routers (vLLM\'s KVEventsConfig), e.g. '
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv-events"}\': '
@@ -222,7 +219,7 @@ class EngineConfig:
             raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {self.num_pages}")
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}")
-        self.kv_events  # (a bad kv_events_config fails here)
+        self.kv_events, self.profiler  # (a bad kv_events_config or profiler_config fails here)
         if self.data_parallel_backend not in DATA_PARALLEL_BACKENDS:
             raise ValueError(f"data_parallel_backend must be one of {', '.join(DATA_PARALLEL_BACKENDS)}, "
                              f"got {self.data_parallel_backend!r}")
@@ -231,7 +228,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
-        for name in ("max_hidden_states_layers", "max_steering_slots", "seed"):
+        for name in ("max_hidden_states_layers", "max_steering_slots", "seed", "long_prefill_token_threshold"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.enable_lora and self.batch_invariant:
@@ -242,6 +239,10 @@ class EngineConfig:
     @functools.cached_property
     def kv_events(self) -> KVEventsConfig | None:
         return KVEventsConfig.parse(self.kv_events_config)
+
+    @functools.cached_property
+    def profiler(self) -> ProfilerConfig | None:
+        return ProfilerConfig.parse(self.profiler_config)
 
     @functools.cached_property
     def speculative(self) -> SpeculativeConfig | None:
@@ -349,11 +350,8 @@ class EngineConfig:
         positions, where the attention reads them."""
         if self.page_table_widths == "widest":
             return (self.max_pages_per_seq,)
-        out, b = [], 4
-        while b < self.max_pages_per_seq:
-            out.append(b)
-            b *= 4
-        return tuple(out) + (self.max_pages_per_seq,)
+        widest = self.max_pages_per_seq
+        return tuple(4**i for i in range(1, widest.bit_length()) if 4**i < widest) + (widest,)
 
     def seqs_buckets(self, token_bucket: int) -> tuple[int, ...]:
         """Padded numbers of rows for a step of `token_bucket` tokens T: min(T, max_num_seqs)

@@ -36,11 +36,17 @@ _TEXT_ONLY = "the models take text only"
 _GENERATE_ONLY = "jaxserve generates text, or embeds with --runner pooling (no other tasks or conversions)"
 
 
+_PARTIAL = ("prompts are chunked as the token budget falls, with no count of partial prefills (vLLM's V1 takes only "
+            "1 too); long_prefill_token_threshold caps a long prompt's share of a step")
+
+
 VLLM_OPTIONS = {
     "enforce_eager": VllmOption("there are no CUDA graphs to turn off: steps run step shapes XLA compiled ahead",
                                 cli=_SWITCH),
     "enable_chunked_prefill": VllmOption("prompts are always prefilled in chunks of max_num_batched_tokens (the "
                                          "outputs are the same)", cli=_ON_OFF),
+    "max_num_partial_prefills": VllmOption(_PARTIAL, (1,), _INT),
+    "max_long_partial_prefills": VllmOption(_PARTIAL, (1,), _INT),
     "swap_space": VllmOption("preempted sequences are recomputed, never swapped to host memory", cli=_FLOAT),
     "disable_custom_all_reduce": VllmOption("XLA picks the collectives", cli=_SWITCH),
     "distributed_executor_backend": VllmOption("jaxserve runs one process per host, with no worker processes",

@@ -45,7 +45,7 @@ MAX_CALLS = 100_000  # an actor's concurrent calls
 PLACEMENT_SECONDS = 300  # how long a replica's placement group may wait for room
 COUNTERS = ("num_prompt_tokens", "num_prompt_tokens_computed", "num_generated_tokens", "num_preemptions",
             "num_prefix_queried_tokens", "num_prefix_hit_tokens", "finish_counts", "num_drafts", "num_draft_tokens",
-            "num_accepted_tokens", "accepted_per_position")
+            "num_accepted_tokens", "accepted_per_position", "step_token_counts", "num_step_tokens")
 
 
 def with_counters(stats: SchedulerStats, before: SchedulerStats) -> SchedulerStats:

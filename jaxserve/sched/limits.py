@@ -40,6 +40,14 @@ class BatchLimits:
         self.layers.update(seq.sampling.hidden_layers)
 
 
+def next_chunk(config, seq: Sequence, budget: int) -> int:
+    """The tokens seq computes next within `budget`: all it lacks, and of a long prompt at most
+    `long_prefill_token_threshold` where that is set (vLLM's cap: others keep room in each step)."""
+    n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+    cap = config.long_prefill_token_threshold
+    return min(n, cap) if cap else n
+
+
 def bucket_cut(config, total: int, budget: int, waiting: Iterable[Sequence], num_running: int) -> tuple[int, int]:
     """A step's (total, budget) tokens, `budget` of them left once the running rows have theirs,
     cut so that the step ends on the token bucket below instead of being padded to the one above:
@@ -50,8 +58,7 @@ def bucket_cut(config, total: int, budget: int, waiting: Iterable[Sequence], num
     costs less than the step the cut prompt's first token would wait for. A prompt's cached
     prefix, unknown before it is matched, counts as tokens to compute."""
     used, seats = total - budget, max(config.max_num_seqs - num_running, 0)
-    n = used + min(budget, sum(seq.num_wanted_tokens - seq.num_computed_tokens
-                               for seq in itertools.islice(waiting, seats)))
+    n = used + min(budget, sum(next_chunk(config, seq, budget) for seq in itertools.islice(waiting, seats)))
     buckets = config.token_buckets
     i = bisect.bisect_right(buckets, n) - 1  # the largest bucket of at most n tokens
     computed_from = config.padding_computed_from

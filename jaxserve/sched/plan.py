@@ -3,6 +3,7 @@ the device gives back for it (`StepOutput`), and the scheduler's counters (`Sche
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 
@@ -194,10 +195,32 @@ class SchedulerStats:
     accepted_per_position: tuple[int, ...] = ()  # drafts kept, by their place in the row's drafts
     running_loras: tuple[str, ...] = ()  # the names of the LoRA adapters of running sequences
     waiting_loras: tuple[str, ...] = ()  # ... and of waiting ones
+    step_token_counts: tuple[int, ...] = ()  # steps by their tokens, under `step_token_bounds` (not cumulative)
+    num_step_tokens: int = 0  # the tokens of every step
 
     @property
     def kv_cache_usage(self) -> float:
         return self.kv_pages_used / self.kv_pages_total
+
+
+def step_token_bounds(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """vLLM's bounds of its steps' token counts (iteration_tokens_total): 1, 8, then powers of two up to the
+    token budget."""
+    top = max_num_batched_tokens
+    return tuple(b for b in (1, 8, *(1 << i for i in range(4, top.bit_length()))) if b < top) + (top,)
+
+
+class StepTokens:
+    """How many steps computed how many tokens: each step counted under the first bound it does not exceed."""
+
+    def __init__(self, max_num_batched_tokens: int):
+        self.bounds = step_token_bounds(max_num_batched_tokens)
+        self.counts = [0] * len(self.bounds)
+        self.total = 0
+
+    def observe(self, num_tokens: int) -> None:
+        self.counts[min(bisect.bisect_left(self.bounds, num_tokens), len(self.bounds) - 1)] += 1
+        self.total += num_tokens
 
 
 def record_prompt_logprobs(seq: Sequence, row: ScheduledSeq, prompt: PromptLogprobs, first: int) -> None:

@@ -1,29 +1,25 @@
 """Continuous batching with one token budget and no phases.
 
-Each sequence knows `num_computed_tokens` (K/V in the cache) and how many it
-wants cached (`num_wanted_tokens`). A step hands out up to
-`max_num_batched_tokens` new tokens: a running sequence gets what it lacks (one
-decode token, or the next chunk of a long prompt), then waiting sequences join
-while the budget, the `max_num_seqs` limit and the free pages allow. A chunk
-that reaches the end of a sequence's known tokens samples the next token; a
-partial prefill chunk samples nothing.
+Each sequence knows `num_computed_tokens` (K/V in the cache) and how many it wants cached
+(`num_wanted_tokens`). A step hands out up to `max_num_batched_tokens` new tokens: a running sequence gets
+what it lacks (one decode token, or the next chunk of a long prompt, of at most `long_prefill_token_threshold`
+tokens where that is set), then waiting sequences join while the budget, the `max_num_seqs` limit and the free
+pages allow. A chunk that reaches the end of a sequence's known tokens samples the next token; a partial
+prefill chunk samples nothing.
 
-When a running sequence needs a page and none is free, the newest running
-sequence is preempted: its pages are freed and it waits at the front of the
-queue to be recomputed from its tokens.
+When a running sequence needs a page and none is free, the newest running sequence is preempted: its pages are
+freed and it waits at the front of the queue to be recomputed from its tokens.
 
-Under the priority policy (`EngineConfig.scheduling_policy`) the waiting queue
-and the batch are kept in order of (priority, arrival): the lowest priority is
-preempted first, and a waiting sequence of a higher priority than the lowest
-running one that finds no seat or pages preempts it.
+Under the priority policy (`EngineConfig.scheduling_policy`) the waiting queue and the batch are kept in order
+of (priority, arrival): the lowest priority is preempted first, and a waiting sequence of a higher priority
+than the lowest running one that finds no seat or pages preempts it.
 
 Prefix caching (`PageAllocator.match_prefix`): a sequence that joins the batch starts on the cached
 pages of its longest registered prefix and computes only the rest.
 
-A request for n > 1 choices is one sequence until all of its prompt but the
-last token is cached; it then forks n - 1 siblings that share those pages
-(reference counts). Each computes the last prompt token itself; whoever writes
-into a shared page first gets a private copy (`ScheduledBatch.page_copies`).
+A request for n > 1 choices is one sequence until all of its prompt but the last token is cached; it then
+forks n - 1 siblings that share those pages (reference counts). Each computes the last prompt token itself;
+whoever writes into a shared page first gets a private copy (`ScheduledBatch.page_copies`).
 
 Steps are planned one ahead: a step may be scheduled while the one before it still computes, and take in
 the sequences that arrive before it is launched (`admit`). Scheduling counts a row's tokens as computed
@@ -40,8 +36,8 @@ row also computes the drafts its budget and free pages allow (`ScheduledSeq.draf
 keeps the samples up to the first that differs from its draft and rolls the rest back. A step with
 drafts is never planned ahead of.
 
-The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never
-touches device arrays. It knows nothing about the model, tokenizers or HTTP.
+The scheduler's output is a plan of host numbers (`ScheduledBatch`); it never touches device arrays, and
+knows nothing about the model, tokenizers or HTTP.
 """
 
 from __future__ import annotations
@@ -53,9 +49,9 @@ import itertools
 import numpy as np
 
 from jaxserve.config.engine import EngineConfig
-from jaxserve.sched.limits import BatchLimits, bucket_cut
+from jaxserve.sched.limits import BatchLimits, bucket_cut, next_chunk
 from jaxserve.sched.pages import PageAllocator
-from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, add_drafts,
+from jaxserve.sched.plan import (ScheduledBatch, ScheduledSeq, SchedulerStats, StepOutput, StepTokens, add_drafts,
                                  hidden_layer_slots, prompt_targets, record_hidden_states, record_prompt_logprobs,
                                  token_logprobs)
 from jaxserve.sched.sequence import Sequence, SequenceStatus, adapter_names
@@ -84,6 +80,7 @@ class Scheduler:
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         spec = config.speculative
         self.accepted_per_position = [0] * (spec.num_speculative_tokens if spec else 0)
+        self.step_tokens = StepTokens(config.max_num_batched_tokens)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -157,7 +154,8 @@ class Scheduler:
             num_queued_requests=self.num_queued_requests, num_queued_tokens=self.num_queued_tokens,
             num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens, accepted_per_position=tuple(self.accepted_per_position),
-            running_loras=adapter_names(self.running), waiting_loras=adapter_names(self.waiting))
+            running_loras=adapter_names(self.running), waiting_loras=adapter_names(self.waiting),
+            step_token_counts=tuple(self.step_tokens.counts), num_step_tokens=self.step_tokens.total)
 
     def schedule(self, token_budget: int | None = None, drafts: dict[int, list[int]] | None = None
                  ) -> ScheduledBatch:
@@ -177,7 +175,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             i += 1
-            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            n = next_chunk(self.config, seq, budget)
             if n <= 0:  # its pending token is its last: nothing more to compute
                 continue
             if not self._reserve(seq, n, batch):
@@ -212,7 +210,7 @@ class Scheduler:
             if seq.seq_id in batch.preempted[:made_room]:
                 break  # (its result from the step in flight is still to be dropped)
             matched = self.config.enable_prefix_caching and self.allocator.match_prefix(seq)
-            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            n = next_chunk(self.config, seq, budget)
             if not self.allocator.allocate(seq, n, batch.page_copies):
                 if matched:  # give the cached pages back until it can be admitted
                     self.allocator.release(seq.page_ids)
@@ -251,7 +249,7 @@ class Scheduler:
             return
         seq, alloc = self.waiting[0], self.allocator
         while self.running and seq.priority < self.running[-1].priority:
-            n = min(seq.num_wanted_tokens - seq.num_computed_tokens, budget)
+            n = next_chunk(self.config, seq, budget)
             pages = alloc.pages_for(seq.num_computed_tokens + n) - len(seq.page_ids)
             if len(self.running) < self.config.max_num_seqs and pages <= alloc.num_free:
                 return
@@ -288,6 +286,7 @@ class Scheduler:
         """Record a finished step: sampled tokens, full pages, forks, stop checks. -> sequences that got
         a token."""
         changed = []
+        self.step_tokens.observe(batch.num_tokens)
         if out.prompt is not None:  # each asking row's first entry in it
             first_entry = np.cumsum([0] + [len(prompt_targets(row)) for row in batch.rows])
         if out.hidden is not None:  # each row's first token, and where each layer's hidden states are
