@@ -11,7 +11,6 @@ Each app has its own registry.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import AsyncIterator
 
@@ -19,18 +18,18 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from jaxserve.engine.figures import PREFIXES, Figure, engine_figures
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.replicas import Replicas
-from jaxserve.sched.plan import SchedulerStats, step_token_bounds
+from jaxserve.sched.plan import SchedulerStats
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
-PREFIXES = ("jaxserve:", "vllm:")  # the second with the model_name label, as vLLM's
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class _EngineCollector:
-    """Reads the engines' stats snapshots when scraped: under jaxserve's names the totals of the
-    data-parallel replicas, under vLLM's one sample per replica (its `engine` label, as vLLM's)."""
+    """Reads the engines' stats snapshots when scraped (`engine_figures`): under jaxserve's names the
+    totals of the data-parallel replicas, under vLLM's one sample per replica (its `engine` label, as vLLM's)."""
 
     def __init__(self, engine: Replicas, model_name: str):
         self.engine = engine
@@ -38,6 +37,7 @@ class _EngineCollector:
 
     def collect(self):
         front = self.engine
+        config = front.engine.config
         sources = {PREFIXES[0]: [({}, front.stats, front.compile_progress, front.queued)],
                    PREFIXES[1]: [({"model_name": self.model_name, "engine": str(i)}, replica.stats,
                                   replica.compile_progress, replica.admission.queued)
@@ -45,46 +45,12 @@ class _EngineCollector:
         for prefix, labelled in sources.items():
             metrics = {}
             for labels, stats, compile_progress, queued in labelled:
-                for prefixes, family, name, doc, value in _figures(stats, compile_progress, queued):
-                    if prefix in prefixes:
-                        if name not in metrics:
-                            metrics[name] = family(prefix + name, doc, labels=list(labels))
-                        metrics[name].add_metric(list(labels.values()), value)
-                if stats.accepted_per_position:
-                    name = "spec_decode_num_accepted_tokens_per_pos"
-                    if name not in metrics:
-                        metrics[name] = CounterMetricFamily(prefix + name, "Draft tokens accepted, by their place "
-                                                            "among a row's drafts (0: the first).",
-                                                            labels=[*labels, "position"])
-                    for position, accepted in enumerate(stats.accepted_per_position):
-                        metrics[name].add_metric([*labels.values(), str(position)], accepted)
-                if stats.step_token_counts:
-                    self._step_tokens(metrics, prefix, labels, stats)
-                if front.engine.config.enable_lora:
-                    self._lora_info(metrics, prefix, labels, stats, front.engine.config.max_loras)
-                self._cache_config_info(metrics, prefix, labels)
+                for figure in engine_figures(stats, config, compile_progress, queued):
+                    if prefix in figure.prefixes:
+                        _add(metrics, prefix, labels, figure)
+                if config.enable_lora:
+                    self._lora_info(metrics, prefix, labels, stats, config.max_loras)
             yield from metrics.values()
-
-    def _step_tokens(self, metrics: dict, prefix: str, labels: dict, stats: SchedulerStats) -> None:
-        """vLLM's `iteration_tokens_total`: the tokens each engine step computed, as a histogram."""
-        name = "iteration_tokens_total"
-        if name not in metrics:
-            metrics[name] = HistogramMetricFamily(prefix + name, "Tokens per engine step.", labels=list(labels))
-        bounds = step_token_bounds(self.engine.engine.config.max_num_batched_tokens)
-        cumulative = list(itertools.accumulate(stats.step_token_counts))
-        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
-        metrics[name].add_metric(list(labels.values()), buckets, stats.num_step_tokens)
-
-    def _cache_config_info(self, metrics: dict, prefix: str, labels: dict) -> None:
-        """vLLM's `cache_config_info`: the KV cache's settings as labels, 1 as the value."""
-        config, name = self.engine.engine.config, "cache_config_info"
-        info = {"block_size": config.page_size, "cache_dtype": config.kv_dtype, "num_gpu_blocks": config.num_pages,
-                "enable_prefix_caching": config.enable_prefix_caching,
-                "gpu_memory_utilization": config.kv_cache_memory_fraction}
-        labels = {**{key: str(value) for key, value in info.items()}, **labels}
-        if name not in metrics:
-            metrics[name] = GaugeMetricFamily(prefix + name, "The KV cache's settings.", labels=list(labels))
-        metrics[name].add_metric(list(labels.values()), 1)
 
     @staticmethod
     def _lora_info(metrics: dict, prefix: str, labels: dict, stats: SchedulerStats, max_loras: int) -> None:
@@ -98,48 +64,23 @@ class _EngineCollector:
                                   ",".join(stats.running_loras)], time.time())
 
 
-def _figures(stats: SchedulerStats, compile_progress: tuple[int, int], queued: tuple[int, int]) -> list[tuple]:
-    """(the prefixes it has, family, name, help, value) of each engine metric."""
-    compiled, buckets = compile_progress
-    queued_requests, queued_tokens = queued
-    ours, vllms, both = PREFIXES[:1], PREFIXES[1:], PREFIXES
-    figures = [
-        (both, GaugeMetricFamily, "num_requests_running", "Sequences in the batch.", stats.num_running),
-        (both, GaugeMetricFamily, "num_requests_waiting", "Sequences waiting (new or preempted).",
-         stats.num_waiting),
-        (both, GaugeMetricFamily, "kv_cache_usage_perc", "KV cache use, 1 is full.", stats.kv_cache_usage),
-        (vllms, GaugeMetricFamily, "gpu_cache_usage_perc", "KV cache use, 1 is full (vLLM's older name).",
-         stats.kv_cache_usage),
-        (ours, GaugeMetricFamily, "num_requests_queued", "Requests waiting to start (the queue that "
-         "--max-num-queued-reqs bounds).", queued_requests),
-        (ours, GaugeMetricFamily, "num_tokens_queued", "Prompt tokens of the requests waiting to start (the "
-         "queue that --max-num-queued-tokens bounds).", queued_tokens),
-        (ours, GaugeMetricFamily, "kv_pages_used", "KV cache pages held by sequences.", stats.kv_pages_used),
-        (ours, GaugeMetricFamily, "kv_pages_total", "KV cache pages (the null page excluded).",
-         stats.kv_pages_total),
-        (both, CounterMetricFamily, "prompt_tokens", "Prompt tokens of the requests prefilled, cached ones included "
-         "(vLLM's: each prompt counted once, when its first token is sampled).", stats.num_prompt_tokens),
-        (ours, CounterMetricFamily, "prompt_tokens_computed", "Prompt tokens computed (not found in the prefix "
-         "cache; recomputation after a preemption included).", stats.num_prompt_tokens_computed),
-        (both, CounterMetricFamily, "generation_tokens", "Tokens generated.", stats.num_generated_tokens),
-        (both, CounterMetricFamily, "num_preemptions", "Sequences preempted.", stats.num_preemptions),
-        (both, CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-         stats.num_prefix_queried_tokens),
-        (both, CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-         stats.num_prefix_hit_tokens),
-        (ours, GaugeMetricFamily, "step_buckets_compiled", "Step shapes compiled (after the first few, in "
-         "the background while serving).", compiled),
-        (ours, GaugeMetricFamily, "step_buckets", "Step shapes in all.", buckets),
-    ]
-    if stats.accepted_per_position:  # (speculative decoding is on)
-        figures += [
-            (both, CounterMetricFamily, "spec_decode_num_drafts", "Rows that checked draft tokens.", stats.num_drafts),
-            (both, CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens checked.",
-             stats.num_draft_tokens),
-            (both, CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-             stats.num_accepted_tokens),
-        ]
-    return figures
+def _add(metrics: dict, prefix: str, labels: dict, figure: Figure) -> None:
+    """One engine's sample of a figure, into its family (made by the first engine's)."""
+    names = [*figure.info, *labels] + (["position"] if figure.kind == "vector" else [])
+    if figure.name not in metrics:
+        family = {"gauge": GaugeMetricFamily, "info": GaugeMetricFamily, "counter": CounterMetricFamily,
+                  "vector": CounterMetricFamily, "histogram": HistogramMetricFamily}[figure.kind]
+        metrics[figure.name] = family(prefix + figure.name, figure.doc, labels=names)
+    values = [*figure.info.values(), *labels.values()]
+    if figure.kind == "vector":
+        for position, count in enumerate(figure.value):
+            metrics[figure.name].add_metric([*values, str(position)], count)
+    elif figure.kind == "histogram":
+        bounds, cumulative, total = figure.value
+        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
+        metrics[figure.name].add_metric(values, buckets, total)
+    else:
+        metrics[figure.name].add_metric(values, figure.value)
 
 
 def token_buckets(largest: int) -> list[int]:

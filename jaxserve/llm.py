@@ -12,7 +12,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 import jax
 from tqdm import tqdm
 
-from checkpoints import resolve_model
+from checkpoints import DEFAULT_MODEL_NAME, resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
 from jaxserve.config.lora import LoRARequest
@@ -21,6 +21,7 @@ from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, roun
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.chat_template import template_message
 from jaxserve.engine.core import Engine, next_weight_version
+from jaxserve.engine.figures import Metric, reader_metrics
 from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
@@ -164,6 +165,13 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
         return self.tokenizer.hf
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the engine's figures (tokens, preemptions, the prefix cache, the KV cache's use, drafts
+        accepted, tokens per step, ...) under vLLM's names, as vLLM's metric reader gives them: `Counter`,
+        `Gauge`, `Vector`, `Histogram` (jaxserve.engine.figures), one of each per data-parallel replica."""
+        config = self.engine.config
+        return reader_metrics([engine.stats for engine in self.engines], config, config.model or DEFAULT_MODEL_NAME)
 
     def start_profile(self) -> None:
         """vLLM's: start a trace of this process (its threads and devices) by JAX's profiler, into the

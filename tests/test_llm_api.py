@@ -348,6 +348,15 @@ def test_vllm_engine_options_and_request_arguments(default_llm, tmp_path):
     assert any(name.endswith(".xplane.pb") for name in traces) and any(name.endswith(".trace.json.gz") for name in traces)
     with pytest.raises(RuntimeError, match="Profiler is not enabled"):
         default_llm.start_profile()
+    # vLLM's LLM.get_metrics(): the engine's figures as its metric reader gives them; the prompt in
+    # chunks of at most long_prefill_token_threshold (4) tokens, then a step a token
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert metrics["vllm:generation_tokens"].value == 5 and metrics["vllm:num_requests_running"].value == 0
+    assert metrics["vllm:prompt_tokens"].value == len(out.prompt_token_ids)
+    steps = metrics["vllm:iteration_tokens_total"]
+    assert steps.sum == len(out.prompt_token_ids) + 4 and steps.count == -(-len(out.prompt_token_ids) // 4) + 4
+    assert steps.buckets["8.0"] == steps.count and steps.buckets["+Inf"] == steps.count  # (bounds 1, 8, 16, 32)
+    assert metrics["vllm:cache_config_info"].labels["block_size"] == str(SMALL_ENGINE.get("page_size", 16))
     want = default_llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 5
     assert (out.lora_request, out.metrics, out.encoder_prompt, out.outputs[0].lora_request) == (None,) * 4

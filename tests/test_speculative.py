@@ -22,6 +22,7 @@ from test_compile import LLAMACPP, CompileCounter
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.speculative import SpeculativeConfig
+from jaxserve.engine.figures import Counter, Vector
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.structured_output.grammar import Constraint
 
@@ -200,6 +201,14 @@ def test_a_different_draft_model_gives_the_same_outputs_with_some_drafts_rejecte
     assert _outputs(llm.generate(prompts, params, use_tqdm=False)) == expected
     stats = llm.engine.scheduler.stats()
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    # vLLM's offline reading of the acceptance (its examples' spec_decode.py): LLM.get_metrics()
+    metrics = {m.name: m for m in llm.get_metrics()}
+    assert isinstance(metrics["vllm:spec_decode_num_drafts"], Counter)
+    assert [metrics[f"vllm:spec_decode_num_{name}"].value for name in ("drafts", "draft_tokens", "accepted_tokens")] \
+        == [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens]
+    per_position = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_position, Vector) and per_position.values == list(stats.accepted_per_position)
+    assert per_position.labels == {"model_name": "jaxserve-tiny", "engine": "0"}
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(tmp_path):
