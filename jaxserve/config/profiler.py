@@ -22,9 +22,9 @@ class ProfilerConfig:
         "torch_profiler_dir": DIR}; without one, from VLLM_TORCH_PROFILER_DIR; None: profiling off.
         ValueError naming what is not supported."""
         value = config_object(value, "profiler_config", ["profiler", "torch_profiler_dir"])
-        if value is None:
-            return cls(os.environ[DIR_ENV]) if os.environ.get(DIR_ENV) else None
-        profiler, directory = value.get("profiler"), value.get("torch_profiler_dir")
+        if value is None and os.environ.get(DIR_ENV):
+            value = {"profiler": "torch", "torch_profiler_dir": os.environ[DIR_ENV]}
+        profiler, directory = (value or {}).get("profiler"), (value or {}).get("torch_profiler_dir")
         if profiler is None:
             return None
         if profiler not in PROFILERS:
