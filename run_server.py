@@ -44,7 +44,7 @@ from api.cors import CorsPolicy
 from api.limits import Limits
 from api.metrics import StatsLog
 from api.reasoning import PARSERS as REASONING_PARSERS
-from api.state import api_state_of
+from api.state import STORED_RESPONSES, api_state_of
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config import fields
@@ -142,6 +142,10 @@ def _add_api_arguments(p) -> None:
                         "list of parts), or auto (openai where the template loops over a message's content)")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests pass their own chat_template (default: such requests are a 400, as in vLLM)")
+    p.add_argument("--max-stored-responses", type=int, default=STORED_RESPONSES,
+                   help=f"Responses API answers kept (unless a request says store: false) for GET /v1/responses/ID "
+                        f"and previous_response_id, the least recently used dropped first (default: "
+                        f"{STORED_RESPONSES}); 0: none, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE")
     p.add_argument("--chat-template-timeout", type=float, default=CHAT_TEMPLATE_TIMEOUT_S,
                    help="seconds the chat template may take to render a request's messages (default: 10); past "
                         "them the rendering stops and the request is a 400")
@@ -224,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chat-template: {e}")
     if args.chat_template_timeout <= 0:
         p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
+    if args.max_stored_responses < 0:
+        p.error(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.max_request_body_bytes <= 0:
         p.error(f"--max-request-body-bytes must be > 0, got {args.max_request_body_bytes}")
     for name in ("max_num_queued_reqs", "max_num_queued_tokens"):
@@ -456,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
                      runtime_lora_updating=args.allow_runtime_lora_updating,
                      request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
-                     profiler=engine.config.profiler)
+                     profiler=engine.config.profiler, stored_responses=args.max_stored_responses)
     add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()
     front.start()

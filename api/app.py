@@ -41,7 +41,8 @@ from api.responses import responses
 from api.rl import PATHS as TRAINING_PATHS
 from api.rl import UnboundedWeights, training
 from api.server_info import server_info
-from api.state import APIState, api_state
+from api.response_store import ResponseStore
+from api.state import STORED_RESPONSES, APIState, api_state
 from api.tokenize import tokenize
 from api.tokens_io import tokens_io
 from api.tool_parsers import ToolParser, parser_for_template
@@ -61,7 +62,7 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
                reasoning_parser: str | None = None, docs: bool = True,
                max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, playground: bool = True,
                runtime_lora_updating: bool = False, request_id_headers: bool = False, root_path: str = "",
-               profiler: ProfilerConfig | None = None) -> Quart:
+               profiler: ProfilerConfig | None = None, stored_responses: int = STORED_RESPONSES) -> Quart:
     """The app over `engine`'s data-parallel replicas (or one); `api_key`: the key (or any one of the keys)
     the guarded routes (KEYED_PATHS) take; `tool_parser` reads "auto" tool calls (default: the one the chat
     template points to).
@@ -77,7 +78,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     adapters (`api/lora.py`). `request_id_headers`: each response has an X-Request-Id header, the
     request's own or a new one (vLLM's --enable-request-id-headers). `root_path`: the path prefix a
     proxy serves the API under (vLLM's --root-path, `RootPath`). `profiler`: serve POST /start_profile
-    and /stop_profile, traces of this process (`api/profiling.py`)."""
+    and /stop_profile, traces of this process (`api/profiling.py`). `stored_responses`: how many
+    Responses API answers are kept for GET /v1/responses/{id} and `previous_response_id` (0: none)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
     app = Quart("jaxserve")
     app.request_class = UnboundedWeights
@@ -96,7 +98,8 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     app.after_serving(metrics.loop_lag.stop)
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     APIState(engine, limits, tool_parser or parser_for_template(template), metrics, auto_tool_choice=auto_tool_choice,
-             api_keys=keys, log_requests=log_requests, reasoning_parser=reasoning_parser).install(app)
+             api_keys=keys, log_requests=log_requests, reasoning_parser=reasoning_parser,
+             responses=ResponseStore(stored_responses)).install(app)
     cors.install(app)  # its preflight answer comes before the API key check
     app.before_request(_check_key)
     app.before_request(_check_draining)

@@ -129,3 +129,5 @@ class ResponsesRequest(BaseModel):
     truncation: described({"enum": ["disabled"]}) = None
     priority: documented(integer(-(2**63), 2**63 - 1)) = None
     cache_salt: documented(Str) = None
+    store: Bool = None  # (checked here; default true: the response is kept for GET and previous_response_id)
+    previous_response_id: Str = None  # (a stored response whose conversation this one continues)

@@ -5,8 +5,9 @@ A request is read as the chat request it stands for (`chat_request`): `instructi
 becomes `response_format`, `max_output_tokens` is max_tokens. The chat choice's deltas (text,
 tool calls) then become the Responses events and output items (`ResponseBuilder`): a message
 with its output_text, and a function_call item per call. A response that is not streamed is the
-same events' end state. Nothing is stored, as in vLLM by default: the response says `store:
-false`, and `previous_response_id` (which needs a stored response) is a 400.
+same events' end state. A finished response is stored unless the request says `store: false`
+(`api/response_store.py`): GET /v1/responses/{id} reads it, DELETE drops it, and a request's
+`previous_response_id` continues its conversation.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from pydantic import MISSING
 from pydantic_core import to_jsonable_python
-from quart import Blueprint
+from quart import Blueprint, request
 from quart_schema import document_request, document_response
 
 from api.answer import streamed_or_whole
@@ -38,7 +39,6 @@ responses = Blueprint("responses", __name__)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NOT_SERVED = {  # request fields that need what this server does not keep or run
-    "previous_response_id": "it needs a stored response, and responses are not stored",
     "conversation": "it needs a stored conversation, and conversations are not stored",
     "prompt": "stored prompt templates are not available",
     "background": "background responses are not available",
@@ -54,6 +54,16 @@ def _text(content, where: str) -> str:
         raise APIError(str(e), param="input") from e
 
 
+def _input_items(body: dict) -> list:
+    """`input` as a list of items (a string is one user message)."""
+    items = body.get("input")
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise APIError("'input' must be a string or a non-empty list of items", param="input")
+    return items
+
+
 def _messages(body: dict) -> list[dict]:
     """`instructions` and `input` as chat messages: a function_call item joins the assistant message
     before it (as its tool_calls), a function_call_output item is a tool message; a reasoning item
@@ -64,12 +74,7 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(instructions, str):
             raise APIError("'instructions' must be a string", param="instructions")
         messages.append({"role": "system", "content": instructions})
-    items = body.get("input")
-    if isinstance(items, str):
-        return [*messages, {"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise APIError("'input' must be a string or a non-empty list of items", param="input")
-    for i, item in enumerate(items):
+    for i, item in enumerate(_input_items(body)):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and isinstance(item.get("role"), str):
@@ -199,6 +204,7 @@ class ResponseBuilder:
             top_logprobs=body.get("top_logprobs"), top_p=top_p, user=body.get("user"),
             metadata=body.get("metadata") or {})
         self.output = self.state.output
+        self.stored_items: list | None = None  # the conversation's input items, where the response is stored
 
     @property
     def response(self) -> dict:
@@ -317,9 +323,17 @@ async def create_response():
     """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
     try:
-        req = await state.off_loop(parse_chat, chat_request(body), state.limits, state.text_tokenizer("/v1/responses"))
+        items = _input_items(body)
+        if body.get("previous_response_id") is not None:
+            items = [*state.responses.history(body["previous_response_id"]), *items]
+        chat = chat_request({**body, "input": items})
+        req = await state.off_loop(parse_chat, chat, state.limits, state.text_tokenizer("/v1/responses"))
         builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                                   req.params.top_p, logprobs=req.params.logprobs is not None)
+        builder.state.previous_response_id = body.get("previous_response_id")
+        if body.get("store") is not False and state.responses.capacity > 0:
+            builder.stored_items = items
+            builder.state.store = True
         req = await admit(state, dataclasses.replace(req, prompt_field="input"), builder.state.id, chat=True)
     except APIError as e:  # (an error of the chat request names the Responses field it came from)
         e.param = _CHAT_FIELDS.get(e.param, e.param)
@@ -342,6 +356,8 @@ async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuil
                 yield event
     for event in builder.finish(choices.finish_reason(0), choices.usage()):
         yield event
+    if builder.stored_items is not None:
+        state.responses.put(builder.state, builder.stored_items)
 
 
 async def _events_or_failure(state: APIState, req: GenerationRequest, builder: ResponseBuilder
@@ -353,3 +369,18 @@ async def _events_or_failure(state: APIState, req: GenerationRequest, builder: R
         status = stream_error_status(state, e)
         for event in builder.failed(str(e), "invalid_request_error" if status == 400 else "server_error"):
             yield event
+
+
+@responses.get("/v1/responses/<response_id>")
+async def retrieve_response(response_id: str):
+    """A stored response (OpenAI's); streaming one again is for background responses, which are not run."""
+    if request.args.get("stream", "false").lower() not in ("false", "0"):
+        raise APIError("'stream' is for background responses, which are not available", param="stream")
+    return api_state().responses.get(response_id).response.dump()
+
+
+@responses.delete("/v1/responses/<response_id>")
+async def delete_response(response_id: str):
+    api_state().responses.delete(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+

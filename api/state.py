@@ -19,12 +19,14 @@ from quart import current_app, request
 from api.errors import APIError
 from api.limits import Limits
 from api.metrics import Metrics
+from api.response_store import ResponseStore
 from api.tool_parsers import ToolParser
 from jaxserve.engine.replicas import Replicas
 from jaxserve.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 _EXTENSION = "jaxserve"  # the key of the state in `app.extensions`
+STORED_RESPONSES = 1000  # --max-stored-responses' default
 
 
 @dataclasses.dataclass
@@ -46,6 +48,7 @@ class APIState:
     staged_weights: list | None = None
     staged_version: int | None = None
     weights_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one upload at a time
+    responses: ResponseStore = dataclasses.field(default_factory=lambda: ResponseStore(STORED_RESPONSES))
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
 import pytest
 from server import MESSAGES, MODEL, post
 
@@ -20,7 +21,7 @@ def test_responses_api_is_the_chat_answer(client):
     ask = dict(model=MODEL, instructions=MESSAGES[0]["content"], input=[{"role": "user", "content": "Say hello"}],
                max_output_tokens=12, temperature=0.0)
     r = client.responses.create(**ask)
-    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL and not r.store
+    assert r.id.startswith("resp_") and r.object == "response" and r.model == MODEL and r.store
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     (item,) = r.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
@@ -66,13 +67,45 @@ def test_responses_api_logprobs_tools_and_errors(served, client):
         {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert follow_up.usage.input_tokens > r.usage.input_tokens and follow_up.usage.output_tokens == 4
-    for bad, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+    for bad, param in (({"previous_response_id": 1}, "previous_response_id"), ({"store": "yes"}, "store"),
                        ({"tools": [{"type": "web_search"}]}, "tools"),
                        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
                        ({"include": ["reasoning.encrypted_content"]}, "include"),
                        ({"reasoning": {"effort": "low", "summary": "auto"}}, "reasoning")):
         refused = post(served, "/v1/responses", {"model": MODEL, "input": "Hi", **bad})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, bad
+
+
+def test_stored_responses_continue_their_conversation_and_are_read_and_deleted(served, client):
+    """OpenAI's `store` (true by default): previous_response_id continues a stored response's
+    conversation (its input and output items before the new input: the chat answer to those
+    messages, chained over two responses, without the earlier instructions); GET reads a stored
+    response back, DELETE drops it (a 404 after); `store: false` keeps nothing; an unknown
+    previous_response_id is a 404."""
+    ask = dict(model=MODEL, max_output_tokens=5, temperature=0.0)
+    first = client.responses.create(**ask, input="Say hello", instructions="Be brief.")
+    assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
+    second = client.responses.create(**ask, input="And again", previous_response_id=first.id)
+    third = client.responses.create(**ask, input=[{"role": "user", "content": "Once more"}],
+                                    previous_response_id=second.id)
+    assert (second.previous_response_id, third.previous_response_id, second.instructions) == (first.id, second.id, None)
+    messages = [{"role": "user", "content": "Say hello"}, {"role": "assistant", "content": first.output_text},
+                {"role": "user", "content": "And again"}]
+    for response, conversation in ((second, messages), (third, [*messages, {"role": "assistant", "content": (
+            second.output_text)}, {"role": "user", "content": "Once more"}])):
+        chat = client.chat.completions.create(model=MODEL, messages=conversation, temperature=0.0, max_tokens=5)
+        assert response.output_text == chat.choices[0].message.content
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    assert client.responses.create(**ask, input="Still", previous_response_id=second.id).status == "incomplete"
+    unstored = client.responses.create(**ask, input="Forget me", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    missing = post(served, "/v1/responses", {**ask, "input": "Hi", "previous_response_id": "resp_missing"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "previous_response_not_found"
 
 
 FORECAST = {"type": "object", "properties": {

@@ -136,6 +136,7 @@ FLAGS = {
     ('--allowed-headers',): ['*'],
     ('--allow-credentials',): False,
     ('--max-request-body-bytes',): 16 * 1024 * 1024,
+    ('--max-stored-responses',): 1000,
     ('--chat-template-timeout',): 10.0,
     ('--ssl-keyfile',): None,
     ('--ssl-certfile',): None,
