@@ -51,6 +51,7 @@ from jaxserve.config import fields
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import json_object, json_strings
 from jaxserve.config.lora import lora_module
+from jaxserve.config.profiler import profiler_config_from_env
 from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments, check_vllm_options
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.build import build_engines
@@ -97,8 +98,8 @@ def _add_server_arguments(p) -> None:
                    help="log each request (its id, prompt length and sampling settings) as it arrives")
     p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older name: do not log each request (the default)")
-    p.add_argument("--root-path", default="", help="vLLM's: the path prefix a proxy serves the API under (requests "
-                   "are served with or without it)")
+    p.add_argument("--root-path", default=None, help="vLLM's: the path prefix a proxy serves the API under, e.g. "
+                   "/llm (requests are served with or without it)")
     p.add_argument("--enable-request-id-headers", action="store_true",
                    help="vLLM's: each response has an X-Request-Id header (the request's own, else a new id)")
     p.add_argument("--disable-log-stats", action="store_true",
@@ -145,7 +146,8 @@ def _add_api_arguments(p) -> None:
     p.add_argument("--max-stored-responses", type=int, default=STORED_RESPONSES,
                    help=f"Responses API answers kept (unless a request says store: false) for GET /v1/responses/ID "
                         f"and previous_response_id, the least recently used dropped first (default: "
-                        f"{STORED_RESPONSES}); 0: none, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE")
+                        f"{STORED_RESPONSES}; each holds its conversation, in memory); 0: none, as vLLM without "
+                        "VLLM_ENABLE_RESPONSES_API_STORE")
     p.add_argument("--chat-template-timeout", type=float, default=CHAT_TEMPLATE_TIMEOUT_S,
                    help="seconds the chat template may take to render a request's messages (default: 10); past "
                         "them the rendering stops and the request is a 400")
@@ -212,6 +214,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         check_vllm_options({name: getattr(args, name) for name, option in VLLM_OPTIONS.items()
                             if option.cli is not None and getattr(args, name) is not None})
+        args.profiler_config = args.profiler_config or profiler_config_from_env()
         args.engine = fields.from_namespace(EngineConfig, args)
     except ValueError as e:  # (named as the flag is)
         name = str(e).split("=", 1)[0].split(" ", 1)[0]
@@ -228,6 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--chat-template: {e}")
     if args.chat_template_timeout <= 0:
         p.error(f"--chat-template-timeout must be > 0, got {args.chat_template_timeout}")
+    if args.root_path and not args.root_path.startswith("/"):
+        p.error(f"--root-path must start with /, got {args.root_path!r}")
     if args.max_stored_responses < 0:
         p.error(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
     if args.max_request_body_bytes <= 0:
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> None:
                      reasoning_parser=args.reasoning_parser, docs=not args.disable_fastapi_docs,
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
                      runtime_lora_updating=args.allow_runtime_lora_updating,
-                     request_id_headers=args.enable_request_id_headers, root_path=args.root_path,
+                     request_id_headers=args.enable_request_id_headers, root_path=args.root_path or "",
                      profiler=engine.config.profiler, stored_responses=args.max_stored_responses)
     add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()

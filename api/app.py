@@ -37,11 +37,11 @@ from api.metrics import Metrics
 from api.playground import playground as playground_pages
 from api.profiling import PATHS as PROFILING_PATHS
 from api.profiling import profiling_routes
+from api.response_store import ResponseStore
 from api.responses import responses
 from api.rl import PATHS as TRAINING_PATHS
 from api.rl import UnboundedWeights, training
 from api.server_info import server_info
-from api.response_store import ResponseStore
 from api.state import STORED_RESPONSES, APIState, api_state
 from api.tokenize import tokenize
 from api.tokens_io import tokens_io
@@ -118,19 +118,25 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
 
 class RootPath:
     """vLLM's --root-path: the API served behind a proxy under a path prefix, as FastAPI's root_path
-    routes it: a path under the prefix is routed without it, and one without it as it is (from a
-    proxy that strips the prefix)."""
+    routes it: a path under the prefix is routed without it, and one without it (from a proxy that
+    strips the prefix) as it is; either way the request's root_path is the prefix, so the URLs the
+    app makes (the docs pages' document) carry it. The prefix alone is redirected to itself with a
+    slash, under which the playground's relative URLs resolve."""
 
     def __init__(self, asgi_app, root_path: str):
         self.asgi_app, self.root_path = asgi_app, root_path
 
     async def __call__(self, scope, receive, send):
-        path = scope.get("path", "")
-        if scope["type"] in ("http", "websocket") and path.startswith(self.root_path):
-            rest = path[len(self.root_path):]
-            if rest == "" or rest.startswith("/"):
-                scope = {**scope, "path": rest or "/"}
-        return await self.asgi_app(scope, receive, send)
+        if scope["type"] not in ("http", "websocket"):
+            return await self.asgi_app(scope, receive, send)
+        path, root = scope["path"], self.root_path
+        if path == root and scope["type"] == "http":
+            query = scope.get("query_string", b"")
+            location = (root + "/").encode() + (b"?" + query if query else b"")
+            await send({"type": "http.response.start", "status": 308, "headers": [(b"location", location)]})
+            return await send({"type": "http.response.body", "body": b""})
+        under = path.startswith(root + "/")
+        return await self.asgi_app({**scope, "root_path": root, "path": path if under else root + path}, receive, send)
 
 
 async def _check_key():

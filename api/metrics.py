@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.utils import floatToGoString
 
 from jaxserve.engine.figures import PREFIXES, Figure, engine_figures
 from jaxserve.engine.outputs import Update
@@ -48,20 +47,7 @@ class _EngineCollector:
                 for figure in engine_figures(stats, config, compile_progress, queued):
                     if prefix in figure.prefixes:
                         _add(metrics, prefix, labels, figure)
-                if config.enable_lora:
-                    self._lora_info(metrics, prefix, labels, stats, config.max_loras)
             yield from metrics.values()
-
-    @staticmethod
-    def _lora_info(metrics: dict, prefix: str, labels: dict, stats: SchedulerStats, max_loras: int) -> None:
-        """vLLM's `lora_requests_info`: the LoRA adapters of the running and the waiting sequences as
-        labels (names joined by commas), the time now as the value."""
-        name = "lora_requests_info"
-        keys = ["max_lora", "waiting_lora_adapters", "running_lora_adapters"]
-        if name not in metrics:
-            metrics[name] = GaugeMetricFamily(prefix + name, "Running stats on LoRA requests.", labels=[*labels, *keys])
-        metrics[name].add_metric([*labels.values(), str(max_loras), ",".join(stats.waiting_loras),
-                                  ",".join(stats.running_loras)], time.time())
 
 
 def _add(metrics: dict, prefix: str, labels: dict, figure: Figure) -> None:
@@ -76,9 +62,7 @@ def _add(metrics: dict, prefix: str, labels: dict, figure: Figure) -> None:
         for position, count in enumerate(figure.value):
             metrics[figure.name].add_metric([*values, str(position)], count)
     elif figure.kind == "histogram":
-        bounds, cumulative, total = figure.value
-        buckets = [(floatToGoString(b), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
-        metrics[figure.name].add_metric(values, buckets, total)
+        metrics[figure.name].add_metric(values, figure.buckets(), figure.value[2])
     else:
         metrics[figure.name].add_metric(values, figure.value)
 
@@ -203,7 +187,8 @@ class Metrics:
                         for metric in self.spans[span]():
                             metric.observe(seconds)
                     for metric in self.tpot() if update.timings else ():
-                        metric.observe(update.timings.decode / max(update.num_output_tokens - 1, 1))
+                        n = update.num_output_tokens
+                        metric.observe(update.timings.decode / (n - 1) if n > 1 else 0.0)
                 yield update
         finally:
             if finished < n:

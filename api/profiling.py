@@ -22,7 +22,7 @@ def profiling_routes(config: ProfilerConfig) -> Blueprint:
     async def run(action) -> dict:
         try:
             await asyncio.to_thread(action)  # (writing a trace takes a while: not on the event loop)
-        except ValueError as e:  # (one already running, or none)
+        except ValueError as e:  # (one already running, or none; a directory it cannot write to)
             raise APIError(str(e)) from e
         return {}
 

@@ -50,6 +50,6 @@ class ResponseStore:
         try:
             entry = self.get(previous_response_id)
         except APIError:
-            raise APIError(f"Previous response with id '{previous_response_id}' not found.", status=404,
-                           param="previous_response_id", code="previous_response_not_found") from None
+            raise APIError(f"Previous response with id '{previous_response_id}' not found.",
+                           param="previous_response_id", code="previous_response_not_found") from None  # (a 400)
         return [*entry.items, *(item.dump() for item in entry.response.output)]

@@ -354,10 +354,11 @@ async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuil
         for k, delta in enumerate(choices.deltas(0, text, update.finish_reason is not None) or [DeltaMessage()]):
             for event in builder.delta(delta, logprobs if k == 0 else None):
                 yield event
-    for event in builder.finish(choices.finish_reason(0), choices.usage()):
-        yield event
-    if builder.stored_items is not None:
+    last = list(builder.finish(choices.finish_reason(0), choices.usage()))
+    if builder.stored_items is not None:  # (before its last event: a client may continue it on seeing that)
         state.responses.put(builder.state, builder.stored_items)
+    for event in last:
+        yield event
 
 
 async def _events_or_failure(state: APIState, req: GenerationRequest, builder: ResponseBuilder
@@ -383,4 +384,3 @@ async def retrieve_response(response_id: str):
 async def delete_response(response_id: str):
     api_state().responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
-

@@ -16,6 +16,7 @@ from checkpoints import DEFAULT_MODEL_NAME, resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
 from jaxserve.config.lora import LoRARequest
+from jaxserve.config.profiler import profiler_config_from_env
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.build import build_engines
@@ -54,6 +55,7 @@ class LLM:
         `block_size` is `page_size`, `gpu_memory_utilization` is `kv_cache_memory_fraction`), and
         vLLM's other engine options where they change nothing here (`config.vllm.VLLM_OPTIONS`; refused
         where they would)."""
+        options.setdefault("profiler_config", profiler_config_from_env())
         config = EngineConfig.from_options(model=model, **options)
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")

@@ -19,7 +19,8 @@ from server import MAX_MODEL_LEN, MESSAGES, MODEL, Server, free_port, post
 from api.app import MAX_REQUEST_BODY_BYTES, create_app
 from api.cors import CorsPolicy
 from api.limits import Limits
-from jaxserve.config.profiler import ProfilerConfig
+from jaxserve.config.profiler import ProfilerConfig, profiler_config_from_env
+from jaxserve.engine.profiling import Profiler
 
 
 def test_health_and_models(served, client):
@@ -237,8 +238,9 @@ def test_several_api_keys_and_request_id_headers(served):
 
 def test_a_root_path_serves_the_api_under_its_prefix_and_without_it(served):
     """vLLM's --root-path (FastAPI's root_path): behind a proxy the routes answer under the prefix and
-    without it (a proxy that strips it); the prefix is not matched inside a name, and the OpenAPI
-    document names it as the server's URL."""
+    without it (a proxy that strips it); the prefix is not matched inside a name, the prefix alone is
+    redirected to itself with a slash, the OpenAPI document names it as the server's URL, and the
+    docs pages load the document under it."""
     app = create_app(served[1], Limits(MODEL, MAX_MODEL_LEN, 260), api_key="k", root_path="/llm/")
 
     async def check():
@@ -248,8 +250,11 @@ def test_a_root_path_serves_the_api_under_its_prefix_and_without_it(served):
             assert (await test.get(path, headers=key)).status_code == 200
         assert (await test.get("/llm/v1/models")).status_code == 401  # (the key guards it under the prefix)
         assert (await test.get("/llmv1/models", headers=key)).status_code == 404
-        assert (await test.get("/llm")).status_code == (await test.get("/")).status_code == 200  # (the playground)
+        assert (await test.get("/llm/")).status_code == (await test.get("/")).status_code == 200  # (the playground)
+        redirect = await test.get("/llm", query_string={"a": "1"})
+        assert redirect.status_code == 308 and redirect.headers["location"] == "/llm/?a=1"
         assert (await (await test.get("/llm/openapi.json")).get_json())["servers"] == [{"url": "/llm"}]
+        assert "/llm/openapi.json" in await (await test.get("/docs")).get_data(as_text=True)
 
     asyncio.run(check())
 
@@ -276,9 +281,14 @@ def test_profiling_routes_trace_the_process_where_profiling_is_on(served, tmp_pa
     asyncio.run(check())
     assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
     monkeypatch.setenv("VLLM_TORCH_PROFILER_DIR", str(tmp_path))
-    assert ProfilerConfig.parse(None) == ProfilerConfig(str(tmp_path))
+    assert ProfilerConfig.parse(profiler_config_from_env()) == ProfilerConfig(str(tmp_path))
     monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR")
-    assert ProfilerConfig.parse(None) is None and ProfilerConfig.parse({"profiler": None}) is None
+    assert profiler_config_from_env() is None and ProfilerConfig.parse({"profiler": None}) is None
+    with pytest.raises(ValueError, match="add \"profiler\""):
+        ProfilerConfig.parse({"torch_profiler_dir": str(tmp_path)})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="the profiler's directory"):
+        Profiler(ProfilerConfig(str(tmp_path / "file" / "traces"))).start()
 
 
 def test_the_playground_page_and_its_files_are_served_unless_turned_off(served):

@@ -81,7 +81,7 @@ def test_stored_responses_continue_their_conversation_and_are_read_and_deleted(s
     conversation (its input and output items before the new input: the chat answer to those
     messages, chained over two responses, without the earlier instructions); GET reads a stored
     response back, DELETE drops it (a 404 after); `store: false` keeps nothing; an unknown
-    previous_response_id is a 404."""
+    previous_response_id is a 400, as OpenAI's."""
     ask = dict(model=MODEL, max_output_tokens=5, temperature=0.0)
     first = client.responses.create(**ask, input="Say hello", instructions="Be brief.")
     assert first.store and client.responses.retrieve(first.id).output_text == first.output_text
@@ -105,7 +105,7 @@ def test_stored_responses_continue_their_conversation_and_are_read_and_deleted(s
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
     missing = post(served, "/v1/responses", {**ask, "input": "Hi", "previous_response_id": "resp_missing"})
-    assert missing.status_code == 404 and missing.json()["error"]["code"] == "previous_response_not_found"
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "previous_response_not_found"
 
 
 FORECAST = {"type": "object", "properties": {

@@ -125,7 +125,7 @@ FLAGS = {
     ('--disable-log-stats',): False,
     ('--config',): None,
     ('--enable-request-id-headers',): False,
-    ('--root-path',): '',
+    ('--root-path',): None,
     ('--enable-sleep-mode',): False,
     ('--log-stats-interval',): 10.0,
     ('--max-num-queued-reqs',): None,

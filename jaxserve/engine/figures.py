@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 
 from jaxserve.sched.plan import SchedulerStats, step_token_bounds
 
@@ -26,6 +27,11 @@ class Figure:
     doc: str
     value: object
     info: dict = dataclasses.field(default_factory=dict)
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """A histogram's (upper bound, cumulative count) pairs, "+Inf" the last, as Prometheus writes them."""
+        bounds, cumulative, _ = self.value
+        return [(str(float(b)), c) for b, c in zip(bounds, cumulative)] + [("+Inf", cumulative[-1])]
 
 
 def engine_figures(stats: SchedulerStats, config, compile_progress: tuple[int, int] = (0, 0),
@@ -69,6 +75,10 @@ def engine_figures(stats: SchedulerStats, config, compile_progress: tuple[int, i
         cumulative = tuple(itertools.accumulate(stats.step_token_counts))
         figures.append(Figure(BOTH, "histogram", "iteration_tokens_total", "Tokens per engine step.",
                               (step_token_bounds(config.max_num_batched_tokens), cumulative, stats.num_step_tokens)))
+    if config.enable_lora:  # (vLLM's: the time now as the value)
+        figures.append(Figure(BOTH, "info", "lora_requests_info", "Running stats on LoRA requests.", time.time(), {
+            "max_lora": str(config.max_loras), "waiting_lora_adapters": ",".join(stats.waiting_loras),
+            "running_lora_adapters": ",".join(stats.running_loras)}))
     cache = {"block_size": config.page_size, "cache_dtype": config.kv_dtype, "num_gpu_blocks": config.num_pages,
              "enable_prefix_caching": config.enable_prefix_caching,
              "gpu_memory_utilization": config.kv_cache_memory_fraction}
@@ -127,7 +137,6 @@ def reader_metrics(stats: list[SchedulerStats], config, model_name: str) -> list
             elif f.kind == "vector":
                 out.append(Vector(name, labels, list(f.value)))
             else:
-                bounds, cumulative, total = f.value
-                buckets = {**{str(float(b)): c for b, c in zip(bounds, cumulative)}, "+Inf": cumulative[-1]}
-                out.append(Histogram(name, labels, cumulative[-1], total, buckets))
+                buckets = dict(f.buckets())
+                out.append(Histogram(name, labels, buckets["+Inf"], f.value[2], buckets))
     return out

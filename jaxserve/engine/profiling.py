@@ -4,6 +4,7 @@ directory (`ProfilerConfig`) as TensorBoard's profile plugin and Perfetto read i
 
 from __future__ import annotations
 
+import os
 import threading
 
 import jax
@@ -21,11 +22,21 @@ class Profiler:
         self.directory = config.directory
 
     def start(self) -> None:
-        """ValueError while a trace runs."""
+        """ValueError while a trace runs, or where the directory cannot be made (found now, not when
+        the trace is written: a trace that cannot be written would leave JAX's profiler running)."""
         with Profiler._lock:
             if Profiler._running:
                 raise ValueError("a profile is already being taken: stop it first (stop_profile)")
-            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)  # (Perfetto's file too, as vLLM's)
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"the profiler's directory {self.directory}: {e.strerror}") from None
+            if not os.access(self.directory, os.W_OK):
+                raise ValueError(f"the profiler's directory {self.directory} is not writable")
+            try:
+                jax.profiler.start_trace(self.directory, create_perfetto_trace=True)  # (Perfetto's file too)
+            except RuntimeError as e:  # (JAX's profiler started by someone else in this process)
+                raise ValueError(f"JAX's profiler: {e}") from None
             Profiler._running = True
 
     def stop(self) -> None:
