@@ -43,6 +43,7 @@ from api.rl import PATHS as TRAINING_PATHS
 from api.rl import UnboundedWeights, training
 from api.server_info import server_info
 from api.state import STORED_RESPONSES, APIState, api_state
+from api.stored_responses import stored
 from api.tokenize import tokenize
 from api.tokens_io import tokens_io
 from api.tool_parsers import ToolParser, parser_for_template
@@ -109,9 +110,10 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     app.register_error_handler(RequestEntityTooLarge, _body_too_large)
     app.register_error_handler(HTTPException, _http_error)
     app.register_error_handler(Exception, _internal_error)
-    for blueprint in (server_info, completions, chat, responses, messages, embeddings, tokenize, training, tokens_io,
-                      *([playground_pages] if playground else []), *([lora] if runtime_lora_updating else []),
-                      *([profiling_routes(profiler)] if profiler else [])):
+    optional = ((playground_pages, playground), (lora, runtime_lora_updating),
+                (profiling_routes(profiler) if profiler else None, profiler is not None))
+    for blueprint in (server_info, completions, chat, responses, stored, messages, embeddings, tokenize, training,
+                      tokens_io, *(routes for routes, served in optional if served)):
         app.register_blueprint(blueprint)
     return app
 

@@ -1,7 +1,7 @@
 """Stored responses of the Responses API (OpenAI's `store`, true by default; vLLM's under
-VLLM_ENABLE_RESPONSES_API_STORE): GET and DELETE /v1/responses/{id}, and `previous_response_id`,
-which continues a stored response's conversation: its input items (those of the responses before
-it included) and its output items come before the new input. Kept in memory: the `capacity` most
+VLLM_ENABLE_RESPONSES_API_STORE), which its routes read (`api/stored_responses.py`) and a request's
+`previous_response_id` continues: that response's input items (those of the responses before it
+included) and its output items come before the new input. Kept in memory: the `capacity` most
 recently used (0: none, and every response says `store: false`)."""
 
 from __future__ import annotations
@@ -11,12 +11,28 @@ import dataclasses
 
 from api.errors import APIError
 from api.response_objects import ResponseObject
+from api.sse import new_id
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 @dataclasses.dataclass(frozen=True)
 class StoredResponse:
     response: ResponseObject
     items: list  # the conversation's input items up to this response's own (no instructions: never carried over)
+    listed: list  # the response's own input items as GET .../input_items lists them, oldest first
+
+
+def listed_item(item: dict) -> dict:
+    """An input item as OpenAI lists it: with an id (given, else a new one) and a status; a message's
+    text content as one text part."""
+    kind = item.get("type", "message")
+    out = {**item, "type": kind, "id": item.get("id") or new_id(_ID_PREFIXES.get(kind, "item"), "_"),
+           "status": item.get("status", "completed")}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = "output_text" if item.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": part, "text": item["content"]}]
+    return out
 
 
 class ResponseStore:
@@ -24,8 +40,10 @@ class ResponseStore:
         self.capacity = capacity
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
 
-    def put(self, response: ResponseObject, items: list) -> None:
-        self._entries[response.id] = StoredResponse(response.model_copy(deep=True), items)
+    def put(self, response: ResponseObject, items: list, own: int) -> None:
+        """Keep a finished response, `items` its conversation's input items, the last `own` of them its own."""
+        listed = [listed_item(item) for item in items[len(items) - own:]]
+        self._entries[response.id] = StoredResponse(response.model_copy(deep=True), items, listed)
         self._entries.move_to_end(response.id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)

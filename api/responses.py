@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from pydantic import MISSING
 from pydantic_core import to_jsonable_python
-from quart import Blueprint, request
+from quart import Blueprint
 from quart_schema import document_request, document_response
 
 from api.answer import streamed_or_whole
@@ -205,6 +205,7 @@ class ResponseBuilder:
             metadata=body.get("metadata") or {})
         self.output = self.state.output
         self.stored_items: list | None = None  # the conversation's input items, where the response is stored
+        self.own_items = 0  # ... the last of them the request's own
 
     @property
     def response(self) -> dict:
@@ -323,16 +324,17 @@ async def create_response():
     """The response to the input; with `"stream": true`, its server-sent events."""
     state, body = api_state(), await json_body()
     try:
-        items = _input_items(body)
+        own = _input_items(body)
+        items = own
         if body.get("previous_response_id") is not None:
-            items = [*state.responses.history(body["previous_response_id"]), *items]
+            items = [*state.responses.history(body["previous_response_id"]), *own]
         chat = chat_request({**body, "input": items})
         req = await state.off_loop(parse_chat, chat, state.limits, state.text_tokenizer("/v1/responses"))
         builder = ResponseBuilder(new_id("resp", "_"), body, req.model, req.params.temperature,
                                   req.params.top_p, logprobs=req.params.logprobs is not None)
         builder.state.previous_response_id = body.get("previous_response_id")
         if body.get("store") is not False and state.responses.capacity > 0:
-            builder.stored_items = items
+            builder.stored_items, builder.own_items = items, len(own)
             builder.state.store = True
         req = await admit(state, dataclasses.replace(req, prompt_field="input"), builder.state.id, chat=True)
     except APIError as e:  # (an error of the chat request names the Responses field it came from)
@@ -356,7 +358,7 @@ async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuil
                 yield event
     last = list(builder.finish(choices.finish_reason(0), choices.usage()))
     if builder.stored_items is not None:  # (before its last event: a client may continue it on seeing that)
-        state.responses.put(builder.state, builder.stored_items)
+        state.responses.put(builder.state, builder.stored_items, builder.own_items)
     for event in last:
         yield event
 
@@ -370,17 +372,3 @@ async def _events_or_failure(state: APIState, req: GenerationRequest, builder: R
         status = stream_error_status(state, e)
         for event in builder.failed(str(e), "invalid_request_error" if status == 400 else "server_error"):
             yield event
-
-
-@responses.get("/v1/responses/<response_id>")
-async def retrieve_response(response_id: str):
-    """A stored response (OpenAI's); streaming one again is for background responses, which are not run."""
-    if request.args.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError("'stream' is for background responses, which are not available", param="stream")
-    return api_state().responses.get(response_id).response.dump()
-
-
-@responses.delete("/v1/responses/<response_id>")
-async def delete_response(response_id: str):
-    api_state().responses.delete(response_id)
-    return {"id": response_id, "object": "response", "deleted": True}

@@ -96,6 +96,15 @@ def test_stored_responses_continue_their_conversation_and_are_read_and_deleted(s
         chat = client.chat.completions.create(model=MODEL, messages=conversation, temperature=0.0, max_tokens=5)
         assert response.output_text == chat.choices[0].message.content
         assert response.usage.input_tokens == chat.usage.prompt_tokens
+    listed = client.responses.input_items.list(third.id, order="asc")
+    assert [item.type for item in listed.data] == ["message"] and listed.data[0].content[0].text == "Once more"
+    assert listed.data[0].id.startswith("msg_") and not listed.has_more
+    items = post(served, "/v1/responses", {**ask, "input": [{"role": "user", "content": f"part {i}"} for i in range(3)],
+                                           "model": MODEL}).json()["id"]
+    page = client.responses.input_items.list(items, limit=2)  # (newest first)
+    assert [item.content[0].text for item in page.data] == ["part 2", "part 1"] and page.has_more
+    rest = client.responses.input_items.list(items, limit=2, after=page.last_id)
+    assert [item.content[0].text for item in rest.data] == ["part 0"] and not rest.has_more
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
