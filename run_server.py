@@ -39,12 +39,12 @@ from pathlib import Path
 
 import jax
 
-from api.app import MAX_REQUEST_BODY_BYTES, create_app
+from api.app import MAX_REQUEST_BODY_BYTES, STORED_RESPONSES, create_app
 from api.cors import CorsPolicy
 from api.limits import Limits
 from api.metrics import StatsLog
 from api.reasoning import PARSERS as REASONING_PARSERS
-from api.state import STORED_RESPONSES, api_state_of
+from api.state import api_state_of
 from api.tool_parsers import PARSERS
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config import fields
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_request_body_bytes=args.max_request_body_bytes, playground=not args.disable_playground,
                      runtime_lora_updating=args.allow_runtime_lora_updating,
                      request_id_headers=args.enable_request_id_headers, root_path=args.root_path or "",
-                     profiler=engine.config.profiler, stored_responses=args.max_stored_responses)
+                     stored_responses=args.max_stored_responses)
     add_lora_modules(limits, args.lora_modules or [], engines)
     freeze_heap()
     front.start()

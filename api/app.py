@@ -42,7 +42,7 @@ from api.responses import responses
 from api.rl import PATHS as TRAINING_PATHS
 from api.rl import UnboundedWeights, training
 from api.server_info import server_info
-from api.state import STORED_RESPONSES, APIState, api_state
+from api.state import APIState, api_state
 from api.stored_responses import stored
 from api.tokenize import tokenize
 from api.tokens_io import tokens_io
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 KEYED_PATHS = ("/v1", "/invocations", "/inference", *TRAINING_PATHS, *PROFILING_PATHS)  # the routes --api-key guards
 MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes' default (Quart's own)
+STORED_RESPONSES = 1000  # --max-stored-responses' default
 
 
 def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Sequence[str] | None = None,
@@ -78,10 +79,12 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     (`api/playground.py`). `runtime_lora_updating`: serve vLLM's routes that load and unload LoRA
     adapters (`api/lora.py`). `request_id_headers`: each response has an X-Request-Id header, the
     request's own or a new one (vLLM's --enable-request-id-headers). `root_path`: the path prefix a
-    proxy serves the API under (vLLM's --root-path, `RootPath`). `profiler`: serve POST /start_profile
-    and /stop_profile, traces of this process (`api/profiling.py`). `stored_responses`: how many
-    Responses API answers are kept for GET /v1/responses/{id} and `previous_response_id` (0: none)."""
+    proxy serves the API under (vLLM's --root-path, `RootPath`). `profiler` (default: the engine's
+    `profiler_config`): serve POST /start_profile and /stop_profile, traces of this process
+    (`api/profiling.py`). `stored_responses`: how many Responses API answers are kept for GET
+    /v1/responses/{id} and `previous_response_id` (0: none)."""
     engine = Replicas([engine]) if isinstance(engine, AsyncEngine) else engine
+    profiler = profiler or engine.engine.config.profiler
     app = Quart("jaxserve")
     app.request_class = UnboundedWeights
     app.config["RESPONSE_TIMEOUT"] = None  # a long stream must not be cut off (Quart's default is 60 s)
@@ -106,10 +109,9 @@ def create_app(engine: Replicas | AsyncEngine, limits: Limits, api_key: str | Se
     app.before_request(_check_draining)
     if request_id_headers:
         app.after_request(_request_id_header)
-    app.register_error_handler(APIError, _api_error)
-    app.register_error_handler(RequestEntityTooLarge, _body_too_large)
-    app.register_error_handler(HTTPException, _http_error)
-    app.register_error_handler(Exception, _internal_error)
+    for error, handler in ((APIError, _api_error), (RequestEntityTooLarge, _body_too_large),
+                           (HTTPException, _http_error), (Exception, _internal_error)):
+        app.register_error_handler(error, handler)
     optional = ((playground_pages, playground), (lora, runtime_lora_updating),
                 (profiling_routes(profiler) if profiler else None, profiler is not None))
     for blueprint in (server_info, completions, chat, responses, stored, messages, embeddings, tokenize, training,

@@ -26,7 +26,6 @@ from jaxserve.engine.tokenizer import Tokenizer
 
 T = TypeVar("T")
 _EXTENSION = "jaxserve"  # the key of the state in `app.extensions`
-STORED_RESPONSES = 1000  # --max-stored-responses' default
 
 
 @dataclasses.dataclass
@@ -35,6 +34,7 @@ class APIState:
     limits: Limits
     tool_parser: ToolParser  # reads "auto" tool calls
     metrics: Metrics
+    responses: ResponseStore  # the Responses API's stored answers (`api/response_store.py`)
     api_keys: tuple[str, ...] = ()  # --api-key: the keys the guarded routes take (none: no key asked)
     auto_tool_choice: bool = True  # vLLM's --enable-auto-tool-choice: "auto" tools are served
     log_requests: bool = False  # one log line per request as it starts
@@ -48,7 +48,6 @@ class APIState:
     staged_weights: list | None = None
     staged_version: int | None = None
     weights_lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one upload at a time
-    responses: ResponseStore = dataclasses.field(default_factory=lambda: ResponseStore(STORED_RESPONSES))
 
     @property
     def tokenizer(self) -> Tokenizer | None:

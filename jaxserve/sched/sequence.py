@@ -139,8 +139,8 @@ class Sequence:
                         max_tokens=self.max_tokens, page_ids=list(self.page_ids), page_hashes=list(self.page_hashes),
                         num_computed_tokens=self.num_computed_tokens, status=self.status, index=self.index + k,
                         num_cached_tokens=self.num_cached_tokens, priority=self.priority, arrival=self.arrival,
-                        arrived_at=self.arrived_at, hash_seed=self.hash_seed, lora=self.lora, prompt_logprobs=self.prompt_logprobs,
-                        hidden_states=dict(self.hidden_states))
+                        arrived_at=self.arrived_at, hash_seed=self.hash_seed, lora=self.lora,
+                        prompt_logprobs=self.prompt_logprobs, hidden_states=dict(self.hidden_states))
 
     def drop_tokens_after(self, num_output_tokens: int) -> int:
         """End at output token `num_output_tokens`, dropping the tokens its last step gave it past that
