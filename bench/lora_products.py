@@ -1,4 +1,4 @@
-"""The two forms of the LoRA adapters' products (`jaxserve.models.layers.lora_delta`), timed as a step runs
+"""The two forms of the LoRA adapters' products (`jaxserve.models.lora.lora_delta`), timed as a step runs
 them, on whatever backend JAX has (no server, no model file: jax and jaxserve's layers only).
 
     python bench/lora_products.py [--slots 4] [--rank 16] [--dims default | 8b | D,INTER,KV,LAYERS]
@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from jaxserve.models.layers import LoraRows, lora_delta  # noqa: E402
+from jaxserve.models.lora import LoraRows, lora_delta  # noqa: E402
 from jaxserve_kernels import matmul_t  # noqa: E402
 
 DIMS = {"default": (576, 1536, 192, 30), "8b": (4096, 14336, 1024, 32)}  # hidden, intermediate, kv width, layers

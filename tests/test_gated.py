@@ -1,15 +1,18 @@
 """SwiGLU's activation between a layer's products, by the C++ CPU kernel (`jaxserve_kernels.matmul.gated_silu`)
-against XLA's form of `jaxserve.models.layers.gated`."""
+against XLA's form of `jaxserve.models.layers.gated`; the products and the activation in one call
+(`gated_matmul_t`) against them apart and float64 numpy."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import needs_cpu_backend
 
 from jaxserve.models.layers import gated
-from jaxserve_kernels.matmul import GATED_TARGET, gated_silu, live_rows
+from jaxserve_kernels.matmul import (FLOAT_MANY_TARGET, GATED_TARGET, TARGET, gated_matmul_t, gated_silu, live_rows,
+                                     matmul_t)
 
 
 @jax.jit
@@ -65,3 +68,98 @@ def test_the_models_silu_runs_the_kernel_on_cpu_and_other_activations_xla():
 
     assert targets(jax.nn.silu) == [GATED_TARGET]
     assert targets(lambda x: jax.nn.gelu(x, approximate=True)) == []
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gate_and_up_in_one_call_are_their_products_then_gated_silu(dtype):
+    """`gated_matmul_t` (both products and the activation in one kernel call, applied to each block as
+    it is computed) against the two products and `gated_silu` after them: the same bits, at decode row
+    counts (the dot forms), from 16 rows on (the panel forms) and past one work item's rows of x,
+    within `live_rows` (the padding zeros); and against float64 numpy within three roundings of x's
+    dtype (each product's, the activation's, the result's)."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(2)
+    eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-23
+    many = 300 if dtype == "bfloat16" else 64  # (past a work item's 224 rows; float32: the kernel's row limit)
+    for rows, d_in, d_out in [(1, 576, 1536), (3, 64, 40), (17, 96, 33), (many, 576, 70)]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), dtype)
+        gate, up = (jnp.asarray(rng.standard_normal((d_out, d_in)) / np.sqrt(d_in), dtype) for _ in range(2))
+        for live in (rows, max(1, rows // 2)):
+            def fused(x, gate, up, live=live):
+                with live_rows(jnp.int32(live)):
+                    return gated_matmul_t(x, gate, up, token_rows=True)
+
+            def apart(x, gate, up, live=live):
+                with live_rows(jnp.int32(live)):
+                    return gated_silu(matmul_t(x, gate), matmul_t(x, up), token_rows=True)
+
+            assert _targets(fused, x, gate, up) == [FLOAT_MANY_TARGET]
+            got = np.asarray(jax.jit(fused)(x, gate, up), np.float32)
+            assert np.array_equal(got, np.asarray(jax.jit(apart)(x, gate, up), np.float32)), (rows, live)
+            assert not got[live:].any()
+            if live == rows:
+                whole = got
+        x64, g64, u64 = (np.asarray(a, np.float64) for a in (x, gate, up))
+        g, u = x64 @ g64.T, x64 @ u64.T
+        silu = g / (1 + np.exp(-g))
+        tolerance = 4 * eps * ((np.abs(x64) @ np.abs(g64).T) * np.abs(u) + np.abs(silu) * (np.abs(x64) @ np.abs(u64).T)
+                               + np.abs(silu * u)) + 1e-30
+        error = np.abs(whole - silu * u)
+        assert (error <= tolerance).all(), (rows, (error / tolerance).max())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_gate_and_up_in_one_call_are_their_products_then_gated_silu(fmt):
+    """Quantized gate and up (in rows and grouped) take one call of the quantized kernel, the
+    activation applied to both products' sums at its end: the same bits as the two products
+    (`matmul_t_many`) and `gated_silu` after them, within `live_rows`."""
+    needs_cpu_backend()
+    from jaxserve_kernels.matmul import MANY_TARGET, matmul_t_many
+    from jaxserve_kernels.matmul.quant import group_rows, quantize
+
+    rng = np.random.default_rng(4)
+    for rows, d_in, d_out, dtype in [(1, 576, 1536, "bfloat16"), (3, 64, 48, "float32"), (40, 96, 32, "bfloat16")]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), dtype)
+        pair = [quantize(rng.standard_normal((d_out, d_in), np.float32), fmt) for _ in range(2)]
+        for gate, up in (pair, [group_rows(w) for w in pair]):
+            gate, up = jax.tree.map(jnp.asarray, (gate, up))
+            live = max(1, rows - 2)
+
+            def fused(x, gate, up):
+                with live_rows(jnp.int32(live)):
+                    return gated_matmul_t(x, gate, up, token_rows=True)
+
+            def apart(x, gate, up):
+                with live_rows(jnp.int32(live)):
+                    return gated_silu(*matmul_t_many(x, [gate, up]), token_rows=True)
+
+            assert _targets(fused, x, gate, up) == [MANY_TARGET]
+            got = np.asarray(jax.jit(fused)(x, gate, up), np.float32)
+            assert np.array_equal(got, np.asarray(jax.jit(apart)(x, gate, up), np.float32)), (rows, dtype)
+            assert got[:live].any() and not got[live:].any()
+
+
+def test_the_models_gated_mlp_takes_one_call_for_its_gate_up_and_silu_unless_a_layer_adds_to_its_product():
+    """A `GatedMLP` of SiLU runs gate, up and the activation as one call (`gated_matmul_t`) and equals
+    its products and `gated` apart; with a bias (or a row's adapter) on gate or up, the products, then
+    the activation (the bias added between them); other activations, XLA's."""
+    needs_cpu_backend()
+    from flax import nnx
+
+    from jaxserve.models.layers import GatedMLP
+
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 32)), jnp.bfloat16)
+    for bias, activation, calls in [(False, jax.nn.silu, [FLOAT_MANY_TARGET, TARGET]),
+                                    (True, jax.nn.silu, [FLOAT_MANY_TARGET, GATED_TARGET, TARGET]),
+                                    (False, jax.nn.gelu, [FLOAT_MANY_TARGET, TARGET])]:
+        mlp = GatedMLP(32, 48, bias, jnp.bfloat16, nnx.Rngs(0), activation=activation)
+        if bias:
+            mlp.gate_proj.bias[...] = jnp.full((48,), 0.5, jnp.bfloat16)
+        assert _targets(mlp, x) == calls, (bias, activation)
+        linears = [mlp.gate_proj, mlp.up_proj]
+        apart = mlp.down_proj(gated(activation, *(linear(x) for linear in linears), token_rows=True))
+        assert np.array_equal(np.asarray(mlp(x), np.float32), np.asarray(apart, np.float32)), (bias, activation)
+
+
+def _targets(fn, *args) -> list[str]:
+    return [e.params["target_name"] for e in jax.make_jaxpr(fn)(*args).eqns if e.primitive.name == "ffi_call"]

@@ -182,7 +182,7 @@ def test_lora_delta_against_float64_numpy(form, skip_idle):
     """Both forms of the adapters' products (masked: CPU's and GPU's, GPU's without skipping idle
     steps; grouped: TPU's) against float64 numpy, rows of every slot and of none interleaved; the
     forms lower for TPU and GPU."""
-    from jaxserve.models.layers import lora_delta
+    from jaxserve.models.lora import lora_delta
 
     rng = np.random.default_rng(6)
     x, a, b = (np.asarray(rng.normal(size=shape), np.float32) for shape in ((13, 24), (3, 4, 24), (3, 20, 4)))

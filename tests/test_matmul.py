@@ -5,6 +5,7 @@ compiler."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import os
 import shutil
@@ -17,9 +18,9 @@ import numpy as np
 import pytest
 from conftest import X86_64_V2, X86_64_V3, build_for_other_cpu, needs_cpu_backend
 
-from jaxserve_kernels.matmul import (KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS, TARGET, WIDEN_TARGET,
-                                     _operands, bf16_tiles, implementation, live_rows, matmul_t, matmul_t_many,
-                                     native_bf16, quantized_forms, row_limit)
+from jaxserve_kernels.matmul import (FLOAT_MANY_TARGET, KERNEL_MAX_ROWS, MANY_TARGET, QUANT_SOURCE, QUANT_TARGETS,
+                                     TARGET, WIDEN_TARGET, _operands, bf16_tiles, implementation, live_rows, matmul_t,
+                                     matmul_t_many, native_bf16, quantized_forms, row_limit)
 from jaxserve_kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, QuantizedWeight, dequantize, group_rows,
                                            nbytes, quantize, take_rows, ungroup_rows)
 
@@ -280,6 +281,34 @@ def test_matmul_t_many_equals_one_product_each(fmt, x_dtype, out_dtype):
         QUANT_TARGETS[fmt], QUANT_TARGETS[other], TARGET]
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype", [("float32", "float32"), ("bfloat16", "bfloat16"), ("float32", "bfloat16")])
+def test_float_weights_of_one_dtype_take_one_call_whose_ys_are_each_ones_product(x_dtype, w_dtype):
+    """Float weights of one dtype against one x take one kernel call (x packed once, every weight's
+    work items handed out together), whose ys equal one product each bit for bit, in every form
+    (dot, pair, panel, pair panel), work items cut where a weight ends and within `live_rows`.
+    Weights of two dtypes take one product each."""
+    needs_cpu_backend()
+    rng = np.random.default_rng(9)
+    for rows, d_in, d_outs in [(1, 576, (576, 192, 192)), (3, 160, (129, 7)), (17, 64, (9, 33)), (40, 96, (200, 8))]:
+        x = jnp.asarray(rng.standard_normal((rows, d_in)), x_dtype)
+        ws = [jnp.asarray(rng.standard_normal((d_out, d_in)), w_dtype) for d_out in d_outs]
+        for live in (rows, rows // 2):
+            def many(x, ws, live=live):
+                with live_rows(jnp.int32(live)):
+                    return matmul_t_many(x, ws)
+
+            def apart(x, ws, live=live):
+                with live_rows(jnp.int32(live)):
+                    return [matmul_t(x, w) for w in ws]
+
+            assert _ffi_targets(jax.make_jaxpr(many)(x, ws).eqns) == [FLOAT_MANY_TARGET]
+            for got, want in zip(jax.jit(many)(x, ws), jax.jit(apart)(x, ws), strict=True):
+                assert got.dtype == want.dtype and got.shape == want.shape
+                np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    mixed = [jnp.ones((8, 64), jnp.float32), jnp.ones((8, 64), jnp.bfloat16)]
+    assert _ffi_targets(jax.make_jaxpr(matmul_t_many)(jnp.ones((1, 64)), mixed).eqns) == [TARGET, TARGET]
+
+
 def test_one_row_products_from_several_threads_at_once_are_the_same():
     """A one-row product hands its second half to the kernels' own helper thread, which one call
     holds at a time (others take XLA's pool): calls from several threads at once, some after the
@@ -394,7 +423,8 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
                 assert np.array_equal(part[:live], whole[:live]) and not part[live:].any(), (fmt, x_dtype, rows)
                 if "integer" in forms and d_out % GROUP_ROWS == 0:
                     many = jax.ffi.ffi_call(many_target, [jax.ShapeDtypeStruct((rows, d_out), jnp.float32)])
-                    grouped, = many(x, np.int32(rows), *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS))
+                    grouped, = many(x, np.int32(rows), *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS),
+                                     gated=np.int64(0))
                     error = np.abs(np.asarray(grouped, np.float64) - x64 @ w64.T)
                     tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms, grouped=True))
                     assert (error <= tolerance).all(), (fmt, x_dtype, rows, "grouped", (error / tolerance).max())
@@ -431,7 +461,9 @@ def test_quantized_matmul_t_checks_its_operands():
         call(jnp.ones((1, 64)), live, w.data, w.scales.astype(jnp.float32), w.mins).block_until_ready()
     with pytest.raises(Exception, match=r"scales and mins \[N, K / 32\]"):
         call(jnp.ones((1, 64)), live, w.data, w.scales[:, :1], w.mins).block_until_ready()
-    many = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2)
+    # (not gate and up of one y)
+    many = functools.partial(jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2),
+                             gated=np.int64(0))
     rows, grouped = np.int64(0), np.int64(GROUP_ROWS)  # the layouts (`row_group`)
     with pytest.raises(Exception, match="row_group must be 0"):
         jax.block_until_ready(many(jnp.ones((1, 64)), live, *_operands(w), *_operands(w), row_group=np.int64(4)))
@@ -441,7 +473,8 @@ def test_quantized_matmul_t_checks_its_operands():
         jax.block_until_ready(many(jnp.ones((1, 64)), live, w.data, w.scales, w.mins, w.data, w.scales,
                                    w.mins.astype(jnp.float32), row_group=rows))
     if "integer" in quantized_forms():  # (a grouped weight is one array, its rows in whole groups)
-        one = jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)])
+        one = functools.partial(jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)]),
+                                gated=np.int64(0))
         packed = jnp.zeros((8, 40), jnp.uint8)  # (K = 64: 32 bytes of data, 4 of scales and 4 of mins a row)
         with pytest.raises(Exception, match="a multiple of 16"):
             jax.block_until_ready(one(jnp.ones((1, 64)), live, packed, row_group=grouped))

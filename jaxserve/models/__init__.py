@@ -22,7 +22,8 @@ from jax.sharding import PartitionSpec
 from jaxserve_kernels import live_rows
 
 from jaxserve.models import gemma, invariant, llama, moe, phi3
-from jaxserve.models.layers import KVCache, Linear, LoraRows, ModelInputs, Quantizable
+from jaxserve.models.layers import KVCache, Linear, ModelInputs, Quantizable
+from jaxserve.models.lora import LoraRows
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def adaptable_modules(model: nnx.Module) -> dict[str, Linear]:
 
 def attach_adapters(model: nnx.Module, adapters: Mapping[str, tuple[jax.Array, jax.Array]]) -> None:
     """Give the layers of `adapters` (module path -> the slots' (A, B) stacks) their stacks, on a
-    model merged for one trace: each then adds its rows' products (`layers.lora_delta`)."""
+    model merged for one trace: each then adds its rows' products (`lora.lora_delta`)."""
     modules = adaptable_modules(model)
     for path, stacks in adapters.items():
         modules[path].lora = nnx.data(stacks)

@@ -9,10 +9,8 @@ A linear layer's or an embedding's matrix may be kept quantized (`Quantizable`, 
 `jaxserve_kernels.matmul.quant`): the model is built in floats, then `quantize` swaps the matrices named in
 the weights' formats for their quantized parameters before any weight is loaded.
 
-LoRA adapters (`LoraRows`, `Linear.lora`): the step's rows each name an adapter slot, and every
-adapted layer adds its slots' low-rank products for all rows at once, in grouped products over the
-rows sorted by slot (`lora_delta`). The adapters' stacks are step arguments, not parameters
-(`jaxserve.worker.lora`): attached to the layers for one trace (`attach_adapters`).
+LoRA adapters (`Linear.lora`): every adapted layer adds its rows' adapters' products
+(`jaxserve.models.lora`).
 
 A family's model is a `Decoder` of its own layers. Nothing here knows a family's names or options:
 those live in the family's own file.
@@ -25,13 +23,13 @@ from typing import TYPE_CHECKING
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.lora import LoraRows, lora_delta
 from jaxserve.models.rope import apply_rope
-from jaxserve_kernels import AXIS, cache_dtype, grouped_matmul_t, matmul_t, matmul_t_many, paged_attention, write_kv
-from jaxserve_kernels.matmul import gated_silu
+from jaxserve_kernels import AXIS, cache_dtype, matmul_t, matmul_t_many, paged_attention, write_kv
+from jaxserve_kernels.matmul import gated_matmul_t, gated_silu
 from jaxserve_kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
 from jaxserve_kernels.paged_attention.reference import from_cache, to_cache
 
@@ -45,28 +43,6 @@ class KVCache:
 
     k: list[jax.Array]
     v: list[jax.Array]
-
-
-@flax.struct.dataclass
-class LoraRows:
-    """Which adapter slot each token row of a step runs with (S = slots, `--max-loras`), and the same
-    as the grouped products take it: the rows sorted by slot, those with no adapter after every
-    slot's (no product)."""
-
-    slots: jax.Array  # i32[T] each row's slot; -1: no adapter
-    order: jax.Array  # i32[T] the rows sorted by slot
-    inverse: jax.Array  # i32[T] the place of each row in `order`
-    sizes: jax.Array  # i32[S] rows per slot
-
-    @staticmethod
-    def of(slots: np.ndarray, num_slots: int) -> dict:
-        """The fields (host arrays) for i32[T] slots of the rows."""
-        key = np.where(slots < 0, num_slots, slots)
-        order = np.argsort(key, kind="stable").astype(np.int32)
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(len(order), dtype=np.int32)
-        sizes = np.bincount(key, minlength=num_slots + 1)[:num_slots].astype(np.int32)
-        return dict(slots=np.asarray(slots, np.int32), order=order, inverse=inverse, sizes=sizes)
 
 
 @flax.struct.dataclass
@@ -167,41 +143,6 @@ class Quantizable(nnx.Module):
         return QuantizedWeight(weight, self.scales[...], None if self.mins is None else self.mins[...])
 
 
-MASKED_MIN_ROWS = 4  # on CPU, LoRA products of steps of this many rows or more are "masked" (`lora_delta`)
-
-
-def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, rows: LoraRows, form: str | None = None,
-               skip_idle: bool | None = None) -> jax.Array:
-    """Each row's adapter's product (x A^T) B^T: x [T, in]; a [S, r, in] and b [S, out, r] the
-    slots' stacks (the scale in b) -> [T, out], zeros for rows with no adapter. One pass for all
-    slots: "grouped", two grouped products over the rows sorted by slot (`jaxserve_kernels.grouped_matmul_t`:
-    `ragged_dot` on TPU and GPU), or "masked", every row through every slot's A at once, masked to
-    its own slot's ranks, then through B. `skip_idle`: a step with no adapted row skips them (a
-    conditional). The defaults are what measured fastest (bench/RESULTS.md, "LoRA adapters"): on CPU
-    masked from MASKED_MIN_ROWS rows and skipping; on GPU masked, not skipping (there a conditional
-    costs more than the products); on TPU (not measured) grouped and skipping."""
-    sizes = jnp.asarray(rows.sizes)
-
-    def grouped(x):
-        sorted_rows = x[rows.order]
-        return grouped_matmul_t(grouped_matmul_t(sorted_rows, a, sizes), b, sizes)[rows.inverse]
-
-    def masked(x):
-        slots, rank = a.shape[0], a.shape[1]
-        h = matmul_t(x, a.reshape(slots * rank, a.shape[2]))  # [T, S * r]
-        h = jnp.where(jnp.asarray(rows.slots)[:, None] == jnp.arange(slots * rank) // rank, h, 0)
-        return jnp.einsum("tsr,sor->to", h.reshape(-1, slots, rank), b,
-                          preferred_element_type=jnp.float32).astype(x.dtype)
-
-    backend = jax.default_backend()
-    form = form or ("masked" if backend == "gpu" or (backend == "cpu" and x.shape[0] >= MASKED_MIN_ROWS)
-                    else "grouped")
-    delta = {"grouped": grouped, "masked": masked}[form]
-    if not (backend != "gpu" if skip_idle is None else skip_idle):
-        return delta(x)
-    return jax.lax.cond(sizes.sum() > 0, delta, lambda x: jnp.zeros((x.shape[0], b.shape[1]), x.dtype), x)
-
-
 class Linear(Quantizable):
     """y = x W^T + b. The product accumulates in float32 and returns the input dtype
     (`jaxserve_kernels.matmul_t`, which picks the backend's implementation). With adapters attached
@@ -216,6 +157,10 @@ class Linear(Quantizable):
 
     def __call__(self, x, adapters: LoraRows | None = None):
         return self.finish(x, matmul_t(x, self.matrix()), adapters)
+
+    def plain(self, adapters: LoraRows | None) -> bool:
+        """Whether the layer is its product alone for these rows (`finish` adds nothing to it)."""
+        return self.bias is None and (adapters is None or self.lora is None)
 
     def finish(self, x, y, adapters: LoraRows | None = None):
         """x W^T (y) -> the layer's output: the row's adapter's product and the bias added."""
@@ -260,8 +205,13 @@ class GatedMLP(nnx.Module):
         self.activation = activation
 
     def __call__(self, x, adapters: LoraRows | None = None):
-        gate, up = project(x, [self.gate_proj, self.up_proj], adapters)
-        return self.down_proj(gated(self.activation, gate, up, token_rows=True), adapters)
+        linears = [self.gate_proj, self.up_proj]
+        h = None
+        if self.activation is jax.nn.silu and all(linear.plain(adapters) for linear in linears):
+            h = gated_matmul_t(x, *(linear.matrix() for linear in linears), token_rows=True)
+        if h is None:
+            h = gated(self.activation, *project(x, linears, adapters), token_rows=True)
+        return self.down_proj(h, adapters)
 
 
 def gated(activation, gate: jax.Array, up: jax.Array, token_rows: bool = False) -> jax.Array:

@@ -53,6 +53,7 @@ TARGET = "jaxserve_matmul_t"
 WIDEN_TARGET = "jaxserve_widen_after"  # a bfloat16 weight widened once the layer's input exists (cpu.cc)
 STACK_TARGET = "jaxserve_stack_matmul_t"  # x times one matrix of a stack, read in place (cpu.cc, grouped.py)
 GATED_TARGET = "jaxserve_gated_silu"  # silu(gate) * up between a layer's products (cpu.cc, `gated_silu`)
+FLOAT_MANY_TARGET = "jaxserve_matmul_t_float_many"  # float weights against one x, or gated (cpu.cc)
 SOURCE = Path(__file__).with_name("cpu.cc")
 QUANT_SOURCE = Path(__file__).with_name("quant.cc")
 QUANT_TARGETS = {"int8": "jaxserve_matmul_t_int8", "int4": "jaxserve_matmul_t_int4"}  # by QuantizedWeight.fmt
@@ -60,6 +61,7 @@ MANY_TARGET = "jaxserve_matmul_t_many"  # several quantized weights of one forma
 # Every custom call "cpu" may run: (source, handler symbol, target), all registered when it is chosen.
 CUSTOM_CALLS = ((SOURCE, "JaxserveMatmulT", TARGET), (SOURCE, "JaxserveWidenAfter", WIDEN_TARGET),
                 (SOURCE, "JaxserveStackMatmulT", STACK_TARGET), (SOURCE, "JaxserveGatedSilu", GATED_TARGET),
+                (SOURCE, "JaxserveFloatManyMatmulT", FLOAT_MANY_TARGET),
                 (QUANT_SOURCE, "JaxserveInt8MatmulT", QUANT_TARGETS["int8"]),
                 (QUANT_SOURCE, "JaxserveInt4MatmulT", QUANT_TARGETS["int4"]),
                 (QUANT_SOURCE, "JaxserveManyMatmulT", MANY_TARGET))
@@ -232,29 +234,88 @@ def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, imp
 
 def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None) -> list[jax.Array]:
     """[matmul_t(x, w) for w in weights], the same values: where they are all quantized in one
-    format and the C++ kernel runs, one call takes them all (`quant.cc`), so that a layer's products
-    of one input (q, k and v; gate and up) quantize x once and hand their work to the threads
-    together; otherwise one product each."""
+    format, or all floats of one dtype, and the C++ kernel runs, one call takes them all (`quant.cc`,
+    `cpu.cc`), so that a layer's products of one input (q, k and v; gate and up) quantize or pack x
+    once and hand their work to the threads together; otherwise one product each."""
     dtype = jnp.dtype(dtype or x.dtype)
+    if len(weights) > 1 and _float_kernel(x, weights, dtype, impl):
+        return _float_products(x, weights, dtype, gated=False)
+    if len(weights) > 1 and _many_quantized(x, weights, dtype, impl):
+        return _kernel_products(x, weights, dtype)
+    return [matmul_t(x, w, dtype, impl=impl) for w in weights]
+
+
+def _many_quantized(x: jax.Array, weights: list, dtype, impl: str | None) -> bool:
+    """Whether one call of the quantized kernel takes x's products by `weights`: all quantized in one
+    format and layout, of x's K (a product alone says what does not fit)."""
     formats = {(w.fmt, _row_group(w)) if isinstance(w, QuantizedWeight) else None for w in weights}
-    if (len(weights) < 2 or len(formats) > 1 or None in formats or not _quantized_kernel(x, dtype, impl)
-            or any(x.shape[-1] != w.shape[1] for w in weights)):  # (a product alone says what does not fit)
-        return [matmul_t(x, w, dtype, impl=impl) for w in weights]
-    return _kernel_products(x, weights, dtype)
+    return (len(formats) == 1 and None not in formats and _quantized_kernel(x, dtype, impl)
+            and all(x.shape[-1] == w.shape[1] for w in weights))
 
 
-def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype) -> list[jax.Array]:
+def gated_matmul_t(x: jax.Array, gate, up, *, token_rows: bool, impl: str | None = None) -> jax.Array | None:
+    """silu(x gate^T) * (x up^T), each product rounded to x's dtype first: `matmul_t_many`'s two products
+    and `gated_silu` of them, the same values, in one call of the C++ kernel where it would take both
+    products in one call (`matmul_t_many`): for float weights (`cpu.cc`) the activation is applied to
+    each block of the products as it is computed, for quantized ones (`quant.cc`) to both products'
+    float32 sums at the end of the call; not in a call and a pass of its own over both. `token_rows`:
+    as `gated_silu`. None where the kernel does not take them together, or where AMX tiles take
+    bfloat16 products (their form runs one weight a call)."""
+    dtype = jnp.dtype(x.dtype)
+    rows = math.prod(x.shape[:-1])
+    if x.ndim != 2 or gate.shape != up.shape:
+        return None
+    live = _live(rows) if token_rows else jnp.asarray(rows, jnp.int32)
+    if _float_kernel(x, [gate, up], dtype, impl):
+        if dtype == jnp.bfloat16 and bf16_tiles():
+            return None
+        return _float_products(x, [gate, up], dtype, gated=True, live=live)[0]
+    if _many_quantized(x, [gate, up], dtype, impl):
+        return _kernel_products(x, [gate, up], dtype, gated=True, live=live)[0]
+    return None
+
+
+def _float_kernel(x: jax.Array, weights: list, dtype, impl: str | None) -> bool:
+    """Whether one call of the C++ kernel takes x's products by the float `weights`: where `matmul_t`
+    would run the kernel for each (their dtype one), weights [N, K] of x's K."""
+    if any(isinstance(w, QuantizedWeight) for w in weights) or len({w.dtype for w in weights}) != 1:
+        return False
+    w_dtype = weights[0].dtype
+    rows = math.prod(x.shape[:-1])
+    return (kernels_here(impl) and {x.dtype, w_dtype, dtype} <= set(KERNEL_DTYPES)
+            and all(w.ndim == 2 and w.shape[1] == x.shape[-1] for w in weights)
+            and (impl is not None or rows <= row_limit(x.dtype, w_dtype)))
+
+
+def _float_products(x: jax.Array, weights: list, dtype, *, gated: bool, live: jax.Array | None = None
+                    ) -> list[jax.Array]:
+    """The C++ kernel's products of x by float weights in one call (gated: gate and up, one y)."""
+    *lead, k = x.shape
+    rows = math.prod(lead)
+    outs = weights[:1] if gated else weights
+    ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
+    live = _live(rows) if live is None else live
+    ys = jax.ffi.ffi_call(FLOAT_MANY_TARGET, ys)(x.reshape(rows, k), live, *weights, gated=np.int64(gated))
+    return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, outs)]
+
+
+def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gated: bool = False,
+                     live: jax.Array | None = None) -> list[jax.Array]:
     """The C++ kernel's products of x by quantized weights of one format and layout: one weight in
-    rows by its format's handler, several (or grouped ones, each one array) by the handler of many."""
+    rows by its format's handler, several (or grouped ones, each one array) by the handler of many
+    (gated: gate and up, one y)."""
     *lead, k = x.shape
     rows, row_group = math.prod(lead), _row_group(weights[0])
-    ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in weights]
+    outs = weights[:1] if gated else weights
+    ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
     operands = [part for w in weights for part in _operands(w)]
+    live = _live(rows) if live is None else live
     if len(weights) == 1 and not row_group:
-        ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), _live(rows), *operands)]
+        ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), live, *operands)]
     else:
-        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), _live(rows), *operands, row_group=row_group)
-    return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, weights)]
+        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), live, *operands, row_group=row_group,
+                                               gated=np.int64(gated))
+    return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, outs)]
 
 
 def _quantized_kernel(x: jax.Array, dtype, impl: str | None) -> bool:

@@ -36,6 +36,11 @@
 // - Under 16 rows, PairTile: 32 values of k of a row of x and of w per instruction, both as they lie
 //   in memory (no shifts, no reordered copy of x).
 //
+// Several weights of one x in one call (ManyMatmulT: q, k and v; gate and up): x packed once, every
+// weight's work items handed to the threads together. Gated (gate and up, one y), each item's blocks
+// of both products are rounded to y's dtype and SwiGLU's silu(gate) * up applied to them as they are
+// computed (Item), where a pass of its own read both whole products back (GatedSilu).
+//
 // Tile form, where the CPU has AMX and Linux permits its tiles, for bfloat16 x and w with K a multiple
 // of 32, from kAmxMinRows rows on: w's rows read in place as the tile unit's A operand (amx.h), 16 x 16
 // sums of 32 products per instruction; the same products as the pair forms, summed in another order.
@@ -148,10 +153,10 @@ inline void TileRows(const float* x, int64_t ldx, const W* w, int64_t k_len, flo
   }
 }
 
-// y[m0:m1, n0:n1] of y [M, N] = x [M, K] w [N, K]^T. Tile t takes rows n0 + t + c * stride of w,
-// c < kTileCols (see the top of the file).
+// The block [m0:m1, n0:n1] of x [M, K] w [N, K]^T, at y (rows ldy apart). Tile t takes rows n0 + t +
+// c * stride of w, c < kTileCols (see the top of the file).
 template <typename W>
-void Block(const float* x, const W* w, float* y, int64_t n_len, int64_t k_len, int64_t m0, int64_t m1, int64_t n0,
+void Block(const float* x, const W* w, float* y, int64_t ldy, int64_t k_len, int64_t m0, int64_t m1, int64_t n0,
            int64_t n1) {
   const int64_t stride = (n1 - n0 + kTileCols - 1) / kTileCols;
   for (int64_t m = m0; m < m1; m += kTileRows<W>) {
@@ -160,13 +165,13 @@ void Block(const float* x, const W* w, float* y, int64_t n_len, int64_t k_len, i
       const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
       const float* xm = x + m * k_len;
       const W* wn = w + n * k_len;
-      float* ym = y + m * n_len + n;
+      float* ym = y + (m - m0) * ldy + t;
       if (rows == kTileRows<W>) {
-        TileRows<kTileRows<W>>(xm, k_len, wn, k_len, ym, n_len, cols, stride);
+        TileRows<kTileRows<W>>(xm, k_len, wn, k_len, ym, ldy, cols, stride);
       } else if (rows == 2) {
-        TileRows<2>(xm, k_len, wn, k_len, ym, n_len, cols, stride);
+        TileRows<2>(xm, k_len, wn, k_len, ym, ldy, cols, stride);
       } else {
-        TileRows<1>(xm, k_len, wn, k_len, ym, n_len, cols, stride);
+        TileRows<1>(xm, k_len, wn, k_len, ym, ldy, cols, stride);
       }
     }
   }
@@ -247,10 +252,11 @@ inline void PanelTileCols(const float* panel, const float* w, int64_t ldw, int64
   }
 }
 
-// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as panels (m0 a multiple of 16). Tile t takes rows
-// n0 + t + c * stride of w, c < kPanelTileCols; `wide` holds them widened when w is bfloat16.
+// The block [m0:m1, n0:n1] of x w [N, K]^T, x as panels (m0 a multiple of 16), at y (rows ldy apart).
+// Tile t takes rows n0 + t + c * stride of w, c < kPanelTileCols; `wide` holds them widened when w is
+// bfloat16.
 template <typename W>
-void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_t k_len, int64_t m0, int64_t m1,
+void PanelBlock(const float* panels, const W* w, float* y, int64_t ldy, int64_t k_len, int64_t m0, int64_t m1,
                 int64_t n0, int64_t n1, std::vector<float>& wide) {
   constexpr bool kBf16 = std::is_same_v<W, uint16_t>;
   const int64_t stride = (n1 - n0 + kPanelTileCols - 1) / kPanelTileCols;
@@ -278,7 +284,7 @@ void PanelBlock(const float* panels, const W* w, float* y, int64_t n_len, int64_
       PanelTileCols(panels + m * k_len, wt, ldw, k_len, c, cols);
       for (int64_t j = 0; j < cols; ++j) {
         for (int64_t i = 0; i < std::min(kPanelRows, m1 - m); ++i) {
-          y[(m + i) * n_len + n + j * stride] = c[j * kPanelRows + i];
+          y[(m - m0 + i) * ldy + t + j * stride] = c[j * kPanelRows + i];
         }
       }
     }
@@ -354,14 +360,14 @@ constexpr auto PairPanelTiles(std::integer_sequence<int, NR...>) {
   return std::array{&PairPanelTile<MP, NR + 1>...};
 }
 
-// y[m0:m1, n0:n1] of y [M, N] = x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16, y
-// float32 or bfloat16 (rounded to nearest even, values under float32's normal range flushed to
-// zero). A tile takes kPairTileCols adjacent rows of w, so that its sums land in adjacent columns of
+// The block [m0:m1, n0:n1] of x w [N, K]^T, x as pair panels (m0 a multiple of 16), w bfloat16, at y
+// (rows ldy apart) in float32 or bfloat16 (rounded to nearest even, values under float32's normal
+// range flushed to zero). A tile takes kPairTileCols adjacent rows of w, so that its sums land in adjacent columns of
 // y, stored a row at a time once transposed (StoreTransposed); one value at a time, scattered, they
 // cost a twentieth of a prefill's products. Every tile of a group of panels runs before the next
 // group's: the group's rows of y then stay in the cache while its tiles' sums are stored.
 template <typename Y>
-void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_len, int64_t k_len, int64_t m0,
+void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t ldy, int64_t k_len, int64_t m0,
                     int64_t m1, int64_t n0, int64_t n1) {
   static_assert(kPairPanels == 3, "one row of kTiles per panel count");
   static constexpr auto kCols = std::make_integer_sequence<int, kPairTileCols>();
@@ -376,7 +382,7 @@ void PairPanelBlock(const uint32_t* panels, const uint16_t* w, Y* y, int64_t n_l
                                         pairs, c);
       for (int64_t i = 0; i < panels_here; ++i) {
         StoreTransposed(c + i * kPanelRows * kPanelRows, std::min(kPanelRows, m1 - m - i * kPanelRows), cols,
-                        y + (m + i * kPanelRows) * n_len + n, n_len);
+                        y + (m - m0 + i * kPanelRows) * ldy + (n - n0), ldy);
       }
     }
   }
@@ -419,7 +425,7 @@ constexpr auto PairTiles(std::integer_sequence<int, NR...>) {
 // Block on bfloat16 x and w: the same work items and tiles of w (kTileCols rows a quarter of the
 // block apart), kPairTileRows rows of x per tile.
 constexpr int kPairTileRows = 3;
-void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, int64_t k_len, int64_t m0, int64_t m1,
+void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t ldy, int64_t k_len, int64_t m0, int64_t m1,
                int64_t n0, int64_t n1) {
   static_assert(kPairTileRows == 3, "one row of kTiles per row count");
   static constexpr auto kCols = std::make_integer_sequence<int, kTileCols>();
@@ -429,60 +435,98 @@ void PairBlock(const uint16_t* x, const uint16_t* w, float* y, int64_t n_len, in
     const int64_t rows = std::min<int64_t>(kPairTileRows, m1 - m);
     for (int64_t t = 0; t < stride; ++t) {
       const int64_t n = n0 + t, cols = (n1 - n + stride - 1) / stride;
-      kTiles[rows - 1][cols - 1](x + m * k_len, k_len, w + n * k_len, k_len, y + m * n_len + n, n_len, stride);
+      kTiles[rows - 1][cols - 1](x + m * k_len, k_len, w + n * k_len, k_len, y + (m - m0) * ldy + t, ldy, stride);
     }
   }
 }
 #endif  // __AVX512BF16__
 
-// y = x ws^T for x [M, K] and ws the N x K matrix at `ws` (bfloat16 bits where w_bf16, else float32),
-// computed for x's first m_len rows (its other rows' y zero). The form follows from M, as in every
-// step of the same bucket whatever its padding, so that a row's values do not depend on the others'.
-ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, const void* ws, bool w_bf16,
-                   int64_t n_len, ffi::Result<ffi::AnyBuffer> y) {
+// One product of a call (Products): y [M, n_len] = x w^T, or, gated (`up` set), y = silu(x w^T) *
+// (x up^T) with both products rounded to y's dtype first: GatedSilu's values from two products' ys.
+struct Target {
+  const void* w;
+  const void* up;  // nullptr: not gated
+  int64_t n_len;
+  void* y;
+};
+
+// Target t's block [m0:m1, n0:n1] of y from `sums(w, dst, ld)`, a form's float32 sums of that block
+// of x w^T at dst (rows ld apart): straight into a float32 y, else into a buffer, then rounded (and,
+// gated, silu(gate) * up) into y.
+template <typename Sums>
+void Item(const Target& t, bool y_bf16, int64_t m0, int64_t m1, int64_t n0, int64_t n1, const Sums& sums) {
+  const int64_t rows = m1 - m0, cols = n1 - n0, ld = t.n_len;
+  if (!y_bf16 && !t.up) return sums(t.w, static_cast<float*>(t.y) + m0 * ld + n0, ld);
+  const int64_t sums_count = (t.up ? 2 : 1) * rows * cols;
+  std::unique_ptr<float[]> buffer(new float[sums_count + cols]);  // the sums, then two rows of bits
+  float* gate = buffer.get();
+  float* up = t.up ? gate + rows * cols : nullptr;
+  sums(t.w, gate, cols);
+  if (up) sums(t.up, up, cols);
+  uint16_t* bits = reinterpret_cast<uint16_t*>(buffer.get() + sums_count);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gate + i * cols;
+    if (up) {
+      GatedRow(g, up + i * cols, cols, y_bf16, t.y, (m0 + i) * ld + n0, bits);
+    } else {  // (a bfloat16 y: a float32 one is written in place above)
+      RoundValues(g, cols, static_cast<uint16_t*>(t.y) + (m0 + i) * ld + n0);
+    }
+  }
+}
+
+// The targets' products of x [M, K] (their weights N x K, bfloat16 bits where w_bf16, else float32; their
+// ys of y_bf16) for x's first m_len rows, x packed once and every target's work items handed to the
+// threads together. The form follows from M, as in every step of the same bucket whatever its
+// padding, so that a row's values do not depend on the others'. Rows from m_len on are the caller's.
+void Products(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, bool w_bf16, bool y_bf16,
+              const std::vector<Target>& targets) {
   const int64_t m_form = x.dimensions()[0], k_len = x.dimensions()[1];
-  ZeroRowsFrom(y, m_len);
-  if (m_len == 0) return ffi::Error::Success();
+  if (m_len == 0) return;
   const bool x_bf16 = IsBf16(x.element_type());
-  const bool y_bf16 = IsBf16(y->element_type());
   const float* x_f32 = static_cast<const float*>(x.untyped_data());
   const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
-#if defined(JAXSERVE_AMX)
-  if (m_form >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted()) {
-    const auto rows = amx::RowsInPlace(static_cast<const uint16_t*>(ws), n_len, k_len);
-    if (y_bf16) {  // (rounded as each block is stored)
-      amx::TileProduct(pool, x_bits, m_len, k_len, n_len, static_cast<uint16_t*>(y->untyped_data()), kRowsOfW, rows);
-    } else {
-      amx::TileProduct(pool, x_bits, m_len, k_len, n_len, static_cast<float*>(y->untyped_data()), kRowsOfW, rows);
+  std::vector<int64_t> starts{0};  // where each target's columns start among all of them
+  for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
+  auto items = [&](int64_t rows_of_x, int64_t rows_of_w, int64_t tile_cols, const auto& item) {
+    ForEachBlockOf(pool, m_len, starts, rows_of_x, rows_of_w, tile_cols,
+                   [&](size_t i, int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>& scratch) {
+      item(targets[i], m0, m1, n0, n1, scratch);
+    });
+  };
+#if defined(JAXSERVE_AMX)  // (one weight at a time: a gated target's pair goes on to the pair panels)
+  if (m_form >= kAmxMinRows && x_bf16 && w_bf16 && k_len % amx::kTileK == 0 && amx::TilesPermitted() &&
+      std::none_of(targets.begin(), targets.end(), [](const Target& t) { return t.up; })) {
+    for (const Target& t : targets) {
+      const auto rows = amx::RowsInPlace(static_cast<const uint16_t*>(t.w), t.n_len, k_len);
+      if (y_bf16) {  // (rounded as each block is stored)
+        amx::TileProduct(pool, x_bits, m_len, k_len, t.n_len, static_cast<uint16_t*>(t.y), kRowsOfW, rows);
+      } else {
+        amx::TileProduct(pool, x_bits, m_len, k_len, t.n_len, static_cast<float*>(t.y), kRowsOfW, rows);
+      }
     }
-    return ffi::Error::Success();
+    return;
   }
 #endif
 #if defined(__AVX512BF16__)
-  if (m_form >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {  // (y written in its own dtype)
+  if (m_form >= kPanelMinRows && x_bf16 && w_bf16 && k_len % 2 == 0) {
     std::unique_ptr<uint32_t[]> pairs(new uint32_t[CeilDiv(m_len, kPanelRows) * kPanelRows * k_len / 2]);
     PackPairPanels(x_bits, m_len, k_len, pairs.get());
     const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
         std::max<int64_t>(1, kBytesOfX / (2 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
-    auto blocks = [&](auto* ys) {
-      ForEachBlock(pool, m_len, n_len, rows_of_x, kPairRowsOfW, kPairTileCols,
-                   [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-        PairPanelBlock(pairs.get(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
-      });
-    };
-    if (y_bf16) {
-      blocks(static_cast<uint16_t*>(y->untyped_data()));
-    } else {
-      blocks(static_cast<float*>(y->untyped_data()));
-    }
-    return ffi::Error::Success();
+    items(rows_of_x, kPairRowsOfW, kPairTileCols, [&](const Target& t, int64_t m0, int64_t m1, int64_t n0,
+                                                      int64_t n1, std::vector<float>&) {
+      auto block = [&](const void* w, auto* y, int64_t ld) {
+        PairPanelBlock(pairs.get(), static_cast<const uint16_t*>(w), y, ld, k_len, m0, m1, n0, n1);
+      };
+      if (y_bf16 && !t.up) {  // (rounded as stored)
+        return block(t.w, static_cast<uint16_t*>(t.y) + m0 * t.n_len + n0, t.n_len);
+      }
+      Item(t, y_bf16, m0, m1, n0, n1, [&](const void* w, float* y, int64_t ld) { block(w, y, ld); });
+    });
+    return;
   }
 #endif
-  // y in float32: the result buffer itself, or a copy to be rounded (every form writes all of it)
-  std::vector<float> x_wide;
-  std::unique_ptr<float[]> y_wide(y_bf16 ? new float[m_len * n_len] : nullptr);
-  float* ys = y_bf16 ? y_wide.get() : static_cast<float*>(y->untyped_data());
-
+  std::vector<float> x_wide;  // x packed, widened or reordered for the form
   if (m_form >= kPanelMinRows) {
     x_wide.resize((m_len + kPanelRows - 1) / kPanelRows * kPanelRows * k_len);
     if (x_bf16) {
@@ -492,54 +536,68 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, const 
     }
     const int64_t rows_of_x =  // panels per work item: about kBytesOfX, so they stay in the L2 cache
         std::max<int64_t>(1, kBytesOfX / (4 * kPanelRows * std::max<int64_t>(k_len, 1))) * kPanelRows;
-    ForEachBlock(pool, m_len, n_len, rows_of_x, kPanelRowsOfW, kPanelTileCols,
-                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>& wide) {
-      if (w_bf16) {
-        PanelBlock(x_wide.data(), static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1, wide);
-      } else {
-        PanelBlock(x_wide.data(), static_cast<const float*>(ws), ys, n_len, k_len, m0, m1, n0, n1, wide);
-      }
+    items(rows_of_x, kPanelRowsOfW, kPanelTileCols, [&](const Target& t, int64_t m0, int64_t m1, int64_t n0,
+                                                        int64_t n1, std::vector<float>& wide) {
+      Item(t, y_bf16, m0, m1, n0, n1, [&](const void* w, float* y, int64_t ld) {
+        if (w_bf16) {
+          PanelBlock(x_wide.data(), static_cast<const uint16_t*>(w), y, ld, k_len, m0, m1, n0, n1, wide);
+        } else {
+          PanelBlock(x_wide.data(), static_cast<const float*>(w), y, ld, k_len, m0, m1, n0, n1, wide);
+        }
+      });
     });
-  } else
+    return;
+  }
 #if defined(__AVX512BF16__)
   if (x_bf16 && w_bf16) {
     const int64_t rows_of_x = std::max<int64_t>(
         kPairTileRows, kBytesOfX / (2 * std::max<int64_t>(k_len, 1)) / kPairTileRows * kPairTileRows);
-    ForEachBlock(pool, m_len, n_len, rows_of_x, kRowsOfW, kTileCols,
-                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-      PairBlock(x_bits, static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
+    items(rows_of_x, kRowsOfW, kTileCols, [&](const Target& t, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                                               std::vector<float>&) {
+      Item(t, y_bf16, m0, m1, n0, n1, [&](const void* w, float* y, int64_t ld) {
+        PairBlock(x_bits, static_cast<const uint16_t*>(w), y, ld, k_len, m0, m1, n0, n1);
+      });
     });
-  } else
-#endif
-  {
-    // x in float32: the buffer itself, or a copy widened (and reordered for a bfloat16 w, see Tile)
-    const float* xs = x_f32;
-    if (w_bf16 || x_bf16) {
-      x_wide.resize(m_len * k_len);
-      if (w_bf16 && x_bf16) {
-        Deinterleave(x_bits, m_len, k_len, x_wide.data());
-      } else if (w_bf16) {
-        Deinterleave(x_f32, m_len, k_len, x_wide.data());
-      } else {
-        for (int64_t i = 0; i < m_len * k_len; ++i) x_wide[i] = Bf16ToFloat(x_bits[i]);
-      }
-      xs = x_wide.data();
-    }
-    const int64_t tile_rows = w_bf16 ? kTileRows<uint16_t> : kTileRows<float>;
-    const int64_t rows_of_x =
-        std::max<int64_t>(tile_rows, kBytesOfX / (4 * std::max<int64_t>(k_len, 1)) / tile_rows * tile_rows);
-    ForEachBlock(pool, m_len, n_len, rows_of_x, kRowsOfW, kTileCols,
-                 [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-      if (w_bf16) {
-        Block(xs, static_cast<const uint16_t*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
-      } else {
-        Block(xs, static_cast<const float*>(ws), ys, n_len, k_len, m0, m1, n0, n1);
-      }
-    });
+    return;
   }
-  if (y_bf16) RoundToBf16(pool, ys, m_len * n_len, static_cast<uint16_t*>(y->untyped_data()));
+#endif
+  // x in float32: the buffer itself, or a copy widened (and reordered for a bfloat16 w, see Tile)
+  const float* xs = x_f32;
+  if (w_bf16 || x_bf16) {
+    x_wide.resize(m_len * k_len);
+    if (w_bf16 && x_bf16) {
+      Deinterleave(x_bits, m_len, k_len, x_wide.data());
+    } else if (w_bf16) {
+      Deinterleave(x_f32, m_len, k_len, x_wide.data());
+    } else {
+      for (int64_t i = 0; i < m_len * k_len; ++i) x_wide[i] = Bf16ToFloat(x_bits[i]);
+    }
+    xs = x_wide.data();
+  }
+  const int64_t tile_rows = w_bf16 ? kTileRows<uint16_t> : kTileRows<float>;
+  const int64_t rows_of_x =
+      std::max<int64_t>(tile_rows, kBytesOfX / (4 * std::max<int64_t>(k_len, 1)) / tile_rows * tile_rows);
+  items(rows_of_x, kRowsOfW, kTileCols, [&](const Target& t, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+                                             std::vector<float>&) {
+    Item(t, y_bf16, m0, m1, n0, n1, [&](const void* w, float* y, int64_t ld) {
+      if (w_bf16) {
+        Block(xs, static_cast<const uint16_t*>(w), y, ld, k_len, m0, m1, n0, n1);
+      } else {
+        Block(xs, static_cast<const float*>(w), y, ld, k_len, m0, m1, n0, n1);
+      }
+    });
+  });
+}
+
+// y = x ws^T for x [M, K] and ws the N x K matrix at `ws` (bfloat16 bits where w_bf16, else float32),
+// computed for x's first m_len rows (its other rows' y zero).
+ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, const void* ws, bool w_bf16,
+                   int64_t n_len, ffi::Result<ffi::AnyBuffer> y) {
+  ZeroRowsFrom(y, m_len);
+  Products(pool, x, m_len, w_bf16, IsBf16(y->element_type()), {{ws, nullptr, n_len, y->untyped_data()}});
   return ffi::Error::Success();
 }
+
 
 bool IsFloat(ffi::DataType t) { return t == ffi::DataType::F32 || IsBf16(t); }
 
@@ -555,6 +613,35 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
     return ffi::Error::InvalidArgument("matmul (cpu): x must be [M, K] and w [N, K]");
   }
   return Product(pool, x, LiveRows(live, xd[0]), w.untyped_data(), IsBf16(w.element_type()), wd[0], y);
+}
+
+// Several weights [N_i, K] of one float dtype against the same x [M, K], for x's first `live` rows (the
+// rest zero), in one call (Products): each with its own y, or, `gated`, two (gate and up) with one y,
+// silu(x gate^T) * (x up^T) (Target).
+ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::RemainingArgs ws,
+                       ffi::RemainingRets ys, int64_t gated) {
+  const size_t per_y = gated ? 2 : 1;
+  if (ys.size() == 0 || ws.size() != per_y * ys.size() || !IsFloat(x.element_type()) || x.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("matmul (cpu): x [M, K] and one weight per y (gated: two)");
+  }
+  const int64_t m = x.dimensions()[0], k = x.dimensions()[1], m_len = LiveRows(live, m);
+  const ffi::DataType w_type = ws.get<ffi::AnyBuffer>(0)->element_type();
+  const ffi::DataType y_type = (*ys.get<ffi::AnyBuffer>(0))->element_type();
+  std::vector<Target> targets;
+  for (size_t i = 0; i < ys.size(); ++i) {
+    ffi::Result<ffi::AnyBuffer> y = *ys.get<ffi::AnyBuffer>(i);
+    ffi::AnyBuffer w = *ws.get<ffi::AnyBuffer>(per_y * i), up = *ws.get<ffi::AnyBuffer>(per_y * i + per_y - 1);
+    auto wd = w.dimensions(), yd = y->dimensions();
+    if (!IsFloat(w_type) || w.element_type() != w_type || up.element_type() != w_type || !IsFloat(y_type) ||
+        y->element_type() != y_type || wd.size() != 2 || wd[1] != k || up.element_count() != w.element_count() ||
+        yd.size() != 2 || yd[0] != m || yd[1] != wd[0]) {
+      return ffi::Error::InvalidArgument("matmul (cpu): weights [N, K] of one float dtype, ys [M, N] of one");
+    }
+    ZeroRowsFrom(y, m_len);
+    targets.push_back({w.untyped_data(), gated ? up.untyped_data() : nullptr, wd[0], y->untyped_data()});
+  }
+  Products(pool, x, m_len, IsBf16(w_type), IsBf16(y_type), targets);
+  return ffi::Error::Success();
 }
 
 // y = x w[group]^T for a stack w [G, N, K] (a Mixture-of-Experts layer's experts; bfloat16 may come
@@ -598,60 +685,6 @@ ffi::Error WidenAfter(ffi::ThreadPool pool, ffi::AnyBuffer after, ffi::AnyBuffer
     for (int64_t i = item * kChunk; i < end; ++i) wide[i] = Bf16ToFloat(bits[i]);
   });
   return ffi::Error::Success();
-}
-
-// silu(x) * u in float32; with kRound, silu(x) rounded to bfloat16 values before the product and
-// the product after, as XLA computes `models.layers.gated` on bfloat16. silu(x) = x / (1 + e^-x), from
-// t = e^-|x| <= 1 (never overflows): x / (1 + t), or x t / (1 + t); zero (signed) where e^x is under
-// float32's normal range, as XLA's. (Just above that, from -87.3365 to -87.3, Exp takes e^x as
-// e^-87.3: silu values of about 1e-36 a few percent off in float32; no bfloat16 value lies there.)
-constexpr float kSiluZero = -87.3365f;  // ln of float32's smallest normal
-template <bool kRound, typename V>
-inline V SiluTimes(V x, V u) {
-  const V t = Exp(x < 0.0f ? x : -x);
-  V y = (x < 0.0f ? x * t : x) / (1.0f + t);
-  y = x < kSiluZero ? x * 0.0f : y;
-  if constexpr (kRound) return Bf16Values(Bf16Values(y) * u);
-  return y * u;
-}
-
-// out[i] = SiluTimes(gate[i], up[i]) for `count` values of float32 or bfloat16 (rounded), 16 lanes at
-// a time where the CPU has AVX-512, then 8, then the last few as 8 with zeros after them.
-template <typename T>
-void GatedSiluValues(const T* gate, const T* up, T* out, int64_t count) {
-  constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
-  int64_t i = 0;
-#if defined(__AVX512F__)  // (16 lanes: the 8-lane loop below took about twice as long in a step)
-  for (; i + kWide <= count; i += kWide) {
-    const Wide y = SiluTimes<kBf16>(LoadWide(gate + i), LoadWide(up + i));
-    if constexpr (kBf16) {
-      const __m512i bits = _mm512_srli_epi32((__m512i)y, 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(bits));
-    } else {
-      _mm512_storeu_ps(out + i, (__m512)y);
-    }
-  }
-#endif
-  auto eight = [](const T* g, const T* u, T* o) {
-    const Lanes y = SiluTimes<kBf16>(Load(g), Load(u));
-    if constexpr (kBf16) {
-      typedef uint16_t Halves __attribute__((vector_size(16)));
-      Words bits;
-      std::memcpy(&bits, &y, sizeof(bits));
-      const Halves halves = __builtin_convertvector(bits >> 16, Halves);
-      std::memcpy(o, &halves, sizeof(halves));
-    } else {
-      Store(o, y);
-    }
-  };
-  for (; i + kLanes <= count; i += kLanes) eight(gate + i, up + i, out + i);
-  if (i < count) {
-    T g[kLanes] = {}, u[kLanes] = {}, o[kLanes];
-    std::copy(gate + i, gate + count, g);
-    std::copy(up + i, up + count, u);
-    eight(g, u, o);
-    std::copy(o, o + (count - i), out + i);
-  }
 }
 
 // out = silu(gate) * up (SwiGLU's activation, between a layer's gate and up products and its down
@@ -712,6 +745,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveWidenAfter, jaxserve::WidenAfter, TwoOpera
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveStackMatmulT, jaxserve::StackMatmulT, ThreeOperandsOneResult());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveGatedSilu, jaxserve::GatedSilu, ThreeOperandsOneResult());  // gate, up, live
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFloatManyMatmulT, jaxserve::ManyMatmulT,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // x
+                                  .Arg<xla::ffi::AnyBuffer>()  // live
+                                  .RemainingArgs()             // the weights (gated: gate and up)
+                                  .RemainingRets()             // their ys (gated: one)
+                                  .Attr<int64_t>("gated"));
 
 // 1 where bfloat16 products run on the CPU's bfloat16 instructions (PairPanelTile), else 0.
 extern "C" int JaxserveMatmulNativeBf16() {

@@ -260,11 +260,15 @@ std::string CheckOperands(Format format, bool grouped, ffi::AnyBuffer& x, Operan
   return "";
 }
 
+constexpr int64_t kGatedRows = 16;  // rows of y per work item of a gated call's activation (Multiply)
+
 // y = x w^T for each weight (see the top) and x's first `live` rows (`LiveRows`; the other rows of
 // y zero), every weight of `format`, in rows (`row_group` 0) or grouped (kGroupRows: quant.h); a
 // bfloat16 y is computed in a float32 buffer and rounded at the end (every form writes all of it).
+// `gated`: two weights (gate and up) of one y, silu(x gate^T) * (x up^T) (GatedRow), both products
+// computed in float32 buffers.
 ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& live,
-                    std::vector<Operands>& weights, int64_t row_group) {
+                    std::vector<Operands>& weights, int64_t row_group, bool gated = false) {
   const int64_t m_len = LiveRows(live, x.dimensions()[0]), k_len = x.dimensions()[1];
   const bool grouped = row_group == kGroupRows;
 #if defined(JAXSERVE_QUANT_GROUPED)
@@ -284,7 +288,7 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
     if (grouped && o.data.dimensions()[0] % kGroupRows) {
       return ffi::Error::InvalidArgument("quantized matmul (cpu): a grouped weight's rows must be a multiple of 16");
     }
-    wide += IsBf16(o.y->element_type()) ? m_len * o.data.dimensions()[0] : 0;
+    wide += gated || IsBf16(o.y->element_type()) ? m_len * o.data.dimensions()[0] : 0;
   }
   std::unique_ptr<float[]> buffer(new float[wide]);
   std::vector<Target> targets;
@@ -301,7 +305,7 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
                                                    : static_cast<const uint16_t*>(o.mins->untyped_data());
     const QuantW w{data, scales, mins, k_len, blocks, row_bytes, grouped};
     float* y = static_cast<float*>(o.y->untyped_data());
-    if (IsBf16(o.y->element_type())) {
+    if (gated || IsBf16(o.y->element_type())) {
       y = buffer.get() + used;
       used += m_len * n_len;
     }
@@ -311,6 +315,19 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
     ProductsOf<Format::kInt8>(pool, x, m_len, targets);
   } else {
     ProductsOf<Format::kInt4>(pool, x, m_len, targets);
+  }
+  if (gated) {
+    ffi::Result<ffi::AnyBuffer>& y = weights[0].y;
+    ZeroRowsFrom(y, m_len);
+    const int64_t n_len = targets[0].n_len;
+    ParallelFor(pool, CeilDiv(m_len, kGatedRows), [&](int64_t item, std::vector<float>& bits) {
+      bits.resize(n_len);
+      for (int64_t i = item * kGatedRows; i < std::min(m_len, (item + 1) * kGatedRows); ++i) {
+        GatedRow(targets[0].y + i * n_len, targets[1].y + i * n_len, n_len, IsBf16(y->element_type()),
+                 y->untyped_data(), i * n_len, reinterpret_cast<uint16_t*>(bits.data()));
+      }
+    });
+    return ffi::Error::Success();
   }
   for (size_t i = 0; i < weights.size(); ++i) {
     ffi::Result<ffi::AnyBuffer>& y = weights[i].y;
@@ -336,24 +353,24 @@ ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
 }
 
 // Several weights of one format and layout against the same x, each with its own y (or one grouped
-// weight): the operands of each weight in turn, in rows data, scales (and mins, int4), grouped its
-// one array; the format follows from the first data's dtype.
+// weight), or, `gated`, gate and up with one y (Multiply): the operands of each weight in turn, in rows
+// data, scales (and mins, int4), grouped its one array; the format follows from the first data's dtype.
 ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::RemainingArgs parts,
-                       ffi::RemainingRets ys, int64_t row_group) {
+                       ffi::RemainingRets ys, int64_t row_group, int64_t gated) {
   const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
-  const size_t per_weight = row_group == kGroupRows ? 1 : int8 ? 2 : 3;
-  if (ys.size() == 0 || parts.size() != per_weight * ys.size()) {
+  const size_t per_weight = row_group == kGroupRows ? 1 : int8 ? 2 : 3, count = gated ? 2 : ys.size();
+  if (ys.size() == 0 || (gated && ys.size() != 1) || parts.size() != per_weight * count) {
     return ffi::Error::InvalidArgument("quantized matmul (cpu): each y needs its weight's data, scales and, "
-                                       "int4, mins (grouped: its one array)");
+                                       "int4, mins (grouped: its one array); gated, two weights' of one y");
   }
   std::vector<Operands> weights;
-  for (size_t i = 0; i < ys.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     auto part = [&](size_t j) { return std::optional(*parts.get<ffi::AnyBuffer>(per_weight * i + j)); };
     const bool has_mins = per_weight == 3;
     weights.push_back({*part(0), per_weight > 1 ? part(1) : std::nullopt, has_mins ? part(2) : std::nullopt,
-                       *ys.get<ffi::AnyBuffer>(i)});
+                       *ys.get<ffi::AnyBuffer>(gated ? 0 : i)});
   }
-  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, live, weights, row_group);
+  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, live, weights, row_group, gated);
 }
 
 }  // namespace jaxserve::quant
@@ -383,8 +400,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // live (see Multiply)
                                   .RemainingArgs()             // each weight's data, scales (, mins), or one array
-                                  .RemainingRets()             // each weight's y
-                                  .Attr<int64_t>("row_group"));
+                                  .RemainingRets()             // each weight's y (gated: one)
+                                  .Attr<int64_t>("row_group")
+                                  .Attr<int64_t>("gated"));
 
 // The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top;
 // on AVX2, the integer form for grouped weights, the float form for weights in rows).

@@ -140,12 +140,9 @@ void ForEachTargetBlock(ffi::ThreadPool& pool, int64_t m_len, const std::vector<
                         const Fn& fn) {
   std::vector<int64_t> starts{0};  // where each weight's rows start among all of them
   for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
-  ForEachBlock(pool, m_len, starts.back(), m_len, RowsOfW(targets[0].w.row_bytes), tile_cols,
-               [&](int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
-    for (size_t i = 0; i < targets.size(); ++i) {
-      const int64_t lo = std::max(n0, starts[i]), hi = std::min(n1, starts[i + 1]);
-      if (lo < hi) fn(targets[i], m0, m1, lo - starts[i], hi - starts[i]);
-    }
+  ForEachBlockOf(pool, m_len, starts, m_len, RowsOfW(targets[0].w.row_bytes), tile_cols,
+                 [&](size_t i, int64_t m0, int64_t m1, int64_t n0, int64_t n1, std::vector<float>&) {
+    fn(targets[i], m0, m1, n0, n1);
   });
 }
 
