@@ -309,6 +309,46 @@ def test_float_weights_of_one_dtype_take_one_call_whose_ys_are_each_ones_product
     assert _ffi_targets(jax.make_jaxpr(matmul_t_many)(jnp.ones((1, 64)), mixed).eqns) == [TARGET, TARGET]
 
 
+@pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", X86_64_V2), ("-march=x86-64-v3", X86_64_V3)])
+def test_the_float_kernel_built_for_other_cpus_matches_float64(flags, needs, monkeypatch, tmp_path):
+    """Built with `flags` after -march=native, for a CPU without AVX-512 (x86-64-v3: no pair forms, a
+    bfloat16 w widened in registers, a bfloat16 y rounded from float32 sums) or without AVX
+    (x86-64-v2), where this CPU can run that build: one product against float64 numpy in the dot and
+    panel forms, and the products of one call (several weights; gate, up and SiLU) equal to one
+    product each, and to `gated_silu` of them, bit for bit."""
+    needs_cpu_backend()
+    from jaxserve_kernels.cpu import build
+    from jaxserve_kernels.matmul import GATED_TARGET, SOURCE
+
+    assert build.library(SOURCE) is not None  # (this CPU's own build loaded first, as in test_the_quantized_...)
+    build_for_other_cpu(flags, needs, monkeypatch, tmp_path)
+    try:
+        one, many, gated = (f"test_{flags}_{target}" for target in (TARGET, FLOAT_MANY_TARGET, GATED_TARGET))
+        for symbol, target in (("JaxserveMatmulT", one), ("JaxserveFloatManyMatmulT", many),
+                               ("JaxserveGatedSilu", gated)):
+            assert build._register(SOURCE, symbol, target)
+    finally:
+        build._library.cache_clear()
+    rng = np.random.default_rng(10)
+    for dtype in ("float32", "bfloat16"):
+        for rows, d_in, d_outs in [(1, 96, (40, 13)), (5, 64, (9, 33)), (40, 96, (100, 17))]:
+            x = jnp.asarray(rng.standard_normal((rows, d_in)), dtype)
+            ws = [jnp.asarray(rng.standard_normal((d_out, d_in)), dtype) for d_out in (*d_outs, d_outs[0])]
+            live, shapes = np.int32(rows), [jax.ShapeDtypeStruct((rows, d_out), dtype) for d_out in d_outs]
+            apart = [np.asarray(jax.ffi.ffi_call(one, jax.ShapeDtypeStruct((rows, w.shape[0]), dtype))(x, w, live),
+                                np.float32) for w in ws]
+            for y, w in zip(apart, ws):
+                x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+                want = x64 @ w64.T
+                rounding = 2.0**-8 * np.abs(want) if dtype == "bfloat16" else 0
+                assert (np.abs(y - want) <= 1e-5 * (np.abs(x64) @ np.abs(w64).T) + rounding).all(), (dtype, rows)
+            together = jax.ffi.ffi_call(many, shapes)(x, live, *ws[:len(d_outs)], gated=np.int64(0))
+            assert all(np.array_equal(np.asarray(y, np.float32), want) for y, want in zip(together, apart))
+            gate_up = jax.ffi.ffi_call(many, shapes[:1])(x, live, ws[0], ws[-1], gated=np.int64(1))[0]
+            silu = jax.ffi.ffi_call(gated, shapes[0])(*(jnp.asarray(y, dtype) for y in (apart[0], apart[-1])), live)
+            assert np.array_equal(np.asarray(gate_up, np.float32), np.asarray(silu, np.float32)), (dtype, rows)
+
+
 def test_one_row_products_from_several_threads_at_once_are_the_same():
     """A one-row product hands its second half to the kernels' own helper thread, which one call
     holds at a time (others take XLA's pool): calls from several threads at once, some after the
