@@ -29,6 +29,7 @@ from mixed_steps import mixed_batch  # noqa: E402
 import jaxserve.models.layers as layers  # noqa: E402
 import jaxserve.worker.executables as executables  # noqa: E402
 import jaxserve_kernels.matmul as matmul  # noqa: E402
+from checkpoints import DEFAULT_MODEL_NAME  # noqa: E402
 from jaxserve.config.engine import EngineConfig  # noqa: E402
 from jaxserve.engine.build import build_engine  # noqa: E402
 
@@ -57,7 +58,8 @@ def main() -> None:
     engines = {}
     for name in ("one call", "apart"):
         flag["apart"] = name == "apart"
-        config = EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype="bfloat16", max_model_len=512,
+        model = DEFAULT_MODEL_NAME if args.model == "default" else args.model
+        config = EngineConfig(model=model, dtype=args.dtype, kv_cache_dtype="bfloat16", max_model_len=512,
                               max_num_seqs=64, max_num_batched_tokens=512)
         engine = engines[name] = build_engine(config, warmup=False)[0]
         for spec in args.steps:  # (traced now, while the flag holds)
