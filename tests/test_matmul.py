@@ -307,6 +307,12 @@ def test_float_weights_of_one_dtype_take_one_call_whose_ys_are_each_ones_product
                 np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     mixed = [jnp.ones((8, 64), jnp.float32), jnp.ones((8, 64), jnp.bfloat16)]
     assert _ffi_targets(jax.make_jaxpr(matmul_t_many)(jnp.ones((1, 64)), mixed).eqns) == [TARGET, TARGET]
+    call = jax.ffi.ffi_call(FLOAT_MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)])
+    x, live = jnp.ones((1, 64)), 1
+    with pytest.raises(Exception, match=r"weights \[N, K\] of one float dtype"):  # (gate and up of two shapes)
+        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), jnp.ones((16, 32)), gated=np.int64(1)))
+    with pytest.raises(Exception, match=r"one weight per y \(gated: two\)"):
+        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), gated=np.int64(1)))
 
 
 @pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", X86_64_V2), ("-march=x86-64-v3", X86_64_V3)])

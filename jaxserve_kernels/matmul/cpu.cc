@@ -633,8 +633,8 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
     ffi::AnyBuffer w = *ws.get<ffi::AnyBuffer>(per_y * i), up = *ws.get<ffi::AnyBuffer>(per_y * i + per_y - 1);
     auto wd = w.dimensions(), yd = y->dimensions();
     if (!IsFloat(w_type) || w.element_type() != w_type || up.element_type() != w_type || !IsFloat(y_type) ||
-        y->element_type() != y_type || wd.size() != 2 || wd[1] != k || up.element_count() != w.element_count() ||
-        yd.size() != 2 || yd[0] != m || yd[1] != wd[0]) {
+        y->element_type() != y_type || wd.size() != 2 || wd[1] != k || up.dimensions().size() != 2 ||
+        up.dimensions()[0] != wd[0] || up.dimensions()[1] != k || yd.size() != 2 || yd[0] != m || yd[1] != wd[0]) {
       return ffi::Error::InvalidArgument("matmul (cpu): weights [N, K] of one float dtype, ys [M, N] of one");
     }
     ZeroRowsFrom(y, m_len);
