@@ -11,8 +11,8 @@ import pytest
 from conftest import needs_cpu_backend
 
 from jaxserve.models.layers import gated
-from jaxserve_kernels.matmul import (FLOAT_MANY_TARGET, GATED_TARGET, TARGET, gated_matmul_t, gated_silu, live_rows,
-                                     matmul_t)
+from jaxserve_kernels.matmul import (AMX_MIN_ROWS, FLOAT_MANY_TARGET, GATED_TARGET, TARGET, bf16_tiles, gated_matmul_t,
+                                     gated_silu, live_rows, matmul_t, row_limit)
 
 
 @jax.jit
@@ -80,14 +80,17 @@ def test_gate_and_up_in_one_call_are_their_products_then_gated_silu(dtype):
     needs_cpu_backend()
     rng = np.random.default_rng(2)
     eps = 2.0**-8 if dtype == "bfloat16" else 2.0**-23
-    many = 300 if dtype == "bfloat16" else 64  # (past a work item's 224 rows; float32: the kernel's row limit)
+    many = int(min(300, row_limit(dtype, dtype)))  # (past a work item's 224 rows, within the kernel's limit)
     for rows, d_in, d_out in [(1, 576, 1536), (3, 64, 40), (17, 96, 33), (many, 576, 70)]:
         x = jnp.asarray(rng.standard_normal((rows, d_in)), dtype)
         gate, up = (jnp.asarray(rng.standard_normal((d_out, d_in)) / np.sqrt(d_in), dtype) for _ in range(2))
+        if dtype == "bfloat16" and rows >= AMX_MIN_ROWS and d_in % 32 == 0 and bf16_tiles():
+            assert gated_matmul_t(x, gate, up) is None  # (AMX tiles take the products, one call each)
+            continue
         for live in (rows, max(1, rows // 2)):
             def fused(x, gate, up, live=live):
                 with live_rows(jnp.int32(live)):
-                    return gated_matmul_t(x, gate, up, token_rows=True)
+                    return gated_matmul_t(x, gate, up)
 
             def apart(x, gate, up, live=live):
                 with live_rows(jnp.int32(live)):
@@ -127,7 +130,7 @@ def test_quantized_gate_and_up_in_one_call_are_their_products_then_gated_silu(fm
 
             def fused(x, gate, up):
                 with live_rows(jnp.int32(live)):
-                    return gated_matmul_t(x, gate, up, token_rows=True)
+                    return gated_matmul_t(x, gate, up)
 
             def apart(x, gate, up):
                 with live_rows(jnp.int32(live)):
@@ -147,6 +150,7 @@ def test_the_models_gated_mlp_takes_one_call_for_its_gate_up_and_silu_unless_a_l
     from flax import nnx
 
     from jaxserve.models.layers import GatedMLP
+    from jaxserve.models.lora import LoraRows
 
     x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 32)), jnp.bfloat16)
     for bias, activation, calls in [(False, jax.nn.silu, [FLOAT_MANY_TARGET, TARGET]),
@@ -159,6 +163,15 @@ def test_the_models_gated_mlp_takes_one_call_for_its_gate_up_and_silu_unless_a_l
         linears = [mlp.gate_proj, mlp.up_proj]
         apart = mlp.down_proj(gated(activation, *(linear(x) for linear in linears), token_rows=True))
         assert np.array_equal(np.asarray(mlp(x), np.float32), np.asarray(apart, np.float32)), (bias, activation)
+    # a row's adapter on up: its product added before the activation (rows 0, 2, 4 on slot 0)
+    mlp = GatedMLP(32, 48, False, jnp.bfloat16, nnx.Rngs(0))
+    rng = np.random.default_rng(5)
+    mlp.up_proj.lora = nnx.data(tuple(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+                                      for shape in ((1, 4, 32), (1, 48, 4))))
+    rows = LoraRows(**{k: jnp.asarray(v) for k, v in LoraRows.of(np.array([0, -1, 0, -1, 0]), 1).items()})
+    assert GATED_TARGET in _targets(lambda x: mlp(x, rows), x)
+    apart = gated(jax.nn.silu, mlp.gate_proj(x, rows), mlp.up_proj(x, rows), token_rows=True)
+    assert np.array_equal(np.asarray(mlp(x, rows), np.float32), np.asarray(mlp.down_proj(apart, rows), np.float32))
 
 
 def _targets(fn, *args) -> list[str]:

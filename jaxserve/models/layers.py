@@ -208,7 +208,7 @@ class GatedMLP(nnx.Module):
         linears = [self.gate_proj, self.up_proj]
         h = None
         if self.activation is jax.nn.silu and all(linear.plain(adapters) for linear in linears):
-            h = gated_matmul_t(x, *(linear.matrix() for linear in linears), token_rows=True)
+            h = gated_matmul_t(x, *(linear.matrix() for linear in linears))
         if h is None:
             h = gated(self.activation, *project(x, linears, adapters), token_rows=True)
         return self.down_proj(h, adapters)

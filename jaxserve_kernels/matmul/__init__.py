@@ -71,6 +71,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # the kernel's at any row count, but from about 384 rows on, widening a bfloat16 weight to float32
 # (one pass over it) and running XLA's float32 dot beats both (bench/RESULTS.md, "Products").
 KERNEL_MAX_ROWS = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 256}
+AMX_MIN_ROWS = 8  # from this many rows of x on, bfloat16 products run on AMX tiles where permitted (cpu.cc)
 
 
 def implementation(impl: str | None = None) -> str:
@@ -253,25 +254,23 @@ def _many_quantized(x: jax.Array, weights: list, dtype, impl: str | None) -> boo
             and all(x.shape[-1] == w.shape[1] for w in weights))
 
 
-def gated_matmul_t(x: jax.Array, gate, up, *, token_rows: bool, impl: str | None = None) -> jax.Array | None:
+def gated_matmul_t(x: jax.Array, gate, up, *, impl: str | None = None) -> jax.Array | None:
     """silu(x gate^T) * (x up^T), each product rounded to x's dtype first: `matmul_t_many`'s two products
-    and `gated_silu` of them, the same values, in one call of the C++ kernel where it would take both
-    products in one call (`matmul_t_many`): for float weights (`cpu.cc`) the activation is applied to
-    each block of the products as it is computed, for quantized ones (`quant.cc`) to both products'
-    float32 sums at the end of the call; not in a call and a pass of its own over both. `token_rows`:
-    as `gated_silu`. None where the kernel does not take them together, or where AMX tiles take
-    bfloat16 products (their form runs one weight a call)."""
+    and `gated_silu` of them, the same values (within `live_rows`, x's first rows; the others zero), in
+    one call of the C++ kernel where it would take both products in one call (`matmul_t_many`): for
+    float weights (`cpu.cc`) the activation is applied to each block of the products as it is computed,
+    for quantized ones (`quant.cc`) to both products' float32 sums at the end of the call; not in a call
+    and a pass of its own over both. None where the kernel does not take them together, or where AMX
+    tiles would take the bfloat16 products (their form runs one weight a call)."""
     dtype = jnp.dtype(x.dtype)
-    rows = math.prod(x.shape[:-1])
     if x.ndim != 2 or gate.shape != up.shape:
         return None
-    live = _live(rows) if token_rows else jnp.asarray(rows, jnp.int32)
     if _float_kernel(x, [gate, up], dtype, impl):
-        if dtype == jnp.bfloat16 and bf16_tiles():
-            return None
-        return _float_products(x, [gate, up], dtype, gated=True, live=live)[0]
+        tiles = (dtype == gate.dtype == jnp.bfloat16 and x.shape[0] >= AMX_MIN_ROWS and x.shape[1] % 32 == 0
+                 and bf16_tiles())
+        return None if tiles else _float_products(x, [gate, up], dtype, gated=True)[0]
     if _many_quantized(x, [gate, up], dtype, impl):
-        return _kernel_products(x, [gate, up], dtype, gated=True, live=live)[0]
+        return _kernel_products(x, [gate, up], dtype, gated=True)[0]
     return None
 
 
@@ -287,20 +286,18 @@ def _float_kernel(x: jax.Array, weights: list, dtype, impl: str | None) -> bool:
             and (impl is not None or rows <= row_limit(x.dtype, w_dtype)))
 
 
-def _float_products(x: jax.Array, weights: list, dtype, *, gated: bool, live: jax.Array | None = None
-                    ) -> list[jax.Array]:
+def _float_products(x: jax.Array, weights: list, dtype, *, gated: bool) -> list[jax.Array]:
     """The C++ kernel's products of x by float weights in one call (gated: gate and up, one y)."""
     *lead, k = x.shape
     rows = math.prod(lead)
     outs = weights[:1] if gated else weights
     ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
-    live = _live(rows) if live is None else live
-    ys = jax.ffi.ffi_call(FLOAT_MANY_TARGET, ys)(x.reshape(rows, k), live, *weights, gated=np.int64(gated))
+    ys = jax.ffi.ffi_call(FLOAT_MANY_TARGET, ys)(x.reshape(rows, k), _live(rows), *weights, gated=np.int64(gated))
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, outs)]
 
 
-def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gated: bool = False,
-                     live: jax.Array | None = None) -> list[jax.Array]:
+def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gated: bool = False
+                     ) -> list[jax.Array]:
     """The C++ kernel's products of x by quantized weights of one format and layout: one weight in
     rows by its format's handler, several (or grouped ones, each one array) by the handler of many
     (gated: gate and up, one y)."""
@@ -309,7 +306,7 @@ def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gat
     outs = weights[:1] if gated else weights
     ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
     operands = [part for w in weights for part in _operands(w)]
-    live = _live(rows) if live is None else live
+    live = _live(rows)
     if len(weights) == 1 and not row_group:
         ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), live, *operands)]
     else:

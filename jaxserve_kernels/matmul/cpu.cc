@@ -69,7 +69,8 @@ constexpr int64_t kPanelMinRows = 16;  // from this many rows of x on, the panel
 constexpr int64_t kPanelRows = 2 * kLanes;  // x rows of one panel
 constexpr int kPanelTileCols = 6;           // w rows of one panel tile
 constexpr int64_t kPanelRowsOfW = 96;       // the same in the panel form
-constexpr int64_t kAmxMinRows = 8;          // from this many rows of x on, the tile form where permitted
+// From this many rows of x on, the tile form where permitted (matmul/__init__.py's AMX_MIN_ROWS).
+constexpr int64_t kAmxMinRows = 8;
 
 inline Lanes AsLanes(Words w) {
   Lanes v;
@@ -458,12 +459,15 @@ void Item(const Target& t, bool y_bf16, int64_t m0, int64_t m1, int64_t n0, int6
   const int64_t rows = m1 - m0, cols = n1 - n0, ld = t.n_len;
   if (!y_bf16 && !t.up) return sums(t.w, static_cast<float*>(t.y) + m0 * ld + n0, ld);
   const int64_t sums_count = (t.up ? 2 : 1) * rows * cols;
-  std::unique_ptr<float[]> buffer(new float[sums_count + cols]);  // the sums, then two rows of bits
-  float* gate = buffer.get();
+  // the sums, then (gated) two rows of bits; kept for the thread's next item (an item's blocks of x
+  // reach a megabyte of sums, which a fresh allocation would map anew each time)
+  thread_local std::vector<float> buffer;
+  buffer.resize(sums_count + (t.up ? cols : 0));
+  float* gate = buffer.data();
   float* up = t.up ? gate + rows * cols : nullptr;
   sums(t.w, gate, cols);
   if (up) sums(t.up, up, cols);
-  uint16_t* bits = reinterpret_cast<uint16_t*>(buffer.get() + sums_count);
+  uint16_t* bits = reinterpret_cast<uint16_t*>(buffer.data() + sums_count);
   for (int64_t i = 0; i < rows; ++i) {
     const float* g = gate + i * cols;
     if (up) {
