@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mixed_steps import mixed_batch  # noqa: E402
+from mixed_steps import batch_and_shape, step_arguments  # noqa: E402
 
 import jaxserve.models.layers as layers  # noqa: E402
 import jaxserve.worker.executables as executables  # noqa: E402
@@ -47,10 +47,7 @@ def apart_when(flag: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="a checkpoint directory, or 'default'")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--steps", nargs="+", default=STEPS, help="DECODE,PROMPT,TOKENS each")
-    p.add_argument("--context", type=int, default=200)
+    step_arguments(p, STEPS)  # (--model may also be 'default')
     p.add_argument("--repeat", type=int, default=60)
     args = p.parse_args()
     flag = {"apart": False}
@@ -63,10 +60,10 @@ def main() -> None:
                               max_num_seqs=64, max_num_batched_tokens=512)
         engine = engines[name] = build_engine(config, warmup=False)[0]
         for spec in args.steps:  # (traced now, while the flag holds)
-            engine.runner.compile(shape_of(engine, spec, args.context)[1])
+            engine.runner.compile(batch_and_shape(engine, spec, args.context)[1])
     for spec in args.steps:
         times = {name: [] for name in engines}
-        prepared = {name: shape_of(engine, spec, args.context) for name, engine in engines.items()}
+        prepared = {name: batch_and_shape(engine, spec, args.context) for name, engine in engines.items()}
         for _ in range(args.repeat + 1):
             for name, engine in engines.items():
                 batch, shape = prepared[name]
@@ -77,15 +74,6 @@ def main() -> None:
                      for name, t in times.items()}
         print(json.dumps({"step": spec, "shape": prepared["apart"][1], "ms p25/p50/p75": quartiles,
                           "apart / one call": round(quartiles["apart"][1] / quartiles["one call"][1], 3)}), flush=True)
-
-
-def shape_of(engine, spec: str, context: int):
-    """(the batch of `spec`, its step shape) as bench/mixed_steps.py makes them."""
-    decode, prompt, tokens = (int(v) for v in spec.split(","))
-    batch = mixed_batch(engine, decode, prompt, context)
-    cfg = engine.config
-    seqs = next(s for s in cfg.seqs_buckets(tokens) if s >= len(batch.rows))
-    return batch, (tokens, seqs, next(w for w in cfg.page_buckets if w >= max(len(r.page_ids) for r in batch.rows)))
 
 
 if __name__ == "__main__":

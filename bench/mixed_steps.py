@@ -43,25 +43,37 @@ def mixed_batch(engine, decode: int, prompt: int, context: int) -> ScheduledBatc
     return ScheduledBatch(rows=rows, num_tokens=decode + prompt, preempted=[])
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_arguments(p: argparse.ArgumentParser, steps=STEPS) -> None:
+    """The arguments of timing steps of mixed batches: the checkpoint, its dtype, the steps, the context."""
     p.add_argument("--model", required=True, help="a checkpoint directory")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    p.add_argument("--steps", nargs="+", default=STEPS, help="DECODE,PROMPT,TOKENS each")
+    p.add_argument("--steps", nargs="+", default=steps, help="DECODE,PROMPT,TOKENS each")
     p.add_argument("--context", type=int, default=200)
+
+
+def batch_and_shape(engine, spec: str, context: int) -> tuple[ScheduledBatch, tuple[int, int, int]]:
+    """The batch of `spec` (DECODE,PROMPT,TOKENS: `mixed_batch`'s rows) and the step shape it runs in."""
+    decode, prompt, tokens = (int(v) for v in spec.split(","))
+    batch = mixed_batch(engine, decode, prompt, context)
+    cfg = engine.config
+    seqs = next(s for s in cfg.seqs_buckets(tokens) if s >= len(batch.rows))
+    return batch, (tokens, seqs, next(w for w in cfg.page_buckets if w >= max(len(r.page_ids) for r in batch.rows)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    step_arguments(p)
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--repeat", type=int, default=20)
     args = p.parse_args()
     engine, _ = build_engine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype="bfloat16",
                                           max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512),
                              warmup=False)
-    runner, cfg = engine.runner, engine.config
+    runner = engine.runner
     for run in range(1, args.runs + 1):
         for spec in args.steps:
-            decode, prompt, tokens = (int(v) for v in spec.split(","))
-            batch = mixed_batch(engine, decode, prompt, args.context)
-            seqs = next(s for s in cfg.seqs_buckets(tokens) if s >= len(batch.rows))
-            shape = (tokens, seqs, next(w for w in cfg.page_buckets if w >= max(len(r.page_ids) for r in batch.rows)))
+            batch, shape = batch_and_shape(engine, spec, args.context)
+            decode, prompt, _ = (int(v) for v in spec.split(","))
             runner.compile(shape)
             print(json.dumps({"run": run, "decode": decode, "prompt": prompt, "shape": shape,
                               "step_ms": step_ms(runner, batch, shape, args.repeat)}), flush=True)
