@@ -478,6 +478,96 @@ void ForEachBlockOf(ffi::ThreadPool& pool, int64_t m_len, const std::vector<int6
   });
 }
 
+// Hugging Face's RMSNorm (matmul/__init__.py's `rms_norm`) of x's first `rows` rows [rows, k_len] into
+// out: x * rsqrt(mean(x^2) + eps) in float32, rounded to x's dtype, times `weight` [k_len] (x's dtype),
+// rounded again: a layer's input normed where its products read it, in their call.
+template <typename T>
+void RmsNormRows(const T* x, const T* weight, float eps, int64_t rows, int64_t k_len, T* out) {
+  std::vector<float> scaled(k_len);
+  std::vector<uint16_t> bits(std::is_same_v<T, uint16_t> ? k_len : 0);
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = x + r * k_len;
+    Lanes acc = {};
+    int64_t k = 0;
+    for (; k + kLanes <= k_len; k += kLanes) {
+      const Lanes v = Load(row + k);
+      acc += v * v;
+    }
+    float sum = Sum(acc);
+    for (; k < k_len; ++k) sum += Widen(row[k]) * Widen(row[k]);
+    const float scale = 1.f / std::sqrt(sum / static_cast<float>(k_len) + eps);
+    for (k = 0; k < k_len; ++k) scaled[k] = Widen(row[k]) * scale;
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      RoundValues(scaled.data(), k_len, bits.data());
+      for (k = 0; k < k_len; ++k) scaled[k] = Bf16ToFloat(weight[k]) * Bf16ToFloat(bits[k]);
+      RoundValues(scaled.data(), k_len, out + r * k_len);
+    } else {
+      for (k = 0; k < k_len; ++k) out[r * k_len + k] = weight[k] * scaled[k];
+    }
+  }
+}
+
+// The data a call's products read for x: x itself, or, given a norm's weight (`norm`, [K] in x's
+// dtype), x's first m_len rows normed into `normed` (RmsNormRows, blocks of rows shared with XLA's
+// threads). "" where they do not fit, else why.
+inline const char* NormedX(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer* norm, float eps,
+                           int64_t m_len, std::vector<char>& normed, const void** data) {
+  *data = x.untyped_data();
+  if (!norm) return "";
+  const int64_t k_len = x.dimensions()[1];
+  if (norm->element_type() != x.element_type() || norm->element_count() != static_cast<size_t>(k_len)) {
+    return "a norm's weight must be [K] in x's dtype";
+  }
+  const bool bf16 = IsBf16(x.element_type());
+  normed.resize(m_len * k_len * (bf16 ? 2 : 4));
+  constexpr int64_t kRows = 32;
+  ParallelFor(pool, CeilDiv(m_len, kRows), [&](int64_t item, std::vector<float>&) {
+    const int64_t first = item * kRows, rows = std::min(kRows, m_len - first);
+    if (bf16) {
+      RmsNormRows(static_cast<const uint16_t*>(x.untyped_data()) + first * k_len,
+                  static_cast<const uint16_t*>(norm->untyped_data()), eps, rows, k_len,
+                  reinterpret_cast<uint16_t*>(normed.data()) + first * k_len);
+    } else {
+      RmsNormRows(static_cast<const float*>(x.untyped_data()) + first * k_len,
+                  static_cast<const float*>(norm->untyped_data()), eps, rows, k_len,
+                  reinterpret_cast<float*>(normed.data()) + first * k_len);
+    }
+  });
+  *data = normed.data();
+  return "";
+}
+
+// y = residual + y, a product's y [M, N] added to the residual stream as XLA adds them (bfloat16: both
+// widened, the sum rounded once), for its first m_len rows; the rows after them (left zero) become
+// the residual's. In chunks shared with XLA's threads. "" where residual does not fit y, else why.
+inline const char* AddResidual(ffi::ThreadPool& pool, const ffi::AnyBuffer& residual,
+                               ffi::Result<ffi::AnyBuffer>& y, int64_t m_len) {
+  if (residual.element_type() != y->element_type() || residual.element_count() != y->element_count()) {
+    return "the residual must be y's shape and dtype";
+  }
+  const bool bf16 = IsBf16(y->element_type());
+  const int64_t size = bf16 ? 2 : 4, live = m_len * y->dimensions()[1];
+  char* out = static_cast<char*>(y->untyped_data());
+  const char* res = static_cast<const char*>(residual.untyped_data());
+  std::memcpy(out + live * size, res + live * size, y->size_bytes() - live * size);
+  constexpr int64_t kChunk = 1 << 14;
+  ParallelFor(pool, CeilDiv(live, kChunk), [&](int64_t item, std::vector<float>& sums) {
+    const int64_t first = item * kChunk, count = std::min(live - first, kChunk);
+    if (bf16) {
+      const uint16_t* r = reinterpret_cast<const uint16_t*>(res) + first;
+      uint16_t* o = reinterpret_cast<uint16_t*>(out) + first;
+      sums.resize(count);
+      for (int64_t i = 0; i < count; ++i) sums[i] = Bf16ToFloat(r[i]) + Bf16ToFloat(o[i]);
+      RoundValues(sums.data(), count, o);
+    } else {
+      const float* r = reinterpret_cast<const float*>(res) + first;
+      float* o = reinterpret_cast<float*>(out) + first;
+      for (int64_t i = 0; i < count; ++i) o[i] = r[i] + o[i];
+    }
+  });
+  return "";
+}
+
 }  // namespace jaxserve
 
 #endif  // JAXSERVE_KERNELS_CPU_COMMON_H_
