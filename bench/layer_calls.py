@@ -7,8 +7,8 @@
 On the CPU kernels, q, k and v take one call (`matmul_t_many`), and gate, up and SwiGLU's SiLU another
 (`gated_matmul_t`), each norming its input itself, and the o and down products add the residual in
 their calls (`matmul_t`'s `residual`). "apart" is the same engine with, `--apart products`, one call per
-float product and SiLU's call of its own; `--apart norms`, the norms and the residual adds as XLA's
-fusions between the calls. Both engines run in one process, their steps alternating, so that the
+float product and SiLU's call of its own (their norms and adds then XLA's too); `--apart norms`, the
+norms and the residual adds as XLA's fusions between the calls, the products' calls as they are. Both engines run in one process, their steps alternating, so that the
 machine's slow windows fall on both alike; per step shape (`--steps` DECODE,PROMPT,TOKENS as in
 bench/mixed_steps.py) the median and the quartiles of each, and the median ratio apart / one call.
 """
@@ -42,7 +42,7 @@ STEPS = ("0,128,128", "0,512,512", "32,0,32", "31,128,256", "1,0,1")
 def apart_when(flag: dict, what: str) -> None:
     """While flag["apart"], steps traced take, `what` "products", one call per float product and SiLU's
     own (quantized q, k and v kept in one call); "norms", the norms and residual adds outside the
-    kernels' calls. The executables' disk cache is keyed apart too."""
+    kernels' calls (XLA's norm, then the same calls). The executables' disk cache is keyed apart too."""
     settings = executables._settings
     executables._settings = lambda: settings() + f"apart={flag['apart'] and what}"
     if what == "norms":

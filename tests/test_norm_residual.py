@@ -134,7 +134,8 @@ def test_a_residual_added_in_the_products_call_is_xlas_add_bit_for_bit(kind, dty
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gate_up_and_silu_of_a_normed_input_take_one_call(kind, dtype):
     """`gated_matmul_t` of a normed x: one call, the values of the norm by XLA then the call without
-    (within a step of the normed x's rounding); a norm's weight of another dtype than x's: None."""
+    (within a step of the normed x's rounding). A norm's weight of another dtype than x's: XLA norms x
+    (promoted) before the one call, as q, k and v's products do."""
     needs_cpu_backend()
     rng = np.random.default_rng(3)
     for rows in ROWS:
@@ -153,7 +154,14 @@ def test_gate_up_and_silu_of_a_normed_input_take_one_call(kind, dtype):
         scale = np.abs(want).max(-1, keepdims=True) + 1e-6
         assert (np.abs(got - want) <= step * scale).all(), (kind, dtype, rows)
     other = Norm(jnp.ones(64, jnp.float32 if dtype == "bfloat16" else jnp.bfloat16), EPS)
-    assert gated_matmul_t(x, gate, up, norm=other) is None
+    normed = rms_norm(x, other)
+    targets, others = _ops(lambda x: gated_matmul_t(x, gate, up, norm=other), x)
+    assert len(targets) == 1 and "rsqrt" in others
+    got = gated_matmul_t(x, gate, up, norm=other)
+    assert got.dtype == normed.dtype and np.array_equal(got, gated_matmul_t(normed, gate, up))
+    many = matmul_t_many(x, [gate, up], norm=other)
+    assert _ops(lambda x: matmul_t_many(x, [gate, up], norm=other), x)[0] == targets
+    assert all(np.array_equal(a, b) for a, b in zip(many, matmul_t_many(normed, [gate, up]), strict=True))
 
 
 def test_the_handlers_check_the_norm_and_the_residual():

@@ -496,22 +496,29 @@ void RmsNormRows(const T* x, const T* weight, float eps, int64_t rows, int64_t k
     float sum = Sum(acc);
     for (; k < k_len; ++k) sum += Widen(row[k]) * Widen(row[k]);
     const float scale = 1.f / std::sqrt(sum / static_cast<float>(k_len) + eps);
-    for (k = 0; k < k_len; ++k) scaled[k] = Widen(row[k]) * scale;
-    if constexpr (std::is_same_v<T, uint16_t>) {
+    if constexpr (std::is_same_v<T, uint16_t>) {  // (rounded twice: to x's dtype, then after the weight)
+      for (k = 0; k + kLanes <= k_len; k += kLanes) Store(scaled.data() + k, Load(row + k) * scale);
+      for (; k < k_len; ++k) scaled[k] = Widen(row[k]) * scale;
       RoundValues(scaled.data(), k_len, bits.data());
-      for (k = 0; k < k_len; ++k) scaled[k] = Bf16ToFloat(weight[k]) * Bf16ToFloat(bits[k]);
+      for (k = 0; k + kLanes <= k_len; k += kLanes) Store(scaled.data() + k, Load(weight + k) * Load(bits.data() + k));
+      for (; k < k_len; ++k) scaled[k] = Bf16ToFloat(weight[k]) * Bf16ToFloat(bits[k]);
       RoundValues(scaled.data(), k_len, out + r * k_len);
     } else {
-      for (k = 0; k < k_len; ++k) out[r * k_len + k] = weight[k] * scaled[k];
+      float* y = out + r * k_len;
+      for (k = 0; k + kLanes <= k_len; k += kLanes) Store(y + k, Load(weight + k) * (Load(row + k) * scale));
+      for (; k < k_len; ++k) y[k] = weight[k] * (row[k] * scale);
     }
   }
 }
 
-// The data a call's products read for x: x itself, or, given a norm's weight (`norm`, [K] in x's
-// dtype), x's first m_len rows normed into `normed` (RmsNormRows, blocks of rows shared with XLA's
-// threads). "" where they do not fit, else why.
+// The data a call's products read for x (`data`): x itself, or, given a norm's weight (`norm`, [K] in
+// x's dtype), x's first m_len rows normed into a buffer of the calling thread's (RmsNormRows, blocks
+// of rows shared with XLA's threads), valid until its next call. "" where they do not fit, else why.
 inline const char* NormedX(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer* norm, float eps,
-                           int64_t m_len, std::vector<char>& normed, const void** data) {
+                           int64_t m_len, const void** data) {
+  // (kept for the thread's next call: a prompt's rows reach a megabyte, which a fresh allocation would
+  // map anew each time)
+  thread_local std::vector<char> normed;
   *data = x.untyped_data();
   if (!norm) return "";
   const int64_t k_len = x.dimensions()[1];
@@ -520,7 +527,7 @@ inline const char* NormedX(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const
   }
   const bool bf16 = IsBf16(x.element_type());
   normed.resize(m_len * k_len * (bf16 ? 2 : 4));
-  constexpr int64_t kRows = 32;
+  constexpr int64_t kRows = 128;  // (a row takes a fraction of a microsecond: fewer would cost a hand-off)
   ParallelFor(pool, CeilDiv(m_len, kRows), [&](int64_t item, std::vector<float>&) {
     const int64_t first = item * kRows, rows = std::min(kRows, m_len - first);
     if (bf16) {
@@ -550,19 +557,23 @@ inline const char* AddResidual(ffi::ThreadPool& pool, const ffi::AnyBuffer& resi
   char* out = static_cast<char*>(y->untyped_data());
   const char* res = static_cast<const char*>(residual.untyped_data());
   std::memcpy(out + live * size, res + live * size, y->size_bytes() - live * size);
-  constexpr int64_t kChunk = 1 << 14;
-  ParallelFor(pool, CeilDiv(live, kChunk), [&](int64_t item, std::vector<float>& sums) {
+  constexpr int64_t kChunk = 1 << 16;
+  ParallelFor(pool, CeilDiv(live, kChunk), [&](int64_t item, std::vector<float>&) {
     const int64_t first = item * kChunk, count = std::min(live - first, kChunk);
+    thread_local std::vector<float> sums;  // (kept, as NormedX's buffer)
+    int64_t i = 0;
     if (bf16) {
       const uint16_t* r = reinterpret_cast<const uint16_t*>(res) + first;
       uint16_t* o = reinterpret_cast<uint16_t*>(out) + first;
       sums.resize(count);
-      for (int64_t i = 0; i < count; ++i) sums[i] = Bf16ToFloat(r[i]) + Bf16ToFloat(o[i]);
+      for (; i + kLanes <= count; i += kLanes) Store(sums.data() + i, Load(r + i) + Load(o + i));
+      for (; i < count; ++i) sums[i] = Bf16ToFloat(r[i]) + Bf16ToFloat(o[i]);
       RoundValues(sums.data(), count, o);
     } else {
       const float* r = reinterpret_cast<const float*>(res) + first;
       float* o = reinterpret_cast<float*>(out) + first;
-      for (int64_t i = 0; i < count; ++i) o[i] = r[i] + o[i];
+      for (; i + kLanes <= count; i += kLanes) Store(o + i, Load(r + i) + Load(o + i));
+      for (; i < count; ++i) o[i] = r[i] + o[i];
     }
   });
   return "";

@@ -204,6 +204,12 @@ def _takes_norm(x: jax.Array, norm: Norm | None) -> bool:
     return norm is None or (norm.weight.dtype == x.dtype and norm.weight.shape == (x.shape[-1],))
 
 
+def _normed_where_not_taken(x: jax.Array, norm: Norm | None) -> tuple[jax.Array, Norm | None]:
+    """(x, norm) for a call that may norm x: as given where it can (`_takes_norm`), else x normed by
+    XLA (its dtype promoted as the norm's product promotes it) and no norm."""
+    return (x, norm) if _takes_norm(x, norm) else (rms_norm(x, norm), None)
+
+
 def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array:
     return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(dtype or x.dtype)
@@ -279,8 +285,9 @@ def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None =
     `cpu.cc`), so that a layer's products of one input (q, k and v; gate and up) quantize or pack x
     once and hand their work to the threads together; otherwise one product each. `norm`: the
     products of rms_norm(x, norm), normed in that call where the kernel takes it."""
+    x, norm = _normed_where_not_taken(x, norm)
     dtype = jnp.dtype(dtype or x.dtype)
-    one_call = (len(weights) > 1 or norm is not None) and _takes_norm(x, norm)
+    one_call = len(weights) > 1 or norm is not None
     if one_call and _float_kernel(x, weights, dtype, impl):
         return _float_products(x, weights, dtype, norm=norm)
     if one_call and _many_quantized(x, weights, dtype, impl):
@@ -306,9 +313,10 @@ def gated_matmul_t(x: jax.Array, gate, up, *, impl: str | None = None, norm: Nor
     for quantized ones (`quant.cc`) to both products' float32 sums at the end of the call; not in a call
     and a pass of its own over both. None where the kernel does not take them together, or where AMX
     tiles would take the bfloat16 products (their form runs one weight a call). `norm`: of
-    rms_norm(x, norm), normed in that call (None where the call cannot norm x)."""
+    rms_norm(x, norm), normed in that call where it can (else by XLA before it)."""
+    x, norm = _normed_where_not_taken(x, norm)
     dtype = jnp.dtype(x.dtype)
-    if x.ndim != 2 or gate.shape != up.shape or not _takes_norm(x, norm):
+    if x.ndim != 2 or gate.shape != up.shape:
         return None
     if _float_kernel(x, [gate, up], dtype, impl):
         tiles = (dtype == gate.dtype == jnp.bfloat16 and x.shape[0] >= AMX_MIN_ROWS and x.shape[1] % 32 == 0

@@ -640,9 +640,8 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
   const size_t weights = per_y * ys.size();
   std::optional<ffi::AnyBuffer> norm_weight;
   if (norm) norm_weight = *ws.get<ffi::AnyBuffer>(weights);
-  std::vector<char> normed;
   const void* data;
-  if (const char* why = NormedX(pool, x, norm_weight ? &*norm_weight : nullptr, eps, m_len, normed, &data); *why) {
+  if (const char* why = NormedX(pool, x, norm_weight ? &*norm_weight : nullptr, eps, m_len, &data); *why) {
     return ffi::Error::InvalidArgument(std::string("matmul (cpu): ") + why);
   }
   const ffi::DataType w_type = ws.get<ffi::AnyBuffer>(0)->element_type();

@@ -296,9 +296,8 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
   if (residual && (gated || weights.size() != 1)) {
     return ffi::Error::InvalidArgument("quantized matmul (cpu): a residual is added to one y, not gated");
   }
-  std::vector<char> normed;
   const void* data;
-  if (const char* why = NormedX(pool, x, norm, eps, m_len, normed, &data); *why) {
+  if (const char* why = NormedX(pool, x, norm, eps, m_len, &data); *why) {
     return ffi::Error::InvalidArgument(std::string("quantized matmul (cpu): ") + why);
   }
   std::unique_ptr<float[]> buffer(new float[wide]);
