@@ -1,15 +1,12 @@
-"""A layer's work in fewer kernel calls against more, timed as engine steps.
+"""A layer's products of one input in one kernel call against one call each, timed as engine steps.
 
     python bench/layer_calls.py --model CHECKPOINT --dtype bfloat16
     python bench/layer_calls.py --model default --steps 1,0,1 0,512,512   # the default model's Q4_1 file
-    python bench/layer_calls.py --apart norms --model default            # the norms and adds as XLA's
 
 On the CPU kernels, q, k and v take one call (`matmul_t_many`), and gate, up and SwiGLU's SiLU another
-(`gated_matmul_t`), each norming its input itself, and the o and down products add the residual in
-their calls (`matmul_t`'s `residual`). "apart" is the same engine with, `--apart products`, one call per
-float product and SiLU's call of its own (their norms and adds then XLA's too); `--apart norms`, the
-norms and the residual adds as XLA's fusions between the calls, the products' calls as they are. Both engines run in one process, their steps alternating, so that the
-machine's slow windows fall on both alike; per step shape (`--steps` DECODE,PROMPT,TOKENS as in
+(`gated_matmul_t`); "apart" is the same engine with one call per float product and SiLU's call of its
+own. Both engines run in one process, their steps alternating, so that the machine's slow windows
+fall on both alike; per step shape (`--steps` DECODE,PROMPT,TOKENS as in
 bench/mixed_steps.py) the median and the quartiles of each, and the median ratio apart / one call.
 """
 
@@ -39,31 +36,22 @@ from jaxserve.engine.build import build_engine  # noqa: E402
 STEPS = ("0,128,128", "0,512,512", "32,0,32", "31,128,256", "1,0,1")
 
 
-def apart_when(flag: dict, what: str) -> None:
-    """While flag["apart"], steps traced take, `what` "products", one call per float product and SiLU's
-    own (quantized q, k and v kept in one call); "norms", the norms and residual adds outside the
-    kernels' calls (XLA's norm, then the same calls). The executables' disk cache is keyed apart too."""
-    settings = executables._settings
-    executables._settings = lambda: settings() + f"apart={flag['apart'] and what}"
-    if what == "norms":
-        takes_norm, plus_residual = matmul._takes_norm, matmul._plus_residual
-        matmul._takes_norm = lambda x, norm: norm is None or (not flag["apart"] and takes_norm(x, norm))
-        matmul._plus_residual = lambda x, w, r, dtype, impl: (r + matmul.matmul_t(x, w, dtype, impl=impl)
-                                                              if flag["apart"] else plus_residual(x, w, r, dtype, impl))
-        return
-    one_call, gated_call = matmul._float_kernel, layers.gated_matmul_t
+def apart_when(flag: dict) -> None:
+    """While flag["apart"], steps traced take one call per float product and SiLU's own (quantized q, k
+    and v kept in one call, as before; the executables' disk cache keyed apart too)."""
+    one_call, gated_call, settings = matmul._float_kernel, layers.gated_matmul_t, executables._settings
     matmul._float_kernel = lambda x, ws, *a: not flag["apart"] and one_call(x, ws, *a)
     layers.gated_matmul_t = lambda *a, **k: None if flag["apart"] else gated_call(*a, **k)
+    executables._settings = lambda: settings() + f"apart={flag['apart']}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     step_arguments(p, STEPS)  # (--model may also be 'default')
     p.add_argument("--repeat", type=int, default=60)
-    p.add_argument("--apart", choices=("products", "norms"), default="products", help="what 'apart' leaves apart")
     args = p.parse_args()
     flag = {"apart": False}
-    apart_when(flag, args.apart)
+    apart_when(flag)
     engines = {}
     for name in ("one call", "apart"):
         flag["apart"] = name == "apart"

@@ -25,8 +25,6 @@ from jaxserve_kernels.matmul.quant import (BLOCK, GROUP_ROWS, GroupedRows, Quant
                                            nbytes, quantize, take_rows, ungroup_rows)
 
 pytestmark = pytest.mark.usefixtures("ieee_float32")
-# the attributes of the handlers of many for products alone (no norm before them, no residual after)
-PLAIN = {"norm": np.int64(0), "eps": np.float32(0), "residual": np.int64(0)}
 
 
 @pytest.mark.parametrize("impl", ["xla", "cpu"])
@@ -312,9 +310,9 @@ def test_float_weights_of_one_dtype_take_one_call_whose_ys_are_each_ones_product
     call = jax.ffi.ffi_call(FLOAT_MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)])
     x, live = jnp.ones((1, 64)), 1
     with pytest.raises(Exception, match=r"weights \[N, K\] of one float dtype"):  # (gate and up of two shapes)
-        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), jnp.ones((16, 32)), gated=np.int64(1), **PLAIN))
+        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), jnp.ones((16, 32)), gated=np.int64(1)))
     with pytest.raises(Exception, match=r"one weight per y \(gated: two\)"):
-        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), gated=np.int64(1), **PLAIN))
+        jax.block_until_ready(call(x, np.int32(live), jnp.ones((8, 64)), gated=np.int64(1)))
 
 
 @pytest.mark.parametrize("flags,needs", [("-march=x86-64-v2", X86_64_V2), ("-march=x86-64-v3", X86_64_V3)])
@@ -350,9 +348,9 @@ def test_the_float_kernel_built_for_other_cpus_matches_float64(flags, needs, mon
                 want = x64 @ w64.T
                 rounding = 2.0**-8 * np.abs(want) if dtype == "bfloat16" else 0
                 assert (np.abs(y - want) <= 1e-5 * (np.abs(x64) @ np.abs(w64).T) + rounding).all(), (dtype, rows)
-            together = jax.ffi.ffi_call(many, shapes)(x, live, *ws[:len(d_outs)], gated=np.int64(0), **PLAIN)
+            together = jax.ffi.ffi_call(many, shapes)(x, live, *ws[:len(d_outs)], gated=np.int64(0))
             assert all(np.array_equal(np.asarray(y, np.float32), want) for y, want in zip(together, apart))
-            gate_up = jax.ffi.ffi_call(many, shapes[:1])(x, live, ws[0], ws[-1], gated=np.int64(1), **PLAIN)[0]
+            gate_up = jax.ffi.ffi_call(many, shapes[:1])(x, live, ws[0], ws[-1], gated=np.int64(1))[0]
             silu = jax.ffi.ffi_call(gated, shapes[0])(*(jnp.asarray(y, dtype) for y in (apart[0], apart[-1])), live)
             assert np.array_equal(np.asarray(gate_up, np.float32), np.asarray(silu, np.float32)), (dtype, rows)
 
@@ -472,7 +470,7 @@ def test_the_quantized_kernel_built_for_other_cpus_matches_float64(flags, forms,
                 if "integer" in forms and d_out % GROUP_ROWS == 0:
                     many = jax.ffi.ffi_call(many_target, [jax.ShapeDtypeStruct((rows, d_out), jnp.float32)])
                     grouped, = many(x, np.int32(rows), *_operands(group_rows(w)), row_group=np.int64(GROUP_ROWS),
-                                     gated=np.int64(0), **PLAIN)
+                                     gated=np.int64(0))
                     error = np.abs(np.asarray(grouped, np.float64) - x64 @ w64.T)
                     tolerance = _quantized_tolerance(x64, w64, jnp.float32, _kernel_roundings(forms, grouped=True))
                     assert (error <= tolerance).all(), (fmt, x_dtype, rows, "grouped", (error / tolerance).max())
@@ -511,7 +509,7 @@ def test_quantized_matmul_t_checks_its_operands():
         call(jnp.ones((1, 64)), live, w.data, w.scales[:, :1], w.mins).block_until_ready()
     # (not gate and up of one y)
     many = functools.partial(jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)] * 2),
-                             gated=np.int64(0), **PLAIN)
+                             gated=np.int64(0))
     rows, grouped = np.int64(0), np.int64(GROUP_ROWS)  # the layouts (`row_group`)
     with pytest.raises(Exception, match="row_group must be 0"):
         jax.block_until_ready(many(jnp.ones((1, 64)), live, *_operands(w), *_operands(w), row_group=np.int64(4)))
@@ -522,7 +520,7 @@ def test_quantized_matmul_t_checks_its_operands():
                                    w.mins.astype(jnp.float32), row_group=rows))
     if "integer" in quantized_forms():  # (a grouped weight is one array, its rows in whole groups)
         one = functools.partial(jax.ffi.ffi_call(MANY_TARGET, [jax.ShapeDtypeStruct((1, 8), jnp.float32)]),
-                                gated=np.int64(0), **PLAIN)
+                                gated=np.int64(0))
         packed = jnp.zeros((8, 40), jnp.uint8)  # (K = 64: 32 bytes of data, 4 of scales and 4 of mins a row)
         with pytest.raises(Exception, match="a multiple of 16"):
             jax.block_until_ready(one(jnp.ones((1, 64)), live, packed, row_group=grouped))

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.models.lora import LoraRows, lora_delta
 from jaxserve.models.rope import apply_rope
 from jaxserve_kernels import AXIS, cache_dtype, matmul_t, matmul_t_many, paged_attention, write_kv
-from jaxserve_kernels.matmul import Norm, gated_matmul_t, gated_silu, rms_norm
+from jaxserve_kernels.matmul import gated_matmul_t, gated_silu
 from jaxserve_kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
 from jaxserve_kernels.paged_attention.reference import from_cache, to_cache
 
@@ -101,11 +101,9 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        return rms_norm(x, self.params())
-
-    def params(self) -> Norm:
-        """What the products' kernels take to norm their input themselves (`project`)."""
-        return Norm(self.weight[...], self.eps)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * x32.astype(x.dtype)
 
 
 class Quantizable(nnx.Module):
@@ -157,37 +155,24 @@ class Linear(Quantizable):
                                                                                      dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-    def __call__(self, x, adapters: LoraRows | None = None, residual: jax.Array | None = None):
-        """`residual`: residual + the output (the residual stream), added in the product's call where
-        the layer is its product alone (`jaxserve_kernels.matmul_t`)."""
-        if residual is not None and self.plain(adapters):
-            return matmul_t(x, self.matrix(), residual=residual)
-        y = self.finish(x, matmul_t(x, self.matrix()), adapters)
-        return y if residual is None else residual + y
-
-    def adapted(self, adapters: LoraRows | None) -> bool:
-        """Whether the rows' adapters' products are added to this layer's (`finish`)."""
-        return adapters is not None and self.lora is not None
+    def __call__(self, x, adapters: LoraRows | None = None):
+        return self.finish(x, matmul_t(x, self.matrix()), adapters)
 
     def plain(self, adapters: LoraRows | None) -> bool:
         """Whether the layer is its product alone for these rows (`finish` adds nothing to it)."""
-        return self.bias is None and not self.adapted(adapters)
+        return self.bias is None and (adapters is None or self.lora is None)
 
     def finish(self, x, y, adapters: LoraRows | None = None):
         """x W^T (y) -> the layer's output: the row's adapter's product and the bias added."""
-        if self.adapted(adapters):
+        if adapters is not None and self.lora is not None:
             y = y + lora_delta(x, *self.lora, adapters)
         return y if self.bias is None else y + self.bias[...]
 
 
-def project(x, linears: list[Linear], adapters: LoraRows | None = None, norm: RMSNorm | None = None
-            ) -> list[jax.Array]:
-    """[linear(norm(x), adapters) for linear in linears]: the layers of one input (q, k and v; gate and
-    up), their products in one call where the kernel takes them together, x normed in it where no
-    row's adapter reads the normed x (`jaxserve_kernels.matmul_t_many`)."""
-    if norm is not None and any(linear.adapted(adapters) for linear in linears):
-        x, norm = norm(x), None
-    ys = matmul_t_many(x, [linear.matrix() for linear in linears], norm=None if norm is None else norm.params())
+def project(x, linears: list[Linear], adapters: LoraRows | None = None) -> list[jax.Array]:
+    """[linear(x, adapters) for linear in linears]: the layers of one input (q, k and v; gate and up),
+    their products in one call where the kernel takes them together (`jaxserve_kernels.matmul_t_many`)."""
+    ys = matmul_t_many(x, [linear.matrix() for linear in linears])
     return [linear.finish(x, y, adapters) for linear, y in zip(linears, ys)]
 
 
@@ -219,17 +204,14 @@ class GatedMLP(nnx.Module):
         self.down_proj = Linear(intermediate, d, bias, dtype, rngs)
         self.activation = activation
 
-    def __call__(self, x, adapters: LoraRows | None = None, norm: RMSNorm | None = None,
-                 residual: jax.Array | None = None):
-        """`norm`: of norm(x) (`project`); `residual`: residual + the output (`Linear`)."""
+    def __call__(self, x, adapters: LoraRows | None = None):
         linears = [self.gate_proj, self.up_proj]
         h = None
         if self.activation is jax.nn.silu and all(linear.plain(adapters) for linear in linears):
-            h = gated_matmul_t(x, *(linear.matrix() for linear in linears),
-                               norm=None if norm is None else norm.params())
+            h = gated_matmul_t(x, *(linear.matrix() for linear in linears))
         if h is None:
-            h = gated(self.activation, *project(x, linears, adapters, norm), token_rows=True)
-        return self.down_proj(h, adapters, residual)
+            h = gated(self.activation, *project(x, linears, adapters), token_rows=True)
+        return self.down_proj(h, adapters)
 
 
 def gated(activation, gate: jax.Array, up: jax.Array, token_rows: bool = False) -> jax.Array:
@@ -293,11 +275,9 @@ class Attention(nnx.Module):
         self.q_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
         self.k_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, norm: RMSNorm | None = None,
-                 residual: jax.Array | None = None):
-        """`norm`: attention of norm(x) (`project`); `residual`: residual + the output (`Linear`)."""
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
         t = x.shape[0]
-        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], inputs.lora, norm)
+        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], inputs.lora)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k, v = (y.reshape(t, self.num_kv_heads, self.head_dim) for y in (k, v))
         if self.q_norm is not None:
@@ -306,7 +286,7 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), inputs.lora, residual), k_pages, v_pages
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), inputs.lora), k_pages, v_pages
 
 
 class Decoder(nnx.Module):

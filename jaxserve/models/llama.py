@@ -80,9 +80,9 @@ class DecoderLayer(nnx.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.options.mlp_bias, dtype, rngs)
 
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        # (the norm and the residual add in the products' calls where the kernels take them: `project`, `Linear`)
-        x, k_pages, v_pages = self.self_attn(x, k_pages, v_pages, inputs, self.input_layernorm, residual=x)
-        x = self.mlp(x, inputs.lora, self.post_attention_layernorm, residual=x)
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 
 

@@ -216,8 +216,8 @@ class DecoderLayer(nnx.Module):
                     if index in options.dense_layers else SparseMoeBlock(cfg, dtype, rngs))
 
     def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        # (the norm and the residual add in the products' calls where the kernels take them: `project`, `Linear`)
-        x, k_pages, v_pages = self.self_attn(x, k_pages, v_pages, inputs, self.input_layernorm, residual=x)
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
+        x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 

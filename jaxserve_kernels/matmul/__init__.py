@@ -25,11 +25,6 @@ dot of x and the weight dequantized to x's dtype (`dequantize`).
 
 $JAXSERVE_MATMUL picks one; by default the CPU backend runs "cpu" where it can be built.
 
-A layer's RMSNorm before its products (`Norm`: `matmul_t_many`, `gated_matmul_t`) and the residual
-add after its output product (`matmul_t`'s `residual`) run in the kernels' call where it takes the
-products: XLA's fusions of them were calls of their own between the products, each a hand-off to the
-threads (the values are XLA's: `rms_norm`, and the add in y's dtype).
-
 Within `live_rows(n)` (a traced count: a step's tokens before its bucket's padding), the C++
 kernels compute x's first n rows and return zeros for the others: a step's padding costs its
 products nothing. XLA's dot computes every row. `gated_silu` (SwiGLU's silu(gate) * up between a
@@ -44,7 +39,6 @@ import ctypes
 import math
 import os
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -185,46 +179,17 @@ def _live(rows: int) -> jax.Array:
     return jnp.asarray(rows if count is None else count, jnp.int32)
 
 
-class Norm(NamedTuple):
-    """Hugging Face's RMSNorm of x (`rms_norm`): its weight [K] and epsilon (static)."""
-
-    weight: jax.Array
-    eps: float
-
-
-def rms_norm(x: jax.Array, norm: Norm) -> jax.Array:
-    """x * rsqrt(mean(x^2) + eps) in float32, cast back to x's dtype, then scaled by the weight."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + norm.eps)
-    return norm.weight * x32.astype(x.dtype)
-
-
-def _takes_norm(x: jax.Array, norm: Norm | None) -> bool:
-    """Whether the kernels' call can norm x itself: no norm, or a weight [K] in x's dtype."""
-    return norm is None or (norm.weight.dtype == x.dtype and norm.weight.shape == (x.shape[-1],))
-
-
-def _normed_where_not_taken(x: jax.Array, norm: Norm | None) -> tuple[jax.Array, Norm | None]:
-    """(x, norm) for a call that may norm x: as given where it can (`_takes_norm`), else x normed by
-    XLA (its dtype promoted as the norm's product promotes it) and no norm."""
-    return (x, norm) if _takes_norm(x, norm) else (rms_norm(x, norm), None)
-
-
 def matmul_t_reference(x: jax.Array, weight: jax.Array, dtype=None) -> jax.Array:
     return jax.lax.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(dtype or x.dtype)
 
 
-def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, impl: str | None = None,
-             residual: jax.Array | None = None) -> jax.Array:
+def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, impl: str | None = None) -> jax.Array:
     """x[..., in] @ weight[out, in]^T -> [..., out], accumulated in float32, returned in `dtype`
     (default: x's). With the "cpu" implementation chosen by default, products of more than
     `row_limit` rows go to XLA's float32 dot (a bfloat16 weight widened first);
     `impl="cpu"` always runs the kernel. A quantized weight (`quant.py`) is multiplied by
-    `quantized_matmul_t`. `residual`: residual + the product (the residual stream), added in the
-    kernel's call where it takes the product (the residual [..., out] in `dtype`)."""
-    if residual is not None:
-        return _plus_residual(x, weight, residual, dtype, impl)
+    `quantized_matmul_t`."""
     if isinstance(weight, QuantizedWeight):
         return quantized_matmul_t(x, weight, dtype, impl=impl)
     dtype = jnp.dtype(dtype or x.dtype)
@@ -238,16 +203,6 @@ def matmul_t(x: jax.Array, weight: jax.Array | QuantizedWeight, dtype=None, *, i
         return matmul_t_reference(x.astype(jnp.float32), weight, dtype)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, weight.shape[0]), dtype))
     return call(x.reshape(rows, k), weight, _live(rows)).reshape(*lead, weight.shape[0])
-
-
-def _plus_residual(x: jax.Array, weight, residual: jax.Array, dtype, impl: str | None) -> jax.Array:
-    dtype = jnp.dtype(dtype or x.dtype)
-    fits = residual.dtype == dtype and residual.shape == (*x.shape[:-1], weight.shape[0])
-    if fits and _float_kernel(x, [weight], dtype, impl):
-        return _float_products(x, [weight], dtype, residual=residual)[0]
-    if fits and _many_quantized(x, [weight], dtype, impl):
-        return _kernel_products(x, [weight], dtype, residual=residual)[0]
-    return residual + matmul_t(x, weight, dtype, impl=impl)
 
 
 def gated_silu(gate: jax.Array, up: jax.Array, *, token_rows: bool) -> jax.Array | None:
@@ -278,21 +233,16 @@ def quantized_matmul_t(x: jax.Array, weight: QuantizedWeight, dtype=None, *, imp
     return _kernel_products(x, [weight], dtype)[0]
 
 
-def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None,
-                  norm: Norm | None = None) -> list[jax.Array]:
+def matmul_t_many(x: jax.Array, weights: list, dtype=None, *, impl: str | None = None) -> list[jax.Array]:
     """[matmul_t(x, w) for w in weights], the same values: where they are all quantized in one
     format, or all floats of one dtype, and the C++ kernel runs, one call takes them all (`quant.cc`,
     `cpu.cc`), so that a layer's products of one input (q, k and v; gate and up) quantize or pack x
-    once and hand their work to the threads together; otherwise one product each. `norm`: the
-    products of rms_norm(x, norm), normed in that call where the kernel takes it."""
-    x, norm = _normed_where_not_taken(x, norm)
+    once and hand their work to the threads together; otherwise one product each."""
     dtype = jnp.dtype(dtype or x.dtype)
-    one_call = len(weights) > 1 or norm is not None
-    if one_call and _float_kernel(x, weights, dtype, impl):
-        return _float_products(x, weights, dtype, norm=norm)
-    if one_call and _many_quantized(x, weights, dtype, impl):
-        return _kernel_products(x, weights, dtype, norm=norm)
-    x = x if norm is None else rms_norm(x, norm)
+    if len(weights) > 1 and _float_kernel(x, weights, dtype, impl):
+        return _float_products(x, weights, dtype, gated=False)
+    if len(weights) > 1 and _many_quantized(x, weights, dtype, impl):
+        return _kernel_products(x, weights, dtype)
     return [matmul_t(x, w, dtype, impl=impl) for w in weights]
 
 
@@ -304,26 +254,23 @@ def _many_quantized(x: jax.Array, weights: list, dtype, impl: str | None) -> boo
             and all(x.shape[-1] == w.shape[1] for w in weights))
 
 
-def gated_matmul_t(x: jax.Array, gate, up, *, impl: str | None = None, norm: Norm | None = None
-                   ) -> jax.Array | None:
+def gated_matmul_t(x: jax.Array, gate, up, *, impl: str | None = None) -> jax.Array | None:
     """silu(x gate^T) * (x up^T), each product rounded to x's dtype first: `matmul_t_many`'s two products
     and `gated_silu` of them, the same values (within `live_rows`, x's first rows; the others zero), in
     one call of the C++ kernel where it would take both products in one call (`matmul_t_many`): for
     float weights (`cpu.cc`) the activation is applied to each block of the products as it is computed,
     for quantized ones (`quant.cc`) to both products' float32 sums at the end of the call; not in a call
     and a pass of its own over both. None where the kernel does not take them together, or where AMX
-    tiles would take the bfloat16 products (their form runs one weight a call). `norm`: of
-    rms_norm(x, norm), normed in that call where it can (else by XLA before it)."""
-    x, norm = _normed_where_not_taken(x, norm)
+    tiles would take the bfloat16 products (their form runs one weight a call)."""
     dtype = jnp.dtype(x.dtype)
     if x.ndim != 2 or gate.shape != up.shape:
         return None
     if _float_kernel(x, [gate, up], dtype, impl):
         tiles = (dtype == gate.dtype == jnp.bfloat16 and x.shape[0] >= AMX_MIN_ROWS and x.shape[1] % 32 == 0
                  and bf16_tiles())
-        return None if tiles else _float_products(x, [gate, up], dtype, gated=True, norm=norm)[0]
+        return None if tiles else _float_products(x, [gate, up], dtype, gated=True)[0]
     if _many_quantized(x, [gate, up], dtype, impl):
-        return _kernel_products(x, [gate, up], dtype, gated=True, norm=norm)[0]
+        return _kernel_products(x, [gate, up], dtype, gated=True)[0]
     return None
 
 
@@ -339,47 +286,33 @@ def _float_kernel(x: jax.Array, weights: list, dtype, impl: str | None) -> bool:
             and (impl is not None or rows <= row_limit(x.dtype, w_dtype)))
 
 
-def _float_products(x: jax.Array, weights: list, dtype, *, gated: bool = False, norm: Norm | None = None,
-                    residual: jax.Array | None = None) -> list[jax.Array]:
-    """The C++ kernel's products of x by float weights in one call (gated: gate and up, one y; see
-    `_fused` for norm and residual)."""
+def _float_products(x: jax.Array, weights: list, dtype, *, gated: bool) -> list[jax.Array]:
+    """The C++ kernel's products of x by float weights in one call (gated: gate and up, one y)."""
     *lead, k = x.shape
     rows = math.prod(lead)
     outs = weights[:1] if gated else weights
     ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
-    extra, attrs = _fused(norm, residual, rows)
-    ys = jax.ffi.ffi_call(FLOAT_MANY_TARGET, ys)(x.reshape(rows, k), _live(rows), *weights, *extra,
-                                                 gated=np.int64(gated), **attrs)
+    ys = jax.ffi.ffi_call(FLOAT_MANY_TARGET, ys)(x.reshape(rows, k), _live(rows), *weights, gated=np.int64(gated))
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, outs)]
 
 
-def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gated: bool = False,
-                     norm: Norm | None = None, residual: jax.Array | None = None) -> list[jax.Array]:
+def _kernel_products(x: jax.Array, weights: list[QuantizedWeight], dtype, *, gated: bool = False
+                     ) -> list[jax.Array]:
     """The C++ kernel's products of x by quantized weights of one format and layout: one weight in
-    rows by its format's handler, several (or grouped ones, each one array, or one with a norm or a
-    residual: `_fused`) by the handler of many (gated: gate and up, one y)."""
+    rows by its format's handler, several (or grouped ones, each one array) by the handler of many
+    (gated: gate and up, one y)."""
     *lead, k = x.shape
     rows, row_group = math.prod(lead), _row_group(weights[0])
     outs = weights[:1] if gated else weights
     ys = [jax.ShapeDtypeStruct((rows, w.shape[0]), dtype) for w in outs]
     operands = [part for w in weights for part in _operands(w)]
     live = _live(rows)
-    if len(weights) == 1 and not row_group and norm is None and residual is None:
+    if len(weights) == 1 and not row_group:
         ys = [jax.ffi.ffi_call(QUANT_TARGETS[weights[0].fmt], ys[0])(x.reshape(rows, k), live, *operands)]
     else:
-        extra, attrs = _fused(norm, residual, rows)
-        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), live, *operands, *extra, row_group=row_group,
-                                               gated=np.int64(gated), **attrs)
+        ys = jax.ffi.ffi_call(MANY_TARGET, ys)(x.reshape(rows, k), live, *operands, row_group=row_group,
+                                               gated=np.int64(gated))
     return [y.reshape(*lead, w.shape[0]) for y, w in zip(ys, outs)]
-
-
-def _fused(norm: Norm | None, residual: jax.Array | None, rows: int) -> tuple[list, dict]:
-    """The operands after the weights and the attributes of the handlers of many for a norm of x
-    before the products and a residual added to their one y."""
-    extra = ([] if norm is None else [norm.weight]) + ([] if residual is None else [residual.reshape(rows, -1)])
-    attrs = {"norm": np.int64(norm is not None), "eps": np.float32(0 if norm is None else norm.eps),
-             "residual": np.int64(residual is not None)}
-    return extra, attrs
 
 
 def _quantized_kernel(x: jax.Array, dtype, impl: str | None) -> bool:

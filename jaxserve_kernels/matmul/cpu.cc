@@ -50,8 +50,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <optional>
-#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -484,14 +482,13 @@ void Item(const Target& t, bool y_bf16, int64_t m0, int64_t m1, int64_t n0, int6
 // ys of y_bf16) for x's first m_len rows, x packed once and every target's work items handed to the
 // threads together. The form follows from M, as in every step of the same bucket whatever its
 // padding, so that a row's values do not depend on the others'. Rows from m_len on are the caller's.
-// x's values are read at `data`: x's own, or its rows normed (NormedX).
-void Products(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* data, int64_t m_len, bool w_bf16, bool y_bf16,
+void Products(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, bool w_bf16, bool y_bf16,
               const std::vector<Target>& targets) {
   const int64_t m_form = x.dimensions()[0], k_len = x.dimensions()[1];
   if (m_len == 0) return;
   const bool x_bf16 = IsBf16(x.element_type());
-  const float* x_f32 = static_cast<const float*>(data);
-  const uint16_t* x_bits = static_cast<const uint16_t*>(data);
+  const float* x_f32 = static_cast<const float*>(x.untyped_data());
+  const uint16_t* x_bits = static_cast<const uint16_t*>(x.untyped_data());
   std::vector<int64_t> starts{0};  // where each target's columns start among all of them
   for (const Target& t : targets) starts.push_back(starts.back() + t.n_len);
   auto items = [&](int64_t rows_of_x, int64_t rows_of_w, int64_t tile_cols, const auto& item) {
@@ -601,8 +598,7 @@ void Products(ffi::ThreadPool pool, ffi::AnyBuffer x, const void* data, int64_t 
 ffi::Error Product(ffi::ThreadPool pool, ffi::AnyBuffer x, int64_t m_len, const void* ws, bool w_bf16,
                    int64_t n_len, ffi::Result<ffi::AnyBuffer> y) {
   ZeroRowsFrom(y, m_len);
-  Products(pool, x, x.untyped_data(), m_len, w_bf16, IsBf16(y->element_type()),
-           {{ws, nullptr, n_len, y->untyped_data()}});
+  Products(pool, x, m_len, w_bf16, IsBf16(y->element_type()), {{ws, nullptr, n_len, y->untyped_data()}});
   return ffi::Error::Success();
 }
 
@@ -625,25 +621,14 @@ ffi::Error MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi
 
 // Several weights [N_i, K] of one float dtype against the same x [M, K], for x's first `live` rows (the
 // rest zero), in one call (Products): each with its own y, or, `gated`, two (gate and up) with one y,
-// silu(x gate^T) * (x up^T) (Target). After the weights, where `norm`, a norm's weight: the products
-// are those of x normed (NormedX); then, where `residual`, a residual [M, N] added to the one y
-// (AddResidual): a layer's norm before its products and its residual add after, in their call.
+// silu(x gate^T) * (x up^T) (Target).
 ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::RemainingArgs ws,
-                       ffi::RemainingRets ys, int64_t gated, int64_t norm, float eps, int64_t residual) {
-  const size_t per_y = gated ? 2 : 1, extra = (norm ? 1 : 0) + (residual ? 1 : 0);
-  if (ys.size() == 0 || ws.size() != per_y * ys.size() + extra || !IsFloat(x.element_type()) ||
-      x.dimensions().size() != 2 || (residual && (gated || ys.size() != 1))) {
-    return ffi::Error::InvalidArgument("matmul (cpu): x [M, K] and one weight per y (gated: two), then a norm's "
-                                       "weight where norm, and a residual where residual (one y, not gated)");
+                       ffi::RemainingRets ys, int64_t gated) {
+  const size_t per_y = gated ? 2 : 1;
+  if (ys.size() == 0 || ws.size() != per_y * ys.size() || !IsFloat(x.element_type()) || x.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("matmul (cpu): x [M, K] and one weight per y (gated: two)");
   }
   const int64_t m = x.dimensions()[0], k = x.dimensions()[1], m_len = LiveRows(live, m);
-  const size_t weights = per_y * ys.size();
-  std::optional<ffi::AnyBuffer> norm_weight;
-  if (norm) norm_weight = *ws.get<ffi::AnyBuffer>(weights);
-  const void* data;
-  if (const char* why = NormedX(pool, x, norm_weight ? &*norm_weight : nullptr, eps, m_len, &data); *why) {
-    return ffi::Error::InvalidArgument(std::string("matmul (cpu): ") + why);
-  }
   const ffi::DataType w_type = ws.get<ffi::AnyBuffer>(0)->element_type();
   const ffi::DataType y_type = (*ys.get<ffi::AnyBuffer>(0))->element_type();
   std::vector<Target> targets;
@@ -659,13 +644,7 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
     ZeroRowsFrom(y, m_len);
     targets.push_back({w.untyped_data(), gated ? up.untyped_data() : nullptr, wd[0], y->untyped_data()});
   }
-  Products(pool, x, data, m_len, IsBf16(w_type), IsBf16(y_type), targets);
-  if (residual) {
-    ffi::Result<ffi::AnyBuffer> y = *ys.get<ffi::AnyBuffer>(0);
-    if (const char* why = AddResidual(pool, *ws.get<ffi::AnyBuffer>(ws.size() - 1), y, m_len); *why) {
-      return ffi::Error::InvalidArgument(std::string("matmul (cpu): ") + why);
-    }
-  }
+  Products(pool, x, m_len, IsBf16(w_type), IsBf16(y_type), targets);
   return ffi::Error::Success();
 }
 
@@ -776,12 +755,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveFloatManyMatmulT, jaxserve::ManyMatmulT,
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // live
-                                  .RemainingArgs()             // the weights (gated: gate and up), norm, residual
+                                  .RemainingArgs()             // the weights (gated: gate and up)
                                   .RemainingRets()             // their ys (gated: one)
-                                  .Attr<int64_t>("gated")
-                                  .Attr<int64_t>("norm")
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("residual"));
+                                  .Attr<int64_t>("gated"));
 
 // 1 where bfloat16 products run on the CPU's bfloat16 instructions (PairPanelTile), else 0.
 extern "C" int JaxserveMatmulNativeBf16() {

@@ -210,15 +210,14 @@ void Products(ffi::ThreadPool& pool, const X* x, int64_t m_form, int64_t m_len, 
 #endif
 }
 
-template <Format F>  // Products on x as the handler receives it, its values at `data` (x's own, or normed)
-void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, const void* data, int64_t m_len,
-                const std::vector<Target>& targets) {
+template <Format F>  // Products on x as the handler receives it
+void ProductsOf(ffi::ThreadPool& pool, ffi::AnyBuffer& x, int64_t m_len, const std::vector<Target>& targets) {
   const int64_t m_form = x.dimensions()[0];
   if (m_len == 0) return;
   if (IsBf16(x.element_type())) {
-    Products<F>(pool, static_cast<const uint16_t*>(data), m_form, m_len, targets);
+    Products<F>(pool, static_cast<const uint16_t*>(x.untyped_data()), m_form, m_len, targets);
   } else {
-    Products<F>(pool, static_cast<const float*>(data), m_form, m_len, targets);
+    Products<F>(pool, static_cast<const float*>(x.untyped_data()), m_form, m_len, targets);
   }
 }
 
@@ -267,11 +266,9 @@ constexpr int64_t kGatedRows = 16;  // rows of y per work item of a gated call's
 // y zero), every weight of `format`, in rows (`row_group` 0) or grouped (kGroupRows: quant.h); a
 // bfloat16 y is computed in a float32 buffer and rounded at the end (every form writes all of it).
 // `gated`: two weights (gate and up) of one y, silu(x gate^T) * (x up^T) (GatedRow), both products
-// computed in float32 buffers. `norm`: the products are those of x normed by this weight (NormedX);
-// `residual`: added to the one y (AddResidual).
+// computed in float32 buffers.
 ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi::AnyBuffer& live,
-                    std::vector<Operands>& weights, int64_t row_group, bool gated = false,
-                    const ffi::AnyBuffer* norm = nullptr, float eps = 0, const ffi::AnyBuffer* residual = nullptr) {
+                    std::vector<Operands>& weights, int64_t row_group, bool gated = false) {
   const int64_t m_len = LiveRows(live, x.dimensions()[0]), k_len = x.dimensions()[1];
   const bool grouped = row_group == kGroupRows;
 #if defined(JAXSERVE_QUANT_GROUPED)
@@ -292,13 +289,6 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
       return ffi::Error::InvalidArgument("quantized matmul (cpu): a grouped weight's rows must be a multiple of 16");
     }
     wide += gated || IsBf16(o.y->element_type()) ? m_len * o.data.dimensions()[0] : 0;
-  }
-  if (residual && (gated || weights.size() != 1)) {
-    return ffi::Error::InvalidArgument("quantized matmul (cpu): a residual is added to one y, not gated");
-  }
-  const void* data;
-  if (const char* why = NormedX(pool, x, norm, eps, m_len, &data); *why) {
-    return ffi::Error::InvalidArgument(std::string("quantized matmul (cpu): ") + why);
   }
   std::unique_ptr<float[]> buffer(new float[wide]);
   std::vector<Target> targets;
@@ -322,9 +312,9 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
     targets.push_back({w, n_len, y});
   }
   if (format == Format::kInt8) {
-    ProductsOf<Format::kInt8>(pool, x, data, m_len, targets);
+    ProductsOf<Format::kInt8>(pool, x, m_len, targets);
   } else {
-    ProductsOf<Format::kInt4>(pool, x, data, m_len, targets);
+    ProductsOf<Format::kInt4>(pool, x, m_len, targets);
   }
   if (gated) {
     ffi::Result<ffi::AnyBuffer>& y = weights[0].y;
@@ -346,11 +336,6 @@ ffi::Error Multiply(Format format, ffi::ThreadPool& pool, ffi::AnyBuffer& x, ffi
       RoundToBf16(pool, targets[i].y, m_len * targets[i].n_len, static_cast<uint16_t*>(y->untyped_data()));
     }
   }
-  if (residual) {
-    if (const char* why = AddResidual(pool, *residual, weights[0].y, m_len); *why) {
-      return ffi::Error::InvalidArgument(std::string("quantized matmul (cpu): ") + why);
-    }
-  }
   return ffi::Error::Success();
 }
 
@@ -370,21 +355,14 @@ ffi::Error Int4MatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
 // Several weights of one format and layout against the same x, each with its own y (or one grouped
 // weight), or, `gated`, gate and up with one y (Multiply): the operands of each weight in turn, in rows
 // data, scales (and mins, int4), grouped its one array; the format follows from the first data's dtype.
-// After them, where `norm`, a norm's weight, and where `residual`, a residual (see Multiply).
 ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer live, ffi::RemainingArgs parts,
-                       ffi::RemainingRets ys, int64_t row_group, int64_t gated, int64_t norm, float eps,
-                       int64_t residual) {
+                       ffi::RemainingRets ys, int64_t row_group, int64_t gated) {
   const bool int8 = parts.size() > 0 && parts.get<ffi::AnyBuffer>(0)->element_type() == ffi::DataType::S8;
   const size_t per_weight = row_group == kGroupRows ? 1 : int8 ? 2 : 3, count = gated ? 2 : ys.size();
-  const size_t extra = (norm ? 1 : 0) + (residual ? 1 : 0);
-  if (ys.size() == 0 || (gated && ys.size() != 1) || parts.size() != per_weight * count + extra) {
+  if (ys.size() == 0 || (gated && ys.size() != 1) || parts.size() != per_weight * count) {
     return ffi::Error::InvalidArgument("quantized matmul (cpu): each y needs its weight's data, scales and, "
-                                       "int4, mins (grouped: its one array); gated, two weights' of one y; "
-                                       "then a norm's weight where norm, a residual where residual");
+                                       "int4, mins (grouped: its one array); gated, two weights' of one y");
   }
-  std::optional<ffi::AnyBuffer> norm_weight, residual_y;
-  if (norm) norm_weight = *parts.get<ffi::AnyBuffer>(per_weight * count);
-  if (residual) residual_y = *parts.get<ffi::AnyBuffer>(parts.size() - 1);
   std::vector<Operands> weights;
   for (size_t i = 0; i < count; ++i) {
     auto part = [&](size_t j) { return std::optional(*parts.get<ffi::AnyBuffer>(per_weight * i + j)); };
@@ -392,8 +370,7 @@ ffi::Error ManyMatmulT(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer li
     weights.push_back({*part(0), per_weight > 1 ? part(1) : std::nullopt, has_mins ? part(2) : std::nullopt,
                        *ys.get<ffi::AnyBuffer>(gated ? 0 : i)});
   }
-  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, live, weights, row_group, gated,
-                  norm_weight ? &*norm_weight : nullptr, eps, residual_y ? &*residual_y : nullptr);
+  return Multiply(int8 ? Format::kInt8 : Format::kInt4, pool, x, live, weights, row_group, gated);
 }
 
 }  // namespace jaxserve::quant
@@ -422,13 +399,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveManyMatmulT, jaxserve::quant::ManyMatmulT,
                                   .Ctx<xla::ffi::ThreadPool>()
                                   .Arg<xla::ffi::AnyBuffer>()  // x
                                   .Arg<xla::ffi::AnyBuffer>()  // live (see Multiply)
-                                  .RemainingArgs()             // each weight's parts (see ManyMatmulT), norm, residual
+                                  .RemainingArgs()             // each weight's data, scales (, mins), or one array
                                   .RemainingRets()             // each weight's y (gated: one)
                                   .Attr<int64_t>("row_group")
-                                  .Attr<int64_t>("gated")
-                                  .Attr<int64_t>("norm")
-                                  .Attr<float>("eps")
-                                  .Attr<int64_t>("residual"));
+                                  .Attr<int64_t>("gated"));
 
 // The forms this build may run, by name, comma-separated: "integer", "tile", "float" (see the top;
 // on AVX2, the integer form for grouped weights, the float form for weights in rows).
