@@ -318,7 +318,8 @@ def config_flags(argv: list[str], options: set[str]) -> list[str]:
 
 def read_chat_template(value: str | None) -> str | None:
     """--chat-template: a file's text, or the template itself; a value with none of a template's `{`,
-    `}` or line breaks that names no file is a path that is not there (as vLLM says)."""
+    `}` or line breaks that names no file is a path that is not there (as vLLM says). A template given
+    inline has its backslash escapes read, as vLLM reads them: a shell passes `\\n` as two characters."""
     if value is None:
         return None
     path = Path(value)
@@ -326,7 +327,8 @@ def read_chat_template(value: str | None) -> str | None:
         return path.read_text()
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"{value!r} looks like a file path, but there is no such file")
-    return value
+    # (characters past Latin-1 go through as escapes of their own, so only the template's escapes change)
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:

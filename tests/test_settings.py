@@ -200,6 +200,8 @@ def test_vllm_spellings_keys_and_chat_template_paths(capsys, monkeypatch, tmp_pa
     template.write_text("{{ messages[0]['content'] }}")
     assert run_server.parse_args(["--chat-template", str(template)]).chat_template == template.read_text()
     assert run_server.parse_args(["--chat-template", "{{ 'x' }}"]).chat_template == "{{ 'x' }}"
+    inline = r"{% for m in messages %}{{ m['content'] }}\n{% endfor %}é→"  # (as a shell passes `\n`)
+    assert run_server.parse_args(["--chat-template", inline]).chat_template == inline.replace("\\n", "\n")
     for flags, said in ((["--chat-template", str(tmp_path / "missing.jinja")], "--chat-template: "),
                         (["--seed", "-1"], "--seed must be >= 0")):
         with pytest.raises(SystemExit):
