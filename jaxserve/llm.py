@@ -28,6 +28,7 @@ from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.replicas import Router
+from jaxserve.llm_engine import LLMEngine
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
@@ -66,6 +67,19 @@ class LLM:
         self.engine = self.engines[0]  # (what the replicas share: the model, the configuration)
         self._router = Router.for_config(len(self.engines), self.engine.config)
         self._request_ids = itertools.count()
+        self._llm_engine: LLMEngine | None = None
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's: the engine driven a step at a time (`add_request`, `step`, `has_unfinished_requests`,
+        `abort_request`; jaxserve.llm_engine)."""
+        if self._llm_engine is None:
+            self._llm_engine = LLMEngine(self)
+        return self._llm_engine
+
+    def check_awake(self) -> None:
+        if self.is_sleeping():
+            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
@@ -89,8 +103,10 @@ class LLM:
 
     def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm: bool, *, lora_request=None,
                   priority: list[int] | None = None) -> list[RequestOutput]:
-        if self.is_sleeping():
-            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
+        self.check_awake()
+        if self._llm_engine is not None and self._llm_engine.has_unfinished_requests():
+            raise RuntimeError("requests added through llm_engine are unfinished: step them to the end (or abort "
+                               "them) before generate")
         params = sampling_params if isinstance(sampling_params, list) else \
             [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(params) != len(prompts):

@@ -13,7 +13,8 @@ import pytest
 from conftest import SMALL_ENGINE, needs_cpu_backend
 
 from checkpoints.default_model import write_byte_tokenizer
-from jaxserve import LLM, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt, TokensPrompt
+from jaxserve import (LLM, EngineArgs, LLMEngine, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt,
+                      TokensPrompt)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.chat_template import loops_over_content
 from jaxserve.engine.commands import Abort, Add, Subscriber
@@ -490,3 +491,43 @@ def test_a_step_of_prompts_alone_is_finished_before_the_next_is_planned(default_
     assert not engine._in_flight.batch.prefill_only and engine._in_flight.batch.rows[0].pending_row == 0
     while engine.has_unfinished():
         engine.step()
+
+
+def test_llm_engine_steps_requests_as_vllms(default_llm):
+    """`LLM.llm_engine`, vLLM's add_request / step loop: the same tokens as `generate`; each request's
+    outputs as its output_kind asks (cumulative, deltas that join into the whole, the finished one
+    alone); an aborted request gives no more outputs; ids in use and SamplingParams' absence refused."""
+    engine = default_llm.llm_engine
+    greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
+    whole = default_llm.generate("hello", SamplingParams(**greedy, logprobs=1), use_tqdm=False)[0].outputs[0]
+    kinds = {"c": RequestOutputKind.CUMULATIVE, "d": RequestOutputKind.DELTA, "f": RequestOutputKind.FINAL_ONLY}
+    for request_id, kind in kinds.items():
+        engine.add_request(request_id, "hello", SamplingParams(**greedy, logprobs=1, output_kind=kind))
+    engine.add_request("gone", {"prompt": "hello"}, SamplingParams(max_tokens=50, ignore_eos=True))
+    with pytest.raises(ValueError, match="already running"):
+        engine.add_request("c", "hello", SamplingParams())
+    with pytest.raises(RuntimeError, match="llm_engine"):
+        default_llm.generate("hello", use_tqdm=False)
+    seen: dict[str, list] = {request_id: [] for request_id in (*kinds, "gone")}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+        if seen["gone"] and engine.get_num_unfinished_requests() == 4:
+            engine.abort_request(["gone", "not-an-id"])
+    assert len(seen["gone"]) == 1 and not engine.has_unfinished_requests()
+    cumulative, delta, final = (seen[request_id] for request_id in kinds)
+    assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 6)) and cumulative[-1].finished
+    assert cumulative[-1].outputs[0].token_ids == whole.token_ids and cumulative[-1].outputs[0].text == whole.text
+    assert [t for o in delta for t in o.outputs[0].token_ids] == whole.token_ids
+    assert "".join(o.outputs[0].text for o in delta) == whole.text and [o.finished for o in delta][-1]
+    assert sum(len(o.outputs[0].logprobs) for o in delta) == 5
+    assert len(final) == 1 and final[0].finished and final[0].outputs[0].token_ids == whole.token_ids
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("x", "hello", None)
+    assert default_llm.generate("hello", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids == \
+        whole.token_ids  # (generate runs again once the engine's requests are done)
+    built = LLMEngine.from_engine_args(EngineArgs("jaxserve-tiny", **SMALL_ENGINE))  # (vLLM's other way in)
+    built.add_request("0", {"prompt_token_ids": whole.token_ids}, SamplingParams(max_tokens=2))
+    while built.has_unfinished_requests():
+        outs = built.step()
+    assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 2 and built.get_tokenizer() is not None

@@ -191,12 +191,12 @@ class OutputCollector:
 
     def output(self, tokenizer: Tokenizer | None) -> RequestOutput:
         params, detokenize = self.params, self.params.detokenize
-        outputs = [CompletionOutput(index=i, text=c.text, token_ids=c.token_ids,
+        outputs = [CompletionOutput(index=i, text=c.text, token_ids=list(c.token_ids),  # (copies: it goes on)
                                     cumulative_logprob=None if params.logprobs is None else c.last.cumulative_logprob,
                                     finish_reason=c.last.finish_reason, stop_reason=c.last.stop_reason,
                                     logprobs=None if params.logprobs is None else
                                     logprob_entries(tokenizer, c.token_ids, c.logprobs, detokenize),
-                                    entropies=c.entropies if params.return_entropy else None,
+                                    entropies=list(c.entropies) if params.return_entropy else None,
                                     weight_version=c.last.weight_version, lora_request=self.lora_request,
                                     hidden_states=c.last.hidden_states)
                    for i, c in enumerate(self.choices)]

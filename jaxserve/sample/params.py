@@ -40,8 +40,9 @@ def _is_num(v) -> bool:
 
 
 class RequestOutputKind(enum.Enum):
-    """vLLM's: what each output of a streamed request holds. `LLM.generate` returns the finished
-    outputs whatever the kind (as vLLM's does); the server streams deltas."""
+    """vLLM's: what each output of a request holds, as `LLM.llm_engine.step()` returns them.
+    `LLM.generate` returns the finished outputs whatever the kind (as vLLM's does); the server streams
+    deltas."""
 
     CUMULATIVE = 0  # everything generated so far
     DELTA = 1  # only what is new
