@@ -130,4 +130,5 @@ class ResponsesRequest(BaseModel):
     priority: documented(integer(-(2**63), 2**63 - 1)) = None
     cache_salt: documented(Str) = None
     store: Bool = None  # (checked here; default true: the response is kept for GET and previous_response_id)
+    background: Bool = None  # (checked here: answered at once, queued; read by GET, stopped by POST .../cancel)
     previous_response_id: Str = None  # (a stored response whose conversation this one continues)

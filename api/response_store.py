@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from api.background_responses import UNFINISHED, BackgroundRun
 from api.errors import APIError
 from api.response_objects import ResponseObject
 from api.sse import new_id
@@ -21,6 +22,7 @@ class StoredResponse:
     response: ResponseObject
     items: list  # the conversation's input items up to this response's own (no instructions: never carried over)
     listed: list  # the response's own input items as GET .../input_items lists them, oldest first
+    run: BackgroundRun | None = None  # a background response's task (`response` is then the one it grows)
 
 
 def listed_item(item: dict) -> dict:
@@ -40,10 +42,12 @@ class ResponseStore:
         self.capacity = capacity
         self._entries: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
 
-    def put(self, response: ResponseObject, items: list, own: int) -> None:
-        """Keep a finished response, `items` its conversation's input items, the last `own` of them its own."""
+    def put(self, response: ResponseObject, items: list, own: int, run: BackgroundRun | None = None) -> None:
+        """Keep a finished response (or, with its `run`, a background one as it grows), `items` its
+        conversation's input items, the last `own` of them its own."""
         listed = [listed_item(item) for item in items[len(items) - own:]]
-        self._entries[response.id] = StoredResponse(response.model_copy(deep=True), items, listed)
+        kept = response if run is not None else response.model_copy(deep=True)
+        self._entries[response.id] = StoredResponse(kept, items, listed, run)
         self._entries.move_to_end(response.id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
@@ -70,4 +74,7 @@ class ResponseStore:
         except APIError:
             raise APIError(f"Previous response with id '{previous_response_id}' not found.",
                            param="previous_response_id", code="previous_response_not_found") from None  # (a 400)
+        if entry.response.status in UNFINISHED:
+            raise APIError(f"Previous response with id '{previous_response_id}' is still {entry.response.status}: "
+                           "continue it once it has finished", param="previous_response_id")
         return [*entry.items, *(item.dump() for item in entry.response.output)]

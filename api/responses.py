@@ -7,7 +7,8 @@ tool calls) then become the Responses events and output items (`ResponseBuilder`
 with its output_text, and a function_call item per call. A response that is not streamed is the
 same events' end state. A finished response is stored unless the request says `store: false`
 (`api/response_store.py`): GET /v1/responses/{id} reads it, DELETE drops it, and a request's
-`previous_response_id` continues its conversation.
+`previous_response_id` continues its conversation. With `background: true` the request is answered
+at once and the response computed by a task of its own (`api/background_responses.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from collections.abc import AsyncIterator, Iterator
 
 from pydantic import MISSING
 from pydantic_core import to_jsonable_python
-from quart import Blueprint
+from quart import Blueprint, Response
 from quart_schema import document_request, document_response
 
 from api.answer import streamed_or_whole
+from api.background_responses import BackgroundRun
 from api.chat_models import ResponsesRequest
 from api.choices import Choices
 from api.errors import APIError
@@ -41,7 +43,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"
 _NOT_SERVED = {  # request fields that need what this server does not keep or run
     "conversation": "it needs a stored conversation, and conversations are not stored",
     "prompt": "stored prompt templates are not available",
-    "background": "background responses are not available",
     "max_tool_calls": "a bound on built-in tool calls has nothing to bound: only function tools are served",
 }
 
@@ -218,7 +219,8 @@ class ResponseBuilder:
         return event
 
     def start(self) -> Iterator[str]:
-        yield self._emit("response.created", response=self.response)
+        yield self._emit("response.created", response=self.response)  # (a background one's: "queued")
+        self.state.status = "in_progress"
         yield self._emit("response.in_progress", response=self.response)
 
     def _open(self, item: OutputItem) -> Iterator[str]:
@@ -336,12 +338,28 @@ async def create_response():
         if body.get("store") is not False and state.responses.capacity > 0:
             builder.stored_items, builder.own_items = items, len(own)
             builder.state.store = True
+        if body.get("background"):
+            _background(builder)
         req = await admit(state, dataclasses.replace(req, prompt_field="input"), builder.state.id, chat=True)
     except APIError as e:  # (an error of the chat request names the Responses field it came from)
         e.param = _CHAT_FIELDS.get(e.param, e.param)
         raise
+    if builder.state.background:  # (its own task: the response goes on without this connection)
+        queued = builder.state.model_copy(deep=True)
+        run = BackgroundRun(builder.state, _events_or_failure(state, req, builder))
+        state.responses.put(builder.state, builder.stored_items, builder.own_items, run)
+        return Response(run.follow(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"}) \
+            if req.stream else queued
     return await streamed_or_whole(req, lambda: _events_or_failure(state, req, builder),
                                    lambda: _events(state, req, builder), lambda: builder.state)
+
+
+def _background(builder: ResponseBuilder) -> None:
+    """A background response, answered "queued": it must be stored (GET is how its answer is read)."""
+    if not builder.state.store:
+        raise APIError("background responses are stored (GET /v1/responses/{id} reads them): 'store' must not be "
+                       "false, and the server must keep responses (--max-stored-responses > 0)", param="background")
+    builder.state.background, builder.state.status = True, "queued"
 
 
 async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuilder) -> AsyncIterator[str]:
@@ -357,7 +375,8 @@ async def _events(state: APIState, req: GenerationRequest, builder: ResponseBuil
             for event in builder.delta(delta, logprobs if k == 0 else None):
                 yield event
     last = list(builder.finish(choices.finish_reason(0), choices.usage()))
-    if builder.stored_items is not None:  # (before its last event: a client may continue it on seeing that)
+    if builder.stored_items is not None and not builder.state.background:  # (a background one is kept as it grows)
+        # (before its last event: a client may continue it on seeing that)
         state.responses.put(builder.state, builder.stored_items, builder.own_items)
     for event in last:
         yield event

@@ -1,9 +1,10 @@
 """OpenAI's routes of stored responses (`api/response_store.py`): GET and DELETE
-/v1/responses/{id}, and GET /v1/responses/{id}/input_items."""
+/v1/responses/{id}, GET /v1/responses/{id}/input_items, and POST /v1/responses/{id}/cancel (of a
+background response, `api/background_responses.py`)."""
 
 from __future__ import annotations
 
-from quart import Blueprint, request
+from quart import Blueprint, Response, request
 
 from api.errors import APIError
 from api.state import api_state
@@ -13,10 +14,33 @@ stored = Blueprint("stored_responses", __name__)
 
 @stored.get("/v1/responses/<response_id>")
 async def retrieve_response(response_id: str):
-    """A stored response (OpenAI's); streaming one again is for background responses, which are not run."""
-    if request.args.get("stream", "false").lower() not in ("false", "0"):
-        raise APIError("'stream' is for background responses, which are not available", param="stream")
-    return api_state().responses.get(response_id).response.dump()
+    """A stored response (OpenAI's), as it stands; with `stream=true`, a background response's events
+    after sequence number `starting_after` (default: all of them), then the rest as they come."""
+    entry = api_state().responses.get(response_id)
+    if request.args.get("stream", "false").lower() in ("false", "0"):
+        return entry.response.dump()
+    if entry.run is None:
+        raise APIError("'stream' is for background responses: this one was not created with background: true",
+                       param="stream")
+    try:
+        starting_after = int(request.args.get("starting_after", -1))
+    except ValueError:
+        raise APIError("'starting_after' must be an integer (an event's sequence number)",
+                       param="starting_after") from None
+    return Response(entry.run.follow(starting_after), content_type="text/event-stream",
+                    headers={"Cache-Control": "no-cache"})
+
+
+@stored.post("/v1/responses/<response_id>/cancel")
+async def cancel_response(response_id: str):
+    """Stop a background response (OpenAI's): it is then "cancelled"; one already finished is
+    returned as it is. A response not created in the background is a 400."""
+    entry = api_state().responses.get(response_id)
+    if entry.run is None:
+        raise APIError("Cannot cancel a synchronous response: only responses created with background: true can "
+                       "be cancelled", param="response_id")
+    await entry.run.cancel()
+    return entry.response.dump()
 
 
 @stored.get("/v1/responses/<response_id>/input_items")
@@ -46,5 +70,8 @@ async def list_input_items(response_id: str):
 
 @stored.delete("/v1/responses/<response_id>")
 async def delete_response(response_id: str):
+    entry = api_state().responses.get(response_id)
+    if entry.run is not None:  # (a background response still running stops)
+        await entry.run.cancel()
     api_state().responses.delete(response_id)
     return {"id": response_id, "object": "response", "deleted": True}

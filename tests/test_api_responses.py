@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
-from server import MESSAGES, MODEL, post
+from server import MAX_MODEL_LEN, MESSAGES, MODEL, post
+from test_api_metrics import scrape
 
 GREEDY = dict(temperature=0.0, max_tokens=12, extra_body={"ignore_eos": True})
 
@@ -146,3 +149,48 @@ def test_responses_text_format_shapes_the_output(client):
     free = client.responses.create(**{**ask, "temperature": 0.0}, text={"format": {"type": "text"}}).output_text
     with pytest.raises(ValueError):
         json.loads(free)  # (without a format, not JSON)
+
+
+def _until_finished(client, response_id: str):
+    while (r := client.responses.retrieve(response_id)).status in ("queued", "in_progress"):
+        time.sleep(0.05)
+    return r
+
+
+def test_background_responses_run_on_their_own_and_are_cancelled(served, client):
+    """OpenAI's `background`: answered at once ("queued"), then read by GET as it grows, to the same
+    answer as the request without it; streamed, the same events, and GET ...?stream=true resumes them
+    after a sequence number; POST .../cancel stops one running ("cancelled", its sequences aborted,
+    again the same), and is a 400 for a response not made in the background; a background response
+    must be stored; one running cannot be continued yet."""
+    ask = dict(model=MODEL, input="Say hello", max_output_tokens=12, temperature=0.0)
+    whole = client.responses.create(**ask)
+    queued = client.responses.create(**ask, background=True)
+    assert queued.status == "queued" and queued.background and queued.output == []
+    done = _until_finished(client, queued.id)
+    assert done.status == "incomplete" and done.output_text == whole.output_text and done.background
+    events = list(client.responses.create(**ask, background=True, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].response.status == "queued" and events[-1].type == "response.incomplete"
+    assert events[-1].response.output_text == whole.output_text
+    resumed = list(client.responses.retrieve(events[0].response.id, stream=True, starting_after=3))
+    assert [e.sequence_number for e in resumed] == list(range(4, len(events)))
+    assert [e.type for e in resumed] == [e.type for e in events[4:]]
+    aborted = scrape(served).get("jaxserve:request_success_total|abort", 0)
+    long = client.responses.create(**{**ask, "max_output_tokens": MAX_MODEL_LEN - 32}, background=True)
+    early = post(served, "/v1/responses", {**ask, "previous_response_id": long.id})
+    assert early.status_code == 400 and early.json()["error"]["param"] == "previous_response_id"
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and cancelled.usage is None
+    assert client.responses.cancel(long.id).status == "cancelled"  # (again: the same)
+    shown = client.responses.retrieve(long.id)
+    assert shown.status == "cancelled" and shown.output == cancelled.output
+    assert scrape(served)["jaxserve:request_success_total|abort"] == aborted + 1  # (its sequence aborted)
+    refused = post(served, f"/v1/responses/{whole.id}/cancel", {})
+    assert refused.status_code == 400 and "synchronous" in refused.json()["error"]["message"]
+    unstored = post(served, "/v1/responses", {**ask, "background": True, "store": False})
+    assert unstored.status_code == 400 and unstored.json()["error"]["param"] == "background"
+    not_bool = post(served, "/v1/responses", {**ask, "background": "yes"})
+    assert not_bool.status_code == 400 and not_bool.json()["error"]["param"] == "background"
+    not_streamed = httpx.get(f"{served[0].url}/v1/responses/{whole.id}?stream=true", timeout=30)
+    assert not_streamed.status_code == 400 and not_streamed.json()["error"]["param"] == "stream"
