@@ -20,9 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from jaxserve.engine.figures import PREFIXES, Figure, engine_figures
 from jaxserve.engine.outputs import Update
 from jaxserve.engine.replicas import Replicas
-from jaxserve.sched.plan import SchedulerStats
+from jaxserve.engine.request_metrics import RequestMetrics
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -67,25 +66,6 @@ def _add(metrics: dict, prefix: str, labels: dict, figure: Figure) -> None:
         metrics[figure.name].add_metric(values, figure.value)
 
 
-def token_buckets(largest: int) -> list[int]:
-    """vLLM's buckets of token counts: 1, 2, 5, 10, 20, 50, ... up to `largest`."""
-    return [m * 10**e for e in range(len(str(largest))) for m in (1, 2, 5) if m * 10**e <= largest]
-
-
-class _Twins:
-    """One request metric under both names (`PREFIXES`)."""
-
-    def __init__(self, kind, name: str, doc: str, registry, model_name: str, labels: tuple[str, ...] = (), **kw):
-        self.ours = kind(PREFIXES[0] + name, doc, labels, registry=registry, **kw)
-        self.vllms = kind(PREFIXES[1] + name, doc, ("model_name", *labels), registry=registry, **kw)
-        self.model_name = model_name
-
-    def __call__(self, *label_values: str) -> tuple:
-        """Both metrics' children with these label values."""
-        ours = self.ours.labels(*label_values) if label_values else self.ours
-        return ours, self.vllms.labels(self.model_name, *label_values)
-
-
 class LoopLag:
     """How late the API's event loop wakes from a sleep: while it is blocked (work done on the loop
     instead of a thread, or a thread holding the GIL) no request, stream or disconnect is served.
@@ -124,33 +104,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, model_name))
         self.loop_lag = LoopLag(self.registry)
-
-        def twins(kind, name, doc, labels=(), **kw):
-            return _Twins(kind, name, doc, self.registry, model_name, labels, **kw)
-
-        self.ttft = twins(Histogram, "time_to_first_token_seconds", "Time to each sequence's first token.",
-                          buckets=LATENCY_BUCKETS)
-        self.itl = twins(Histogram, "inter_token_latency_seconds", "Time between a sequence's updates.",
-                         buckets=LATENCY_BUCKETS)
-        self.e2e = twins(Histogram, "e2e_request_latency_seconds", "Time from a sequence's request to its end.",
-                         buckets=LATENCY_BUCKETS)
-        self.finished = twins(Counter, "request_success", "Finished sequences by finish reason.", ("finished_reason",))
-        counts = token_buckets(engine.engine.config.max_model_len)
-        self.prompt_lengths = twins(Histogram, "request_prompt_tokens", "Prompt tokens of each finished sequence.",
-                                    buckets=counts)
-        self.output_lengths = twins(Histogram, "request_generation_tokens", "Tokens each finished sequence "
-                                    "generated.", buckets=counts)
-        self.spans = {span: twins(Histogram, f"request_{span}_time_seconds", f"Each finished sequence's {doc} (as "
-                                  "the engine measured it).", buckets=LATENCY_BUCKETS)
-                      for span, doc in (("queue", "wait for its first step"),
-                                        ("prefill", "time from its first step to its first token"),
-                                        ("decode", "time from its first token to its last"),
-                                        ("inference", "time from its first step to its last token"))}
-        self.tpot = twins(Histogram, "request_time_per_output_token_seconds", "Each finished sequence's decode time "
-                          "over its tokens after the first (0 for one token).", buckets=LATENCY_BUCKETS)
-        self.params_n = twins(Histogram, "request_params_n", "Each request's n.", buckets=(1, 2, 5, 10, 20))
-        self.params_max_tokens = twins(Histogram, "request_params_max_tokens", "Each request's max_tokens.",
-                                       buckets=counts)
+        self.requests = RequestMetrics(self.registry, model_name, engine.engine.config.max_model_len)
         self.errors = Counter(PREFIXES[0] + "request_errors", "Requests answered with an error, by HTTP status.",
                               ["status"], registry=self.registry)  # (vLLM has no such metric)
 
@@ -158,42 +112,15 @@ class Metrics:
         self.errors.labels(str(status)).inc()
 
     async def timed(self, stream: AsyncIterator[Update], n: int, max_tokens: int | None) -> AsyncIterator[Update]:
-        """Pass the updates of n sequences through, observing time to first token, inter-token
-        latency, end-to-end latency, lengths and outcomes (sequences cut short by a disconnect count as "abort")."""
-        for metric in self.params_n():
-            metric.observe(n)
-        for metric in self.params_max_tokens() if max_tokens is not None else ():
-            metric.observe(max_tokens)
-        start = time.perf_counter()
-        last: dict[int, float] = {}
-        finished = 0
+        """Pass the updates of n sequences through, observed by a `RequestTimer` (sequences cut short by a
+        disconnect count as "abort")."""
+        timer = self.requests.timer(n, max_tokens)
         try:
             async for update in stream:
-                t = time.perf_counter()
-                for metric in self.itl() if update.index in last else self.ttft():
-                    metric.observe(t - last.get(update.index, start))
-                last[update.index] = t
-                if update.finish_reason is not None:
-                    finished += 1
-                    for metric in self.finished(update.finish_reason):
-                        metric.inc()
-                    for metric in self.e2e():
-                        metric.observe(t - start)
-                    for metric in self.prompt_lengths():
-                        metric.observe(update.num_prompt_tokens)
-                    for metric in self.output_lengths():
-                        metric.observe(update.num_output_tokens)
-                    for span, seconds in zip(self.spans, update.timings or ()):  # (RequestTimings' order)
-                        for metric in self.spans[span]():
-                            metric.observe(seconds)
-                    for metric in self.tpot() if update.timings else ():
-                        n = update.num_output_tokens
-                        metric.observe(update.timings.decode / (n - 1) if n > 1 else 0.0)
+                timer.observe(update)
                 yield update
         finally:
-            if finished < n:
-                for metric in self.finished("abort"):
-                    metric.inc(n - finished)
+            timer.close()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

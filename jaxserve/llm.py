@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
+from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model
@@ -28,6 +29,7 @@ from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.replicas import Router
+from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer, reader_request_metrics
 from jaxserve.llm_engine import LLMEngine
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
@@ -68,6 +70,8 @@ class LLM:
         self._router = Router.for_config(len(self.engines), self.engine.config)
         self._request_ids = itertools.count()
         self._llm_engine: LLMEngine | None = None
+        self._registry = CollectorRegistry()
+        self._request_metrics = RequestMetrics(self._registry, config.model or DEFAULT_MODEL_NAME, config.max_model_len)
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -120,6 +124,7 @@ class LLM:
         if wrong := [lora for lora in loras if lora is not None and not isinstance(lora, LoRARequest)]:
             raise ValueError(f"lora_request takes jaxserve.LoRARequest (or None), got {type(wrong[0]).__name__}")
         collectors: dict[str, OutputCollector] = {}
+        timers: dict[str, RequestTimer] = {}
         added: list[tuple[Engine, str]] = []
         loads = [0] * len(self.engines)  # (the prompts of this call each replica runs)
         try:
@@ -132,12 +137,16 @@ class LLM:
                                                         cache_salt=salt, lora_request=lora)
                 added.append((self.engines[replica], seq.request_id))
                 collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p, lora)
+                timers[seq.request_id] = self._request_metrics.timer(p.n, p.max_tokens)
             with tqdm(total=len(collectors), desc="generating", disable=not use_tqdm) as bar:
-                _run([e for e in self.engines if e.has_unfinished()], collectors, bar)
+                _run([e for e in self.engines if e.has_unfinished()], collectors, timers, bar)
         except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
             for engine, request_id in added:
                 engine.abort(request_id)
             raise
+        finally:
+            for timer in timers.values():
+                timer.close()
         return [c.output(self.tokenizer) for c in collectors.values()]
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -187,9 +196,11 @@ class LLM:
     def get_metrics(self) -> list[Metric]:
         """vLLM's: the engine's figures (tokens, preemptions, the prefix cache, the KV cache's use, drafts
         accepted, tokens per step, ...) under vLLM's names, as vLLM's metric reader gives them: `Counter`,
-        `Gauge`, `Vector`, `Histogram` (jaxserve.engine.figures), one of each per data-parallel replica."""
+        `Gauge`, `Vector`, `Histogram` (jaxserve.engine.figures), one of each per data-parallel replica;
+        then the requests' (time to first token, latencies, lengths, outcomes: `generate`'s and `chat`'s)."""
         config = self.engine.config
-        return reader_metrics([engine.stats for engine in self.engines], config, config.model or DEFAULT_MODEL_NAME)
+        return [*reader_metrics([engine.stats for engine in self.engines], config, config.model or DEFAULT_MODEL_NAME),
+                *reader_request_metrics(self._registry)]
 
     def start_profile(self) -> None:
         """vLLM's: start a trace of this process (its threads and devices) by JAX's profiler, into the
@@ -295,7 +306,8 @@ class LLM:
                 for out, p in zip(outputs, each)]
 
 
-def _run(engines: list[Engine], collectors: dict[str, OutputCollector], bar: tqdm) -> None:
+def _run(engines: list[Engine], collectors: dict[str, OutputCollector], timers: dict[str, RequestTimer],
+         bar: tqdm) -> None:
     """Step the engines until their requests finish: each data-parallel replica in a thread of its own
     (a step waits for its devices without the GIL), one alone in this one. A failure (or Ctrl-C)
     stops them all after their step in flight."""
@@ -305,6 +317,7 @@ def _run(engines: list[Engine], collectors: dict[str, OutputCollector], bar: tqd
         while engine.has_unfinished() and not stop.is_set():
             for update in engine.step():
                 collectors[update.request_id].add(update)
+                timers[update.request_id].observe(update)
             if len(engines) == 1:
                 bar.update(sum(c.finished for c in collectors.values()) - bar.n)
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.inputs import PromptType, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.engine.request_metrics import RequestTimer
 from jaxserve.sample.params import RequestOutputKind, SamplingParams
 
 
@@ -27,6 +28,7 @@ class LLMEngine:
     def __init__(self, llm):
         self._llm = llm
         self._requests: dict[str, OutputCollector] = {}
+        self._timers: dict[str, RequestTimer] = {}  # (`LLM.get_metrics`' request figures)
         self._sent: dict[str, list[tuple[int, int]]] = {}  # DELTA: (characters, tokens) of each choice sent
 
     @classmethod
@@ -57,6 +59,7 @@ class LLMEngine:
                                                lora_request=lora_request)
         self._requests[request_id] = OutputCollector(request_id, text, seq.prompt_token_ids, params, lora_request)
         self._sent[request_id] = [(0, 0)] * params.n
+        self._timers[request_id] = llm._request_metrics.timer(params.n, params.max_tokens)
 
     def step(self) -> list[RequestOutput]:
         """One step of each replica with requests -> the outputs of the requests it moved."""
@@ -66,6 +69,7 @@ class LLMEngine:
                 for update in engine.step():
                     if (collector := self._requests.get(update.request_id)) is not None:  # (else aborted)
                         collector.add(update)
+                        self._timers[update.request_id].observe(update)
                         moved[update.request_id] = None
         return [out for request_id in moved if (out := self._output(request_id)) is not None]
 
@@ -79,8 +83,12 @@ class LLMEngine:
         if kind == RequestOutputKind.DELTA:
             out = self._delta(request_id, out)
         if collector.finished:
-            del self._requests[request_id], self._sent[request_id]
+            self._forget(request_id)
         return out
+
+    def _forget(self, request_id: str) -> None:
+        del self._requests[request_id], self._sent[request_id]
+        self._timers.pop(request_id).close()
 
     def _delta(self, request_id: str, out: RequestOutput) -> RequestOutput:
         sent = self._sent[request_id]
@@ -101,7 +109,7 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """End the requests now (unknown or finished ids are ignored, as vLLM's); no output follows."""
         for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
-            if self._requests.pop(request_id, None) is not None:
-                del self._sent[request_id]
+            if request_id in self._requests:
+                self._forget(request_id)
                 for engine in self._llm.engines:
                     engine.abort(request_id)

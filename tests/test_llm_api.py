@@ -359,6 +359,17 @@ def test_vllm_engine_options_and_request_arguments(default_llm, tmp_path):
     assert steps.sum == len(out.prompt_token_ids) + 4 and steps.count == -(-len(out.prompt_token_ids) // 4) + 4
     assert steps.buckets["8.0"] == steps.count and steps.buckets["+Inf"] == steps.count  # (bounds 1, 8, 16, 32)
     assert metrics["vllm:cache_config_info"].labels["block_size"] == str(SMALL_ENGINE.get("page_size", 16))
+    # ... and the requests' own, as vLLM's reader gives them (generate's one request: 5 tokens, "length")
+    assert metrics["vllm:request_success"].labels == {"model_name": "jaxserve-tiny", "finished_reason": "length"}
+    assert metrics["vllm:request_success"].value == 1
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prefill_time_seconds"):
+        assert metrics[f"vllm:{name}"].count == 1 and metrics[f"vllm:{name}"].buckets["+Inf"] == 1
+    assert metrics["vllm:e2e_request_latency_seconds"].sum >= metrics["vllm:time_to_first_token_seconds"].sum > 0
+    assert metrics["vllm:inter_token_latency_seconds"].count == 4  # (the 4 tokens after the first)
+    generated = metrics["vllm:request_generation_tokens"]
+    assert (generated.sum, generated.buckets["2.0"], generated.buckets["5.0"]) == (5, 0, 1)
+    assert metrics["vllm:request_prompt_tokens"].sum == len(out.prompt_token_ids)
+    assert not any(name.startswith("jaxserve:") for name in metrics)
     want = default_llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == want.outputs[0].token_ids and len(want.outputs[0].token_ids) == 5
     assert (out.lora_request, out.metrics, out.encoder_prompt, out.outputs[0].lora_request) == (None,) * 4
@@ -493,6 +504,10 @@ def test_a_step_of_prompts_alone_is_finished_before_the_next_is_planned(default_
         engine.step()
 
 
+def _successes(llm) -> dict[str, int]:
+    return {m.labels["finished_reason"]: m.value for m in llm.get_metrics() if m.name == "vllm:request_success"}
+
+
 def test_llm_engine_steps_requests_as_vllms(default_llm):
     """`LLM.llm_engine`, vLLM's add_request / step loop: the same tokens as `generate`; each request's
     outputs as its output_kind asks (cumulative, deltas that join into the whole, the finished one
@@ -501,6 +516,7 @@ def test_llm_engine_steps_requests_as_vllms(default_llm):
     greedy = dict(max_tokens=5, temperature=0.0, ignore_eos=True)
     whole = default_llm.generate("hello", SamplingParams(**greedy, logprobs=1), use_tqdm=False)[0].outputs[0]
     kinds = {"c": RequestOutputKind.CUMULATIVE, "d": RequestOutputKind.DELTA, "f": RequestOutputKind.FINAL_ONLY}
+    before = _successes(default_llm)
     for request_id, kind in kinds.items():
         engine.add_request(request_id, "hello", SamplingParams(**greedy, logprobs=1, output_kind=kind))
     engine.add_request("gone", {"prompt": "hello"}, SamplingParams(max_tokens=50, ignore_eos=True))
@@ -515,6 +531,8 @@ def test_llm_engine_steps_requests_as_vllms(default_llm):
         if seen["gone"] and engine.get_num_unfinished_requests() == 4:
             engine.abort_request(["gone", "not-an-id"])
     assert len(seen["gone"]) == 1 and not engine.has_unfinished_requests()
+    after = _successes(default_llm)  # (get_metrics counts them: three at their length, one aborted)
+    assert [after.get(r, 0) - before.get(r, 0) for r in ("length", "abort")] == [3, 1]
     cumulative, delta, final = (seen[request_id] for request_id in kinds)
     assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 6)) and cumulative[-1].finished
     assert cumulative[-1].outputs[0].token_ids == whole.token_ids and cumulative[-1].outputs[0].text == whole.text
