@@ -92,7 +92,7 @@ class ResponseObject(Wire):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: str = "in_progress"  # then "completed", "incomplete" or "failed" (background: "queued" first, or "cancelled")
+    status: str = "in_progress"  # then "completed", "incomplete", "failed"; background: "queued" first, or "cancelled"
     background: bool = False
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
