@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import itertools
 import threading
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
@@ -92,11 +93,12 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, *, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those;
         a dict may hold a `cache_salt` (vLLM's: only prompts with the same salt share prefix-cache pages).
-        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come.
+        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come
+        (vLLM's: True, False, or the tqdm class, or a function making the bar, to show them with).
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
         vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
         None) per prompt; the LLM must be made with `enable_lora=True`."""
@@ -105,7 +107,7 @@ class LLM:
         return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
                               priority=priority)
 
-    def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm: bool, *, lora_request=None,
+    def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm, *, lora_request=None,
                   priority: list[int] | None = None) -> list[RequestOutput]:
         self.check_awake()
         if self._llm_engine is not None and self._llm_engine.has_unfinished_requests():
@@ -138,7 +140,7 @@ class LLM:
                 added.append((self.engines[replica], seq.request_id))
                 collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p, lora)
                 timers[seq.request_id] = self._request_metrics.timer(p.n, p.max_tokens)
-            with tqdm(total=len(collectors), desc="generating", disable=not use_tqdm) as bar:
+            with progress_bar(use_tqdm, total=len(collectors), desc="generating") as bar:
                 _run([e for e in self.engines if e.has_unfinished()], collectors, timers, bar)
         except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
             for engine, request_id in added:
@@ -151,7 +153,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -286,7 +288,7 @@ class LLM:
 
     encode, score, classify, reward = map(_unsupported, ("encode", "score", "classify", "reward"))
 
-    def embed(self, prompts: PromptType | list[PromptType], use_tqdm: bool = True, *,
+    def embed(self, prompts: PromptType | list[PromptType], use_tqdm: bool | Callable[..., tqdm] = True, *,
               pooling_params: PoolingParams | list[PoolingParams] | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: each prompt's embedding, by the engine's pooling (`runner="pooling"`: the
@@ -304,6 +306,11 @@ class LLM:
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(pooler.pool(out.outputs[0].hidden_states,
                                                                                    p).tolist()), out.prompt_token_ids)
                 for out, p in zip(outputs, each)]
+
+
+def progress_bar(use_tqdm, **options) -> tqdm:
+    """vLLM's `use_tqdm`: a bool (tqdm's bar, or none), or what makes the bar (a tqdm class or function)."""
+    return use_tqdm(**options) if callable(use_tqdm) else tqdm(**options, disable=not use_tqdm)
 
 
 def _run(engines: list[Engine], collectors: dict[str, OutputCollector], timers: dict[str, RequestTimer],
@@ -359,7 +366,7 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
     run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
                  engine.config)
     step = round_params(params)
-    with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
+    with progress_bar(use_tqdm, total=params.max_tokens, desc="beam search") as bar:
         try:
             beams = next(run)
             while True:

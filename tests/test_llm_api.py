@@ -11,6 +11,7 @@ import shutil
 import numpy as np
 import pytest
 from conftest import SMALL_ENGINE, needs_cpu_backend
+from tqdm import tqdm
 
 from checkpoints.default_model import write_byte_tokenizer
 from jaxserve import (LLM, EngineArgs, LLMEngine, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt,
@@ -47,6 +48,9 @@ def test_prompt_forms_and_output_shape(default_llm):
                          ({"prompt": "x", "multi_modal_data": {"image": "y"}}, "text only")):
         with pytest.raises(ValueError, match=match):
             default_llm.generate(wrong, greedy, use_tqdm=False)
+    bars = []  # (vLLM's use_tqdm may also be what makes the bar)
+    default_llm.generate(["a", "b"], greedy, use_tqdm=lambda **options: bars.append(options) or tqdm(**options))
+    assert bars == [{"total": 2, "desc": "generating"}]
     scored = default_llm.generate("hello", SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
                                                           logprobs=0))[0].outputs[0]
     assert scored.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(scored.token_ids,
