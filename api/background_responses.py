@@ -33,9 +33,19 @@ class BackgroundRun:
             async for event in events:
                 self.events.append(event)
                 self._wake()
+        except asyncio.CancelledError:  # (here, not in `cancel`: the canceller's client may be gone by now)
+            self._cancelled()
+            raise
         finally:
-            self.done = True
-            self._wake()
+            self._end()
+
+    def _cancelled(self) -> None:
+        if self.response.status in UNFINISHED:
+            self.response.status = "cancelled"
+
+    def _end(self) -> None:
+        self.done = True
+        self._wake()
 
     def _wake(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -58,6 +68,6 @@ class BackgroundRun:
         "cancelled" (one that finished first keeps its status: cancelling again changes nothing)."""
         if not self.done:
             self.task.cancel()
+            self._cancelled()  # (a task cancelled before it ran never runs `_run`)
+            self._end()
             await asyncio.wait([self.task])
-        if self.response.status in UNFINISHED:
-            self.response.status = "cancelled"

@@ -49,8 +49,12 @@ class ResponseStore:
         kept = response if run is not None else response.model_copy(deep=True)
         self._entries[response.id] = StoredResponse(kept, items, listed, run)
         self._entries.move_to_end(response.id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        # (the least recently used go first, but not a background response still running: it would be lost)
+        for response_id in [key for key, entry in self._entries.items()
+                            if key != response.id and (entry.run is None or entry.run.done)]:
+            if len(self._entries) <= self.capacity:
+                break
+            del self._entries[response_id]
 
     def get(self, response_id: str) -> StoredResponse:
         """The stored response; a 404 where there is none (never stored, deleted, or the oldest dropped)."""

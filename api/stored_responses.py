@@ -25,8 +25,10 @@ async def retrieve_response(response_id: str):
     try:
         starting_after = int(request.args.get("starting_after", -1))
     except ValueError:
-        raise APIError("'starting_after' must be an integer (an event's sequence number)",
-                       param="starting_after") from None
+        starting_after = -2
+    if starting_after < -1:
+        raise APIError("'starting_after' must be an event's sequence number (an integer from 0), or -1 for all",
+                       param="starting_after")
     return Response(entry.run.follow(starting_after), content_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"})
 

@@ -31,7 +31,8 @@ from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Poo
 from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.replicas import Router
 from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer, reader_request_metrics
-from jaxserve.llm_engine import LLMEngine
+from jaxserve.errors import StepFailed
+from jaxserve.llm_engine import LLMEngine, check_lora_request
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
@@ -82,7 +83,13 @@ class LLM:
             self._llm_engine = LLMEngine(self)
         return self._llm_engine
 
-    def check_awake(self) -> None:
+    def check_generates(self) -> None:
+        """ValueError for an embedding model; RuntimeError while asleep."""
+        if self.engine.config.runner == "pooling":
+            raise ValueError("this LLM runs an embedding model (runner=\"pooling\"): use LLM.embed")
+        self._check_awake()
+
+    def _check_awake(self) -> None:
         if self.is_sleeping():
             raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
 
@@ -102,14 +109,13 @@ class LLM:
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
         vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
         None) per prompt; the LLM must be made with `enable_lora=True`."""
-        if self.engine.config.runner == "pooling":
-            raise ValueError("this LLM runs an embedding model (runner=\"pooling\"): use LLM.embed")
+        self.check_generates()
         return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
                               priority=priority)
 
     def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm, *, lora_request=None,
                   priority: list[int] | None = None) -> list[RequestOutput]:
-        self.check_awake()
+        self._check_awake()
         if self._llm_engine is not None and self._llm_engine.has_unfinished_requests():
             raise RuntimeError("requests added through llm_engine are unfinished: step them to the end (or abort "
                                "them) before generate")
@@ -123,8 +129,8 @@ class LLM:
         loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
-        if wrong := [lora for lora in loras if lora is not None and not isinstance(lora, LoRARequest)]:
-            raise ValueError(f"lora_request takes jaxserve.LoRARequest (or None), got {type(wrong[0]).__name__}")
+        for lora in loras:
+            check_lora_request(lora)
         collectors: dict[str, OutputCollector] = {}
         timers: dict[str, RequestTimer] = {}
         added: list[tuple[Engine, str]] = []
@@ -268,15 +274,26 @@ class LLM:
     def _update(self, loaded: list[dict], weight_version: int | None) -> int:
         leaves = [engine.weight_layout.leaves(each) for engine, each in zip(self.engines, loaded)]
         version = next_weight_version(self.engine.weight_version, weight_version)
-        for engine, each in zip(self.engines, leaves):
-            engine.update_weights(each, version)
+        self._between_steps(lambda i, engine: engine.update_weights(leaves[i], version))
         return version
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's: free the KV cache (level 1: and keep the weights on the host; level 2: free them too,
         for new weights, or the checkpoint reloaded when waking). `generate` refuses until `wake_up`."""
-        for engine in self.engines:
-            engine.sleep(level)
+        self._between_steps(lambda i, engine: engine.sleep(level))
+
+    def _between_steps(self, act: Callable) -> None:
+        """`act(i, engine)` for each replica; they finish their step in flight first, and what it
+        released goes to `llm_engine`'s next step (its requests may be running)."""
+        for i, engine in enumerate(self.engines):
+            try:
+                released = act(i, engine)
+            except StepFailed as e:
+                if self._llm_engine is not None:
+                    self._llm_engine.failed(e)
+                raise
+            if self._llm_engine is not None:
+                self._llm_engine.take(released)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing."""

@@ -8,33 +8,41 @@ from collections.abc import Iterable
 
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.inputs import PromptType, tokenize_prompt
-from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
 from jaxserve.engine.request_metrics import RequestTimer
+from jaxserve.errors import StepFailed
 from jaxserve.sample.params import RequestOutputKind, SamplingParams
 
 
 class EngineArgs:
-    """vLLM's: the engine's options for `LLMEngine.from_engine_args`, as `LLM(model, **options)` takes them."""
+    """vLLM's: the engine's options for `LLMEngine.from_engine_args`, as `LLM(model, **options)` takes
+    them (attributes set afterwards count too)."""
 
     def __init__(self, model: str | None = None, **options):
-        self.model, self.options = model, options
+        self.model = model
+        vars(self).update(options)
 
 
 class LLMEngine:
     """The engine of an `LLM`, driven a step at a time (vLLM's `add_request` / `step` loop). Outputs
     follow `SamplingParams.output_kind`: CUMULATIVE (the default) everything so far at each step that
-    moved the request, DELTA what is new, FINAL_ONLY the finished output alone."""
+    moved the request, DELTA what is new, FINAL_ONLY the finished output alone; with n > 1, as vLLM's,
+    the first two give one output per choice that moved (its `outputs` that choice alone), the last
+    one output of every choice."""
 
     def __init__(self, llm):
         self._llm = llm
         self._requests: dict[str, OutputCollector] = {}
         self._timers: dict[str, RequestTimer] = {}  # (`LLM.get_metrics`' request figures)
-        self._sent: dict[str, list[tuple[int, int]]] = {}  # DELTA: (characters, tokens) of each choice sent
+        self._sent: dict[tuple[str, int], tuple[int, int]] = {}  # DELTA: (characters, tokens) of a choice sent
+        self._prompt_sent: set[str] = set()  # DELTA: the requests whose prompt logprobs went out
+        self._released: list[Update] = []  # (a step finished by new weights or sleep, outside `step`)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         from jaxserve.llm import LLM
-        return LLM(engine_args.model, **engine_args.options).llm_engine
+        options = {name: value for name, value in vars(engine_args).items() if name != "model"}
+        return LLM(engine_args.model, **options).llm_engine
 
     def get_tokenizer(self):
         return self._llm.get_tokenizer()
@@ -43,62 +51,91 @@ class LLMEngine:
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
                     priority: int = 0) -> None:
         """Queue a prompt (as `LLM.generate` takes one) under the caller's `request_id`; ValueError for
-        an id in use or a prompt the engine refuses. `arrival_time` is accepted for vLLM's signature."""
+        an id in use or a prompt the engine refuses. `arrival_time` is taken for vLLM's signature (the
+        request's figures start when it is added)."""
+        llm = self._llm
+        llm.check_generates()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise ValueError("LLMEngine.add_request takes SamplingParams (embeddings: LLM.embed)")
-        llm = self._llm
-        llm.check_awake()
+        check_lora_request(lora_request)
         text, ids = tokenize_prompt(prompt, llm.tokenizer)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         replica = llm._router.choose(ids, salt, [len(e.scheduler.seqs) for e in llm.engines])
         seq = llm.engines[replica].add_request(request_id, ids, params, priority=priority, cache_salt=salt,
                                                lora_request=lora_request)
         self._requests[request_id] = OutputCollector(request_id, text, seq.prompt_token_ids, params, lora_request)
-        self._sent[request_id] = [(0, 0)] * params.n
         self._timers[request_id] = llm._request_metrics.timer(params.n, params.max_tokens)
 
     def step(self) -> list[RequestOutput]:
-        """One step of each replica with requests -> the outputs of the requests it moved."""
-        moved: dict[str, None] = {}
+        """One step of each replica with requests -> the outputs of the requests it moved. Where a step
+        fails, its requests end (StepFailed, raised after the other replicas' steps)."""
+        updates, self._released, failed = self._released, [], None
         for engine in self._llm.engines:
-            if engine.has_unfinished():
-                for update in engine.step():
-                    if (collector := self._requests.get(update.request_id)) is not None:  # (else aborted)
-                        collector.add(update)
-                        self._timers[update.request_id].observe(update)
-                        moved[update.request_id] = None
-        return [out for request_id in moved if (out := self._output(request_id)) is not None]
+            try:
+                if engine.has_unfinished():
+                    updates += engine.step()
+            except StepFailed as e:
+                failed = e
+                self.failed(e)
+        outputs = self._outputs(updates)
+        if failed is not None:
+            raise failed
+        return outputs
 
-    def _output(self, request_id: str) -> RequestOutput | None:
-        collector = self._requests[request_id]
-        kind = collector.params.output_kind
-        if any(c.last is None for c in collector.choices) or (kind == RequestOutputKind.FINAL_ONLY
-                                                              and not collector.finished):
-            return None  # (a choice not forked yet; or not finished)
-        out = collector.output(self._llm.tokenizer)
-        if kind == RequestOutputKind.DELTA:
-            out = self._delta(request_id, out)
-        if collector.finished:
-            self._forget(request_id)
-        return out
+    def failed(self, e: StepFailed) -> None:
+        """A step failed: its requests have ended."""
+        for request_id in e.request_ids:
+            if request_id in self._requests:
+                self._forget(request_id)
 
-    def _forget(self, request_id: str) -> None:
-        del self._requests[request_id], self._sent[request_id]
-        self._timers.pop(request_id).close()
+    def take(self, updates: list[Update]) -> None:
+        """Updates released outside `step` (new weights or sleep finish the step in flight first): the
+        next `step` returns their outputs."""
+        self._released += updates
+
+    def _outputs(self, updates: list[Update]) -> list[RequestOutput]:
+        moved: dict[str, dict[int, None]] = {}
+        for update in updates:
+            if (collector := self._requests.get(update.request_id)) is not None:  # (else aborted)
+                collector.add(update)
+                self._timers[update.request_id].observe(update)
+                moved.setdefault(update.request_id, {})[update.index] = None
+        outputs = []
+        for request_id, indices in moved.items():
+            collector = self._requests[request_id]
+            kind = collector.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY:
+                outputs += [collector.output(self._llm.tokenizer)] if collector.finished else []
+            else:
+                outputs += [self._delta(request_id, collector.output(self._llm.tokenizer, [i]))
+                            if kind == RequestOutputKind.DELTA else collector.output(self._llm.tokenizer, [i])
+                            for i in indices]
+            if collector.finished:
+                self._forget(request_id)
+        return outputs
 
     def _delta(self, request_id: str, out: RequestOutput) -> RequestOutput:
-        sent = self._sent[request_id]
-        self._sent[request_id] = [(len(c.text), len(c.token_ids)) for c in out.outputs]
-        outputs = [dataclasses.replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-                                       logprobs=None if c.logprobs is None else c.logprobs[tokens:],
-                                       entropies=None if c.entropies is None else c.entropies[tokens:])
-                   for c, (chars, tokens) in zip(out.outputs, sent)]
-        first = all(tokens == 0 for _, tokens in sent)
-        return dataclasses.replace(out, outputs=outputs, prompt_logprobs=out.prompt_logprobs if first else None)
+        """A choice's output as what is new since its last (the prompt's logprobs in the first alone)."""
+        (c,) = out.outputs
+        chars, tokens = self._sent.get((request_id, c.index), (0, 0))
+        self._sent[request_id, c.index] = len(c.text), len(c.token_ids)
+        new = dataclasses.replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
+                                  logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+                                  entropies=None if c.entropies is None else c.entropies[tokens:])
+        first = request_id not in self._prompt_sent
+        self._prompt_sent.add(request_id)
+        return dataclasses.replace(out, outputs=[new], prompt_logprobs=out.prompt_logprobs if first else None)
+
+    def _forget(self, request_id: str) -> None:
+        del self._requests[request_id]
+        self._timers.pop(request_id).close()
+        self._prompt_sent.discard(request_id)
+        for key in [key for key in self._sent if key[0] == request_id]:
+            del self._sent[key]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -113,3 +150,8 @@ class LLMEngine:
                 self._forget(request_id)
                 for engine in self._llm.engines:
                     engine.abort(request_id)
+
+
+def check_lora_request(lora: object) -> None:
+    if lora is not None and not isinstance(lora, LoRARequest):
+        raise ValueError(f"lora_request takes jaxserve.LoRARequest (or None), got {type(lora).__name__}")

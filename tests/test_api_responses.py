@@ -194,3 +194,34 @@ def test_background_responses_run_on_their_own_and_are_cancelled(served, client)
     assert not_bool.status_code == 400 and not_bool.json()["error"]["param"] == "background"
     not_streamed = httpx.get(f"{served[0].url}/v1/responses/{whole.id}?stream=true", timeout=30)
     assert not_streamed.status_code == 400 and not_streamed.json()["error"]["param"] == "stream"
+    for after in ("-5", "x"):
+        wrong = httpx.get(f"{served[0].url}/v1/responses/{long.id}?stream=true&starting_after={after}", timeout=30)
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "starting_after"
+
+
+def test_the_store_keeps_background_responses_while_they_run():
+    """A full store drops its least recently used responses, but not a background one still running
+    (its answer would be lost, and it could not be cancelled), nor the one just stored."""
+    from types import SimpleNamespace
+
+    from api.errors import APIError
+    from api.response_objects import ResponseObject
+    from api.response_store import ResponseStore
+
+    def response(response_id: str) -> ResponseObject:
+        return ResponseObject(id=response_id, created_at=0, model=MODEL, temperature=1.0, text={}, tool_choice="auto",
+                              tools=[], top_p=1.0, metadata={})
+
+    store, run = ResponseStore(1), SimpleNamespace(done=False)
+    store.put(response("running"), [], 0, run)
+    store.put(response("b"), [], 0)
+    assert store.get("running").run is run and store.get("b")  # (over capacity while one runs)
+    store.put(response("c"), [], 0)
+    with pytest.raises(APIError, match="not found"):
+        store.get("b")
+    run.done = True
+    store.put(response("d"), [], 0)
+    assert [store.get("d").response.id] == ["d"]
+    for gone in ("running", "c"):
+        with pytest.raises(APIError, match="not found"):
+            store.get(gone)

@@ -548,8 +548,44 @@ def test_llm_engine_steps_requests_as_vllms(default_llm):
         engine.add_request("x", "hello", None)
     assert default_llm.generate("hello", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids == \
         whole.token_ids  # (generate runs again once the engine's requests are done)
-    built = LLMEngine.from_engine_args(EngineArgs("jaxserve-tiny", **SMALL_ENGINE))  # (vLLM's other way in)
+    args = EngineArgs("jaxserve-tiny", **SMALL_ENGINE)
+    args.max_num_seqs = 4  # (set afterwards: taken too)
+    built = LLMEngine.from_engine_args(args)  # (vLLM's other way in)
+    assert built._llm.engine.config.max_num_seqs == 4
     built.add_request("0", {"prompt_token_ids": whole.token_ids}, SamplingParams(max_tokens=2))
     while built.has_unfinished_requests():
         outs = built.step()
     assert outs[0].finished and len(outs[0].outputs[0].token_ids) == 2 and built.get_tokenizer() is not None
+
+
+def test_llm_engine_choices_new_weights_and_failed_steps(default_llm, monkeypatch):
+    """llm_engine with n > 1: as vLLM's, a DELTA or CUMULATIVE output per choice that moved, its
+    `outputs` that choice alone (the prompt's logprobs in the first); new weights between two steps
+    keep what the step in flight released for the next; a failed step ends its requests."""
+    from jaxserve.errors import StepFailed
+
+    engine = default_llm.llm_engine
+    greedy = dict(max_tokens=4, temperature=0.0, ignore_eos=True)
+    whole = default_llm.generate("hello", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    engine.add_request("n", "hello", SamplingParams(**greedy, n=2, logprobs=1, prompt_logprobs=1,
+                                                     output_kind=RequestOutputKind.DELTA))
+    outs = []
+    for k in range(20):
+        if k == 2:  # (the rollout engine's weights, the same ones, pushed between two steps)
+            default_llm.update_weights(default_llm.get_weights())
+        outs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert all(len(o.outputs) == 1 for o in outs) and outs[-1].finished
+    for index in (0, 1):
+        assert [t for o in outs if o.outputs[0].index == index for t in o.outputs[0].token_ids] == whole.token_ids
+    assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (len(outs) - 1)
+    engine.add_request("fails", "hello", SamplingParams(max_tokens=8))
+    monkeypatch.setattr(default_llm.engine.runner, "launch", lambda *step: (_ for _ in ()).throw(RuntimeError("x")))
+    with pytest.raises(StepFailed):
+        while True:
+            engine.step()
+    assert not engine.has_unfinished_requests()  # (ended: a loop on it stops)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="LoRARequest"):
+        engine.add_request("lora", "hello", SamplingParams(), lora_request="adapter")

@@ -165,17 +165,21 @@ class _Choice:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
     entropies: list[float] = dataclasses.field(default_factory=list)
+    entries: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)  # the logprobs built so far
     last: Update | None = None
 
 
 class OutputCollector:
-    """A request's updates joined into its `RequestOutput` (the offline `LLM`'s; the API streams them)."""
+    """A request's updates joined into its `RequestOutput` (the offline `LLM`'s; the API streams them).
+    `LLM.llm_engine` asks for an output at every step while the updates go on coming: an output's
+    lists are copies, and each token's logprobs are built once."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                  lora_request: LoRARequest | None = None):
         self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, prompt_token_ids, params
         self.lora_request = lora_request
         self.choices = [_Choice() for _ in range(params.n)]
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def add(self, update: Update) -> None:
         choice = self.choices[update.index]
@@ -189,23 +193,28 @@ class OutputCollector:
     def finished(self) -> bool:
         return all(c.last is not None and c.last.finished for c in self.choices)
 
-    def output(self, tokenizer: Tokenizer | None) -> RequestOutput:
-        params, detokenize = self.params, self.params.detokenize
-        outputs = [CompletionOutput(index=i, text=c.text, token_ids=list(c.token_ids),  # (copies: it goes on)
-                                    cumulative_logprob=None if params.logprobs is None else c.last.cumulative_logprob,
-                                    finish_reason=c.last.finish_reason, stop_reason=c.last.stop_reason,
-                                    logprobs=None if params.logprobs is None else
-                                    logprob_entries(tokenizer, c.token_ids, c.logprobs, detokenize),
-                                    entropies=list(c.entropies) if params.return_entropy else None,
-                                    weight_version=c.last.weight_version, lora_request=self.lora_request,
-                                    hidden_states=c.last.hidden_states)
-                   for i, c in enumerate(self.choices)]
-        first = self.choices[0].last
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None:
-            prompt_logprobs = [None, *logprob_entries(tokenizer, self.prompt_token_ids[1:], first.prompt_logprobs,
-                                                      detokenize)]
+    def completion(self, i: int, tokenizer: Tokenizer | None) -> CompletionOutput:
+        """Choice i as it stands (it has had an update)."""
+        params, c = self.params, self.choices[i]
+        if params.logprobs is not None:
+            built = len(c.entries)
+            c.entries += logprob_entries(tokenizer, c.token_ids[built:], c.logprobs[built:], params.detokenize)
+        return CompletionOutput(index=i, text=c.text, token_ids=list(c.token_ids),
+                                cumulative_logprob=None if params.logprobs is None else c.last.cumulative_logprob,
+                                finish_reason=c.last.finish_reason, stop_reason=c.last.stop_reason,
+                                logprobs=None if params.logprobs is None else list(c.entries),
+                                entropies=list(c.entropies) if params.return_entropy else None,
+                                weight_version=c.last.weight_version, lora_request=self.lora_request,
+                                hidden_states=c.last.hidden_states)
+
+    def output(self, tokenizer: Tokenizer | None, indices: list[int] | None = None) -> RequestOutput:
+        """The request's output: every choice, or those of `indices`."""
+        outputs = [self.completion(i, tokenizer) for i in (range(len(self.choices)) if indices is None else indices)]
+        first = next(c.last for c in self.choices if c.last is not None)
+        if self.params.prompt_logprobs is not None and self._prompt_logprobs is None:
+            self._prompt_logprobs = [None, *logprob_entries(tokenizer, self.prompt_token_ids[1:], first.prompt_logprobs,
+                                                            self.params.detokenize)]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              outputs=outputs, finished=self.finished, num_cached_tokens=first.num_cached_tokens,
-                             prompt_logprobs=prompt_logprobs, lora_request=self.lora_request,
+                             prompt_logprobs=self._prompt_logprobs, lora_request=self.lora_request,
                              weight_version=max(c.weight_version for c in outputs))
