@@ -583,7 +583,7 @@ def test_llm_engine_choices_new_weights_and_failed_steps(default_llm, monkeypatc
     engine.add_request("fails", "hello", SamplingParams(max_tokens=8))
     monkeypatch.setattr(default_llm.engine.runner, "launch", lambda *step: (_ for _ in ()).throw(RuntimeError("x")))
     with pytest.raises(StepFailed):
-        while True:
+        for _ in range(3):
             engine.step()
     assert not engine.has_unfinished_requests()  # (ended: a loop on it stops)
     monkeypatch.undo()
