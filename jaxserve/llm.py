@@ -11,17 +11,14 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
-from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.fields import fields
 from jaxserve.config.lora import LoRARequest
-from jaxserve.config.profiler import profiler_config_from_env
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
-from jaxserve.engine.build import build_engines
 from jaxserve.engine.chat_template import template_message
 from jaxserve.engine.core import Engine, next_weight_version
 from jaxserve.engine.figures import Metric, reader_metrics
@@ -29,10 +26,9 @@ from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.profiling import Profiler
-from jaxserve.engine.replicas import Router
-from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer, reader_request_metrics
+from jaxserve.engine.request_metrics import RequestTimer, reader_request_metrics
 from jaxserve.errors import StepFailed
-from jaxserve.llm_engine import LLMEngine, check_lora_request
+from jaxserve.llm_engine import LLMEngine, check_lora_request, engine_config
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
@@ -60,38 +56,10 @@ class LLM:
         `block_size` is `page_size`, `gpu_memory_utilization` is `kv_cache_memory_fraction`), and
         vLLM's other engine options where they change nothing here (`config.vllm.VLLM_OPTIONS`; refused
         where they would)."""
-        options.setdefault("profiler_config", profiler_config_from_env())
-        config = EngineConfig.from_options(model=model, **options)
-        if jax.process_count() > 1:
-            raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
-        if config.data_parallel_backend != "thread":
-            raise ValueError("the offline LLM runs its data-parallel replicas in threads (data_parallel_backend="
-                             "'thread'); replicas on Ray serve through run_server.py")
-        self.engines, self.tokenizer = build_engines(config)
-        self.engine = self.engines[0]  # (what the replicas share: the model, the configuration)
-        self._router = Router.for_config(len(self.engines), self.engine.config)
+        self.llm_engine = LLMEngine(engine_config(model, **options))  # (vLLM's: the engine it runs)
+        self.engines, self.tokenizer, self.engine = self.llm_engine.engines, self.llm_engine.tokenizer, \
+            self.llm_engine.engine
         self._request_ids = itertools.count()
-        self._llm_engine: LLMEngine | None = None
-        self._registry = CollectorRegistry()
-        self._request_metrics = RequestMetrics(self._registry, config.model or DEFAULT_MODEL_NAME, config.max_model_len)
-
-    @property
-    def llm_engine(self) -> LLMEngine:
-        """vLLM's: the engine driven a step at a time (`add_request`, `step`, `has_unfinished_requests`,
-        `abort_request`; jaxserve.llm_engine)."""
-        if self._llm_engine is None:
-            self._llm_engine = LLMEngine(self)
-        return self._llm_engine
-
-    def check_generates(self) -> None:
-        """ValueError for an embedding model; RuntimeError while asleep."""
-        if self.engine.config.runner == "pooling":
-            raise ValueError("this LLM runs an embedding model (runner=\"pooling\"): use LLM.embed")
-        self._check_awake()
-
-    def _check_awake(self) -> None:
-        if self.is_sleeping():
-            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
@@ -100,7 +68,8 @@ class LLM:
 
     def generate(self, prompts: PromptType | list[PromptType],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 use_tqdm: bool | Callable[..., tqdm] = True, *,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those;
         a dict may hold a `cache_salt` (vLLM's: only prompts with the same salt share prefix-cache pages).
@@ -109,14 +78,14 @@ class LLM:
         `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
         vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
         None) per prompt; the LLM must be made with `enable_lora=True`."""
-        self.check_generates()
+        self.llm_engine.check_generates()
         return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
                               priority=priority)
 
     def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm, *, lora_request=None,
                   priority: list[int] | None = None) -> list[RequestOutput]:
-        self._check_awake()
-        if self._llm_engine is not None and self._llm_engine.has_unfinished_requests():
+        self.llm_engine.check_awake()
+        if self.llm_engine.has_unfinished_requests():
             raise RuntimeError("requests added through llm_engine are unfinished: step them to the end (or abort "
                                "them) before generate")
         params = sampling_params if isinstance(sampling_params, list) else \
@@ -139,13 +108,13 @@ class LLM:
             for prompt, p, rank, lora in zip(prompts, params, priority, loras):
                 text, ids = tokenize_prompt(prompt, self.tokenizer)
                 salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                replica = self._router.choose(ids, salt, loads)
+                replica = self.llm_engine.router.choose(ids, salt, loads)
                 loads[replica] += 1
                 seq = self.engines[replica].add_request(str(next(self._request_ids)), ids, p, priority=rank,
                                                         cache_salt=salt, lora_request=lora)
                 added.append((self.engines[replica], seq.request_id))
                 collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p, lora)
-                timers[seq.request_id] = self._request_metrics.timer(p.n, p.max_tokens)
+                timers[seq.request_id] = self.llm_engine.request_metrics.timer(p.n, p.max_tokens)
             with progress_bar(use_tqdm, total=len(collectors), desc="generating") as bar:
                 _run([e for e in self.engines if e.has_unfinished()], collectors, timers, bar)
         except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
@@ -159,7 +128,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
              chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
@@ -197,9 +167,7 @@ class LLM:
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model; ValueError without one (skip_tokenizer_init), as vLLM's."""
-        if self.tokenizer is None:
-            raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
-        return self.tokenizer.hf
+        return self.llm_engine.get_tokenizer()
 
     def get_metrics(self) -> list[Metric]:
         """vLLM's: the engine's figures (tokens, preemptions, the prefix cache, the KV cache's use, drafts
@@ -208,7 +176,7 @@ class LLM:
         then the requests' (time to first token, latencies, lengths, outcomes: `generate`'s and `chat`'s)."""
         config = self.engine.config
         return [*reader_metrics([engine.stats for engine in self.engines], config, config.model or DEFAULT_MODEL_NAME),
-                *reader_request_metrics(self._registry)]
+                *reader_request_metrics(self.llm_engine.registry)]
 
     def start_profile(self) -> None:
         """vLLM's: start a trace of this process (its threads and devices) by JAX's profiler, into the
@@ -289,11 +257,9 @@ class LLM:
             try:
                 released = act(i, engine)
             except StepFailed as e:
-                if self._llm_engine is not None:
-                    self._llm_engine.failed(e)
+                self.llm_engine.failed(e)
                 raise
-            if self._llm_engine is not None:
-                self._llm_engine.take(released)
+            self.llm_engine.take(released)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing."""
@@ -301,7 +267,7 @@ class LLM:
             engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
-        return any(engine.is_sleeping for engine in self.engines)
+        return self.llm_engine.is_sleeping()
 
     encode, score, classify, reward = map(_unsupported, ("encode", "score", "classify", "reward"))
 

@@ -1,15 +1,25 @@
-"""vLLM's `LLMEngine` (`LLM.llm_engine`): requests added one at a time and stepped by the caller, each
-step returning the `RequestOutput`s of the requests it moved, as each request's `output_kind` asks."""
+"""vLLM's `LLMEngine` (`LLM.llm_engine`): the offline engines (one per data-parallel replica), their
+tokenizer and request figures, under which `LLM` runs; requests added one at a time and stepped by the
+caller, each step returning the `RequestOutput`s of the requests it moved, as each request's
+`output_kind` asks."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
 
+import jax
+from prometheus_client import CollectorRegistry
+
+from checkpoints import DEFAULT_MODEL_NAME
+from jaxserve.config.engine import EngineConfig
 from jaxserve.config.lora import LoRARequest
+from jaxserve.config.profiler import profiler_config_from_env
+from jaxserve.engine.build import build_engines
 from jaxserve.engine.inputs import PromptType, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
-from jaxserve.engine.request_metrics import RequestTimer
+from jaxserve.engine.replicas import Router
+from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer
 from jaxserve.errors import StepFailed
 from jaxserve.sample.params import RequestOutputKind, SamplingParams
 
@@ -30,8 +40,17 @@ class LLMEngine:
     the first two give one output per choice that moved (its `outputs` that choice alone), the last
     one output of every choice."""
 
-    def __init__(self, llm):
-        self._llm = llm
+    def __init__(self, config: EngineConfig):
+        if jax.process_count() > 1:
+            raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
+        if config.data_parallel_backend != "thread":
+            raise ValueError("the offline LLM runs its data-parallel replicas in threads (data_parallel_backend="
+                             "'thread'); replicas on Ray serve through run_server.py")
+        self.engines, self.tokenizer = build_engines(config)
+        self.engine = self.engines[0]  # (what the replicas share: the model, the configuration)
+        self.router = Router.for_config(len(self.engines), self.engine.config)
+        self.registry = CollectorRegistry()
+        self.request_metrics = RequestMetrics(self.registry, config.model or DEFAULT_MODEL_NAME, config.max_model_len)
         self._requests: dict[str, OutputCollector] = {}
         self._timers: dict[str, RequestTimer] = {}  # (`LLM.get_metrics`' request figures)
         self._sent: dict[tuple[str, int], tuple[int, int]] = {}  # DELTA: (characters, tokens) of a choice sent
@@ -40,12 +59,27 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        from jaxserve.llm import LLM
         options = {name: value for name, value in vars(engine_args).items() if name != "model"}
-        return LLM(engine_args.model, **options).llm_engine
+        return cls(engine_config(engine_args.model, **options))
 
     def get_tokenizer(self):
-        return self._llm.get_tokenizer()
+        """The Hugging Face tokenizer of the model; ValueError without one (skip_tokenizer_init), as vLLM's."""
+        if self.tokenizer is None:
+            raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
+        return self.tokenizer.hf
+
+    def is_sleeping(self) -> bool:
+        return any(engine.is_sleeping for engine in self.engines)
+
+    def check_generates(self) -> None:
+        """ValueError for an embedding model; RuntimeError while asleep."""
+        if self.engine.config.runner == "pooling":
+            raise ValueError("this LLM runs an embedding model (runner=\"pooling\"): use LLM.embed")
+        self.check_awake()
+
+    def check_awake(self) -> None:
+        if self.is_sleeping():
+            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
@@ -53,8 +87,7 @@ class LLMEngine:
         """Queue a prompt (as `LLM.generate` takes one) under the caller's `request_id`; ValueError for
         an id in use or a prompt the engine refuses. `arrival_time` is taken for vLLM's signature (the
         request's figures start when it is added)."""
-        llm = self._llm
-        llm.check_generates()
+        self.check_generates()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
@@ -62,19 +95,19 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError("LLMEngine.add_request takes SamplingParams (embeddings: LLM.embed)")
         check_lora_request(lora_request)
-        text, ids = tokenize_prompt(prompt, llm.tokenizer)
+        text, ids = tokenize_prompt(prompt, self.tokenizer)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        replica = llm._router.choose(ids, salt, [len(e.scheduler.seqs) for e in llm.engines])
-        seq = llm.engines[replica].add_request(request_id, ids, params, priority=priority, cache_salt=salt,
-                                               lora_request=lora_request)
+        replica = self.router.choose(ids, salt, [len(e.scheduler.seqs) for e in self.engines])
+        seq = self.engines[replica].add_request(request_id, ids, params, priority=priority, cache_salt=salt,
+                                                lora_request=lora_request)
         self._requests[request_id] = OutputCollector(request_id, text, seq.prompt_token_ids, params, lora_request)
-        self._timers[request_id] = llm._request_metrics.timer(params.n, params.max_tokens)
+        self._timers[request_id] = self.request_metrics.timer(params.n, params.max_tokens)
 
     def step(self) -> list[RequestOutput]:
         """One step of each replica with requests -> the outputs of the requests it moved. Where a step
         fails, its requests end (StepFailed, raised after the other replicas' steps)."""
         updates, self._released, failed = self._released, [], None
-        for engine in self._llm.engines:
+        for engine in self.engines:
             try:
                 if engine.has_unfinished():
                     updates += engine.step()
@@ -109,10 +142,10 @@ class LLMEngine:
             collector = self._requests[request_id]
             kind = collector.params.output_kind
             if kind == RequestOutputKind.FINAL_ONLY:
-                outputs += [collector.output(self._llm.tokenizer)] if collector.finished else []
+                outputs += [collector.output(self.tokenizer)] if collector.finished else []
             else:
-                outputs += [self._delta(request_id, collector.output(self._llm.tokenizer, [i]))
-                            if kind == RequestOutputKind.DELTA else collector.output(self._llm.tokenizer, [i])
+                outputs += [self._delta(request_id, collector.output(self.tokenizer, [i]))
+                            if kind == RequestOutputKind.DELTA else collector.output(self.tokenizer, [i])
                             for i in indices]
             if collector.finished:
                 self._forget(request_id)
@@ -148,8 +181,15 @@ class LLMEngine:
         for request_id in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             if request_id in self._requests:
                 self._forget(request_id)
-                for engine in self._llm.engines:
+                for engine in self.engines:
                     engine.abort(request_id)
+
+
+def engine_config(model: str | None = None, **options) -> EngineConfig:
+    """The configuration of `LLM(model, **options)` (`EngineConfig`'s fields under their names or
+    vLLM's, vLLM's other options, `profiler_config` from VLLM_TORCH_PROFILER_DIR where not given)."""
+    options.setdefault("profiler_config", profiler_config_from_env())
+    return EngineConfig.from_options(model=model, **options)
 
 
 def check_lora_request(lora: object) -> None:

@@ -551,7 +551,7 @@ def test_llm_engine_steps_requests_as_vllms(default_llm):
     args = EngineArgs("jaxserve-tiny", **SMALL_ENGINE)
     args.max_num_seqs = 4  # (set afterwards: taken too)
     built = LLMEngine.from_engine_args(args)  # (vLLM's other way in)
-    assert built._llm.engine.config.max_num_seqs == 4
+    assert built.engine.config.max_num_seqs == 4
     built.add_request("0", {"prompt_token_ids": whole.token_ids}, SamplingParams(max_tokens=2))
     while built.has_unfinished_requests():
         outs = built.step()
