@@ -5,6 +5,7 @@ caller, each step returning the `RequestOutput`s of the requests it moved, as ea
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from collections.abc import Iterable
 
@@ -12,9 +13,11 @@ import jax
 from prometheus_client import CollectorRegistry
 
 from checkpoints import DEFAULT_MODEL_NAME
+from jaxserve.config import fields
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.lora import LoRARequest
 from jaxserve.config.profiler import profiler_config_from_env
+from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.inputs import PromptType, tokenize_prompt
 from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
@@ -26,11 +29,23 @@ from jaxserve.sample.params import RequestOutputKind, SamplingParams
 
 class EngineArgs:
     """vLLM's: the engine's options for `LLMEngine.from_engine_args`, as `LLM(model, **options)` takes
-    them (attributes set afterwards count too)."""
+    them (attributes set afterwards count too); or from a command line (`add_cli_args`, `from_cli_args`)."""
 
     def __init__(self, model: str | None = None, **options):
         self.model = model
         vars(self).update(options)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """run_server.py's engine flags (EngineConfig's and vLLM's other engine options) on `parser`."""
+        fields.add_arguments(parser.add_argument_group("engine"), EngineConfig)
+        add_vllm_arguments(parser.add_argument_group("vLLM's engine options (taken where they change nothing here)"))
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = [f.name for f in fields.fields(EngineConfig) if f.metadata["setting"]["cli"]] + list(VLLM_OPTIONS)
+        return cls(**{name: value for name in names if (value := getattr(args, name, None)) is not None})
 
 
 class LLMEngine:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -548,7 +549,12 @@ def test_llm_engine_steps_requests_as_vllms(default_llm):
         engine.add_request("x", "hello", None)
     assert default_llm.generate("hello", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids == \
         whole.token_ids  # (generate runs again once the engine's requests are done)
-    args = EngineArgs("jaxserve-tiny", **SMALL_ENGINE)
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())  # (vLLM's example's command line)
+    flags = ["--model", "jaxserve-tiny", "--enforce-eager",
+             *(f"--{name.replace('_', '-')}={value}" for name, value in SMALL_ENGINE.items())]
+    args = EngineArgs.from_cli_args(parser.parse_args(flags))
+    assert (args.model, args.enforce_eager, args.max_model_len) == ("jaxserve-tiny", True,
+                                                                    SMALL_ENGINE["max_model_len"])
     args.max_num_seqs = 4  # (set afterwards: taken too)
     built = LLMEngine.from_engine_args(args)  # (vLLM's other way in)
     assert built.engine.config.max_num_seqs == 4
