@@ -57,9 +57,22 @@ class LLM:
         vLLM's other engine options where they change nothing here (`config.vllm.VLLM_OPTIONS`; refused
         where they would)."""
         self.llm_engine = LLMEngine(engine_config(model, **options))  # (vLLM's: the engine it runs)
-        self.engines, self.tokenizer, self.engine = self.llm_engine.engines, self.llm_engine.tokenizer, \
-            self.llm_engine.engine
         self._request_ids = itertools.count()
+
+    @property
+    def engines(self) -> list[Engine]:
+        """The engines (one per data-parallel replica) of `llm_engine`."""
+        return self.llm_engine.engines
+
+    @property
+    def engine(self) -> Engine:
+        """The first of them: what the replicas share (the model, the configuration)."""
+        return self.llm_engine.engine
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (jaxserve's wrapper; None with skip_tokenizer_init)."""
+        return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
