@@ -6,9 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
-import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
 from tqdm import tqdm
@@ -22,13 +20,13 @@ from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, roun
 from jaxserve.engine.chat_template import template_message
 from jaxserve.engine.core import Engine, next_weight_version
 from jaxserve.engine.figures import Metric, reader_metrics
-from jaxserve.engine.inputs import PromptType, prompt_list, tokenize_prompt
-from jaxserve.engine.outputs import OutputCollector, RequestOutput
+from jaxserve.engine.inputs import PromptType, TextPrompt, Tokenization, prompt_list, tokenize_prompt
+from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.profiling import Profiler
-from jaxserve.engine.request_metrics import RequestTimer, reader_request_metrics
+from jaxserve.engine.request_metrics import reader_request_metrics
 from jaxserve.errors import StepFailed
-from jaxserve.llm_engine import LLMEngine, check_lora_request, engine_config
+from jaxserve.llm_engine import EngineArgs, LLMEngine, check_lora_request, engine_config, progress_bar
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
@@ -56,8 +54,13 @@ class LLM:
         `block_size` is `page_size`, `gpu_memory_utilization` is `kv_cache_memory_fraction`), and
         vLLM's other engine options where they change nothing here (`config.vllm.VLLM_OPTIONS`; refused
         where they would)."""
-        self.llm_engine = LLMEngine(engine_config(model, **options))  # (vLLM's: the engine it runs)
+        extension = options.pop("worker_extension_cls", None)
+        self.llm_engine = LLMEngine(engine_config(model, **options), extension)  # (vLLM's: the engine it runs)
         self._request_ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        return cls(**vars(engine_args))
 
     @property
     def engines(self) -> list[Engine]:
@@ -74,6 +77,23 @@ class LLM:
         """The model's tokenizer (jaxserve's wrapper; None with skip_tokenizer_init)."""
         return self.llm_engine.tokenizer
 
+    def get_world_size(self, include_dp: bool = True) -> int:
+        """vLLM's: the devices the LLM runs on (tensor_parallel_size, times data_parallel_size where
+        `include_dp`)."""
+        config = self.engine.config
+        return config.tensor_parallel_size * (config.data_parallel_size if include_dp else 1)
+
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        return self.llm_engine.collective_rpc(method, timeout, args, kwargs)
+
+    collective_rpc.__doc__ = LLMEngine.collective_rpc.__doc__
+
+    def apply_model(self, func: Callable) -> list:
+        return self.llm_engine.apply_model(func)
+
+    apply_model.__doc__ = LLMEngine.apply_model.__doc__
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no SamplingParams: vLLM's defaults, with the
         sampling settings of the model's generation config (`generation_config`) over them."""
@@ -83,91 +103,88 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | Callable[..., tqdm] = True, *,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+                 priority: int | list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Prompts: a string, a list of token ids, {"prompt": str} / {"prompt_token_ids": [...]}, or a list of those;
         a dict may hold a `cache_salt` (vLLM's: only prompts with the same salt share prefix-cache pages).
-        Returns one RequestOutput per prompt, in order; `use_tqdm` shows finished requests as they come
-        (vLLM's: True, False, or the tqdm class, or a function making the bar, to show them with).
-        `priority`: one per prompt, lower first, under `scheduling_policy="priority"` (else 0s only, as
-        vLLM's). `lora_request`: the LoRA adapter (`LoRARequest`) every prompt runs with, or one (or
-        None) per prompt; the LLM must be made with `enable_lora=True`."""
-        self.llm_engine.check_generates()
-        return self._generate(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
-                              priority=priority)
+        Returns one RequestOutput per prompt, in order (after those of `enqueue` waiting, as vLLM's);
+        `use_tqdm` shows finished requests as they come (vLLM's: True, False, or the tqdm class, or a
+        function making the bar, to show them with). `priority`: one for all prompts or one per prompt,
+        lower first, under `scheduling_policy="priority"` (else 0s only, as vLLM's). `lora_request`: the
+        LoRA adapter (`LoRARequest`) every prompt runs with, or one (or None) per prompt; the LLM must
+        be made with `enable_lora=True`. `tokenization_kwargs`: how text prompts are tokenized and
+        prompts cut (`Tokenization`: add_special_tokens, truncation with max_length, truncation_side)."""
+        self.enqueue(prompts, sampling_params, lora_request, priority, use_tqdm=False,
+                     tokenization_kwargs=tokenization_kwargs)
+        return self.wait_for_completion(use_tqdm=use_tqdm)
 
-    def _generate(self, prompts: list[PromptType], sampling_params, use_tqdm, *, lora_request=None,
-                  priority: list[int] | None = None) -> list[RequestOutput]:
+    def enqueue(self, prompts: PromptType | list[PromptType],
+                sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                priority: int | list[int] | None = None, use_tqdm: bool | Callable[..., tqdm] = True,
+                tokenization_kwargs: dict | None = None) -> list[str]:
+        """vLLM's: add the prompts (as `generate` takes them) to the engine without running them ->
+        their request ids; `wait_for_completion` runs them. A prompt refused refuses the whole call."""
+        self.llm_engine.check_generates()
+        return self._enqueue(prompt_list(prompts), sampling_params, use_tqdm, lora_request=lora_request,
+                             priority=priority, tokenization_kwargs=tokenization_kwargs)
+
+    def wait_for_completion(self, output_type: type | tuple[type, ...] | None = None, *,
+                            use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """vLLM's: run the requests of `enqueue` to their end -> their outputs, in the order they were
+        added. `output_type`: what the caller expects (RequestOutput; TypeError for another)."""
+        if output_type is not None and not issubclass(RequestOutput, output_type):
+            raise TypeError(f"the outputs are RequestOutputs, not {output_type}")
+        self.llm_engine.check_awake()
+        return self.llm_engine.batch.run(use_tqdm)
+
+    def _enqueue(self, prompts: list[PromptType], sampling_params, use_tqdm, *, lora_request=None,
+                 priority: int | list[int] | None = None, tokenization_kwargs: dict | None = None,
+                 **defaults) -> list[str]:
         self.llm_engine.check_awake()
         if self.llm_engine.has_unfinished_requests():
             raise RuntimeError("requests added through llm_engine are unfinished: step them to the end (or abort "
                                "them) before generate")
-        params = sampling_params if isinstance(sampling_params, list) else \
-            [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
+        params = per_prompt(sampling_params or self.get_default_sampling_params(), prompts, "SamplingParams")
+        priority = per_prompt(priority or 0, prompts, "priorities")
+        loras = per_prompt(lora_request, prompts, "LoRA requests")
         for lora in loras:
             check_lora_request(lora)
-        collectors: dict[str, OutputCollector] = {}
-        timers: dict[str, RequestTimer] = {}
-        added: list[tuple[Engine, str]] = []
-        loads = [0] * len(self.engines)  # (the prompts of this call each replica runs)
+        tokenization = Tokenization.of(tokenization_kwargs, self.engine.config.max_model_len, **defaults)
+        batch, added = self.llm_engine.batch, []
         try:
-            for prompt, p, rank, lora in zip(prompts, params, priority, loras):
-                text, ids = tokenize_prompt(prompt, self.tokenizer)
-                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-                replica = self.llm_engine.router.choose(ids, salt, loads)
-                loads[replica] += 1
-                seq = self.engines[replica].add_request(str(next(self._request_ids)), ids, p, priority=rank,
-                                                        cache_salt=salt, lora_request=lora)
-                added.append((self.engines[replica], seq.request_id))
-                collectors[seq.request_id] = OutputCollector(seq.request_id, text, seq.prompt_token_ids, p, lora)
-                timers[seq.request_id] = self.llm_engine.request_metrics.timer(p.n, p.max_tokens)
-            with progress_bar(use_tqdm, total=len(collectors), desc="generating") as bar:
-                _run([e for e in self.engines if e.has_unfinished()], collectors, timers, bar)
-        except BaseException:  # (a refused prompt, a failed step, Ctrl-C): nothing of this call is left to run later
-            for engine, request_id in added:
-                engine.abort(request_id)
+            with progress_bar(use_tqdm, total=len(prompts), desc="adding requests") as bar:
+                for prompt, p, rank, lora in zip(prompts, params, priority, loras):
+                    added.append(str(next(self._request_ids)))
+                    batch.add(added[-1], prompt, p, rank, lora, tokenization)
+                    bar.update()
+        except BaseException:  # (a refused prompt, Ctrl-C): nothing of this call is left to run later
+            batch.abort([request_id for request_id in added if request_id in batch.collectors])
             raise
-        finally:
-            for timer in timers.values():
-                timer.close()
-        return [c.output(self.tokenizer) for c in collectors.values()]
+        return added
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = True, *, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None, chat_template_content_format: str = "auto",
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request=None, priority=None,
+             tokenization_kwargs: dict | None = None, **template) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of OpenAI messages) or a list of them,
         rendered with the model's chat template (or `chat_template`), as vLLM's `LLM.chat` and the
-        server render them (`template_message`: text parts joined, or kept as parts where the
-        template reads them, see `chat_template_content_format`; tool-call arguments decoded): the
-        assistant's turn opened, or the last message continued (`continue_final_message`); `tools`
-        (OpenAI function tools) and `chat_template_kwargs` are passed to the template. The reply is
-        text: tool calls in it are not parsed here. `lora_request` as for `generate`."""
-        if self.tokenizer is None:
-            raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "
-                             "runs without a tokenizer (skip_tokenizer_init=True): generate from token ids")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        content_format = self.tokenizer.content_format(chat_template, chat_template_content_format)
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                [template_message(m, f"messages[{i}]", content_format) for i, m in enumerate(conversation)],
-                tools=tools, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template,
-                template_kwargs=chat_template_kwargs)
-            # The template already holds the special tokens it wants.
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+        server render them (`render_chat`); the reply is text: tool calls in it are not parsed here.
+        `lora_request`, `priority` and `tokenization_kwargs` as for `generate` (the template holds the
+        special tokens it wants: add_special_tokens is False unless given)."""
+        self.enqueue_chat(messages, sampling_params, use_tqdm=False, lora_request=lora_request, priority=priority,
+                          tokenization_kwargs=tokenization_kwargs, **template)
+        return self.wait_for_completion(use_tqdm=use_tqdm)
+
+    def enqueue_chat(self, messages: list[dict] | list[list[dict]],
+                     sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                     use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request=None, priority=None,
+                     tokenization_kwargs: dict | None = None, **template) -> list[str]:
+        """vLLM's: `chat`'s conversations added as `enqueue` adds prompts -> their request ids."""
+        self.llm_engine.check_generates()
+        return self._enqueue(render_chat(self.tokenizer, messages, **template), sampling_params, use_tqdm,
+                             lora_request=lora_request, priority=priority, tokenization_kwargs=tokenization_kwargs,
+                             add_special_tokens=False)
 
     def beam_search(self, prompts: PromptType | list[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False, lora_request: LoRARequest | None = None) -> list[BeamSearchOutput]:
@@ -274,10 +291,12 @@ class LLM:
                 raise
             self.llm_engine.take(released)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing."""
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing
+        -> whether the LLM is fully awake."""
         for engine in self.engines:
             engine.wake_up(tags)
+        return not self.is_sleeping()
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
@@ -298,44 +317,40 @@ class LLM:
         for p in each:
             (p or PoolingParams()).check(self.engine.model_config.hidden_size)
         params = dataclasses.replace(pooler.params(), truncate_prompt_tokens=truncate_prompt_tokens)
-        outputs = self._generate(prompts, [params] * len(prompts), use_tqdm)
+        self._enqueue(prompts, [params] * len(prompts), False)
+        outputs = self.wait_for_completion(use_tqdm=use_tqdm)
         return [EmbeddingRequestOutput(out.request_id, EmbeddingOutput(pooler.pool(out.outputs[0].hidden_states,
                                                                                    p).tolist()), out.prompt_token_ids)
                 for out, p in zip(outputs, each)]
 
 
-def progress_bar(use_tqdm, **options) -> tqdm:
-    """vLLM's `use_tqdm`: a bool (tqdm's bar, or none), or what makes the bar (a tqdm class or function)."""
-    return use_tqdm(**options) if callable(use_tqdm) else tqdm(**options, disable=not use_tqdm)
+def per_prompt(value, prompts: list, what: str) -> list:
+    """One value for every prompt, or a list (or tuple) of one per prompt."""
+    each = list(value) if isinstance(value, (list, tuple)) else [value] * len(prompts)
+    if len(each) != len(prompts):
+        raise ValueError(f"got {len(each)} {what} for {len(prompts)} prompts")
+    return each
 
 
-def _run(engines: list[Engine], collectors: dict[str, OutputCollector], timers: dict[str, RequestTimer],
-         bar: tqdm) -> None:
-    """Step the engines until their requests finish: each data-parallel replica in a thread of its own
-    (a step waits for its devices without the GIL), one alone in this one. A failure (or Ctrl-C)
-    stops them all after their step in flight."""
-    stop = threading.Event()
-
-    def run(engine: Engine) -> None:
-        while engine.has_unfinished() and not stop.is_set():
-            for update in engine.step():
-                collectors[update.request_id].add(update)
-                timers[update.request_id].observe(update)
-            if len(engines) == 1:
-                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
-
-    if len(engines) <= 1:
-        return run(engines[0]) if engines else None
-    with ThreadPoolExecutor(len(engines), thread_name_prefix="replica") as pool:
-        running = [pool.submit(run, engine) for engine in engines]
-        try:
-            while not all(f.done() for f in running) and not any(f.done() and f.exception() for f in running):
-                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
-                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
-        finally:
-            stop.set()
-    for f in running:
-        f.result()  # (a step's exception, raised here)
+def render_chat(tokenizer, messages: list[dict] | list[list[dict]], *, chat_template: str | None = None,
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                chat_template_content_format: str = "auto") -> list[TextPrompt]:
+    """One conversation (a list of OpenAI messages) or a list of them, rendered with the model's chat
+    template (or `chat_template`) as the server renders them (`template_message`: text parts joined,
+    or kept as parts where the template reads them, see `chat_template_content_format`; tool-call
+    arguments decoded): the assistant's turn opened, or the last message continued
+    (`continue_final_message`); `tools` (OpenAI function tools) and `chat_template_kwargs` are passed
+    to the template."""
+    if tokenizer is None:
+        raise ValueError("LLM.chat renders messages with the model's tokenizer and chat template, and this LLM "
+                         "runs without a tokenizer (skip_tokenizer_init=True): generate from token ids")
+    conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+    content_format = tokenizer.content_format(chat_template, chat_template_content_format)
+    return [{"prompt": tokenizer.apply_chat_template(
+        [template_message(m, f"messages[{i}]", content_format) for i, m in enumerate(conversation)], tools=tools,
+        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+        chat_template=chat_template, template_kwargs=chat_template_kwargs)} for conversation in conversations]
 
 
 def _signature() -> inspect.Signature:
@@ -348,6 +363,7 @@ def _signature() -> inspect.Signature:
     params += [inspect.Parameter(alias, keyword, default=None) for f in fields(EngineConfig)
                for alias in f.metadata["setting"]["aliases"]]
     params += [inspect.Parameter(name, keyword, default=option.default) for name, option in VLLM_OPTIONS.items()]
+    params.append(inspect.Parameter("worker_extension_cls", keyword, default=None))
     return inspect.Signature(params)
 
 

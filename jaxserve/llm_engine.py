@@ -7,10 +7,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Iterable
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
+from flax import nnx
 from prometheus_client import CollectorRegistry
+from tqdm import tqdm
 
 from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config import fields
@@ -19,7 +25,9 @@ from jaxserve.config.lora import LoRARequest
 from jaxserve.config.profiler import profiler_config_from_env
 from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments
 from jaxserve.engine.build import build_engines
-from jaxserve.engine.inputs import PromptType, tokenize_prompt
+from jaxserve.engine.core import Engine
+from jaxserve.engine.inputs import PromptType, Tokenization, tokenize_prompt
+from jaxserve.engine.pooling import PoolingParams
 from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
 from jaxserve.engine.replicas import Router
 from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer
@@ -55,7 +63,9 @@ class LLMEngine:
     the first two give one output per choice that moved (its `outputs` that choice alone), the last
     one output of every choice."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, worker_extension_cls: str | None = None):
+        """`worker_extension_cls`: vLLM's, "module.Class" whose methods `collective_rpc` calls by name
+        on each replica's `Worker`."""
         if jax.process_count() > 1:
             raise RuntimeError("the offline LLM API runs in one process; serve a multi-host mesh with run_server.py")
         if config.data_parallel_backend != "thread":
@@ -71,11 +81,16 @@ class LLMEngine:
         self._sent: dict[tuple[str, int], tuple[int, int]] = {}  # DELTA: (characters, tokens) of a choice sent
         self._prompt_sent: set[str] = set()  # DELTA: the requests whose prompt logprobs went out
         self._released: list[Update] = []  # (a step finished by new weights or sleep, outside `step`)
+        self.batch = Batch(self)  # (`LLM.generate`'s and `LLM.enqueue`'s requests)
+        worker = Worker if worker_extension_cls is None else type("Worker", (load_class(worker_extension_cls),
+                                                                            Worker), {})
+        self.workers = [worker(engine) for engine in self.engines]
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
         options = {name: value for name, value in vars(engine_args).items() if name != "model"}
-        return cls(engine_config(engine_args.model, **options))
+        extension = options.pop("worker_extension_cls", None)
+        return cls(engine_config(engine_args.model, **options), extension)
 
     def get_tokenizer(self):
         """The Hugging Face tokenizer of the model; ValueError without one (skip_tokenizer_init), as vLLM's."""
@@ -98,29 +113,47 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    tokenization_kwargs: dict | None = None, trace_headers: dict | None = None,
                     priority: int = 0) -> None:
-        """Queue a prompt (as `LLM.generate` takes one) under the caller's `request_id`; ValueError for
-        an id in use or a prompt the engine refuses. `arrival_time` is taken for vLLM's signature (the
-        request's figures start when it is added)."""
+        """Queue a prompt (as `LLM.generate` takes one, tokenized as `tokenization_kwargs` say) under
+        the caller's `request_id`; ValueError for an id in use or a prompt the engine refuses.
+        `arrival_time` is taken for vLLM's signature (the request's figures start when it is added)."""
         self.check_generates()
+        self.check_no_batch()
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already running")
         if not isinstance(params, SamplingParams):
             raise ValueError("LLMEngine.add_request takes SamplingParams (embeddings: LLM.embed)")
+        if trace_headers:
+            raise ValueError("trace_headers: jaxserve exports no OpenTelemetry traces")
         check_lora_request(lora_request)
-        text, ids = tokenize_prompt(prompt, self.tokenizer)
+        tokenization = Tokenization.of(tokenization_kwargs, self.engine.config.max_model_len)
+        loads = [len(e.scheduler.seqs) for e in self.engines]
+        _, self._requests[request_id], self._timers[request_id] = self.admit(request_id, prompt, params, priority,
+                                                                             lora_request, tokenization, loads)
+
+    def admit(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int,
+              lora: LoRARequest | None, tokenization: Tokenization,
+              loads: list[int]) -> tuple[Engine, OutputCollector, RequestTimer]:
+        """Add a request to the replica the router picks (`loads`: each one's requests) -> that replica,
+        the request's collector and its timer."""
+        text, ids = tokenize_prompt(prompt, self.tokenizer, tokenization)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        replica = self.router.choose(ids, salt, [len(e.scheduler.seqs) for e in self.engines])
-        seq = self.engines[replica].add_request(request_id, ids, params, priority=priority, cache_salt=salt,
-                                                lora_request=lora_request)
-        self._requests[request_id] = OutputCollector(request_id, text, seq.prompt_token_ids, params, lora_request)
-        self._timers[request_id] = self.request_metrics.timer(params.n, params.max_tokens)
+        engine = self.engines[self.router.choose(ids, salt, loads)]
+        seq = engine.add_request(request_id, ids, params, priority=priority, cache_salt=salt, lora_request=lora)
+        return (engine, OutputCollector(request_id, text, seq.prompt_token_ids, params, lora),
+                self.request_metrics.timer(params.n, params.max_tokens))
+
+    def check_no_batch(self) -> None:
+        if self.batch.collectors:
+            raise RuntimeError("requests of LLM.enqueue are waiting: run them with LLM.wait_for_completion first")
 
     def step(self) -> list[RequestOutput]:
         """One step of each replica with requests -> the outputs of the requests it moved. Where a step
         fails, its requests end (StepFailed, raised after the other replicas' steps)."""
+        self.check_no_batch()
         updates, self._released, failed = self._released, [], None
         for engine in self.engines:
             try:
@@ -185,6 +218,30 @@ class LLMEngine:
         for key in [key for key in self._sent if key[0] == request_id]:
             del self._sent[key]
 
+    def collective_rpc(self, method: str | Callable, timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list:
+        """vLLM's: call `method` on every replica's `Worker` at once (a thread each) -> their results, in
+        replica order: a callable (given the worker, then `args` and `kwargs`), or the name of a method
+        of `worker_extension_cls`. TimeoutError past `timeout` seconds (the calls go on)."""
+        if not callable(method):
+            if not callable(getattr(type(self.workers[0]), method, None)) or hasattr(Worker, method):
+                raise ValueError(f"collective_rpc({method!r}): no such method of worker_extension_cls (jaxserve's "
+                                 "workers have none of vLLM's; pass a callable, or a class of your own as "
+                                 "worker_extension_cls)")
+            method = getattr(type(self.workers[0]), method)
+        pool = ThreadPoolExecutor(len(self.workers), thread_name_prefix="collective-rpc")
+        try:
+            calls = [pool.submit(method, worker, *args, **(kwargs or {})) for worker in self.workers]
+            deadline = None if timeout is None else time.monotonic() + timeout
+            return [call.result(None if deadline is None else max(0.0, deadline - time.monotonic())) for call in calls]
+        finally:
+            pool.shutdown(wait=False)  # (past the timeout, the calls go on without the caller)
+
+    def apply_model(self, func: Callable) -> list:
+        """vLLM's: `func(model)` for each replica -> the results, where `model` is the replica's Flax
+        NNX module with the weights it runs (new weights reach the engine by `update_weights`)."""
+        return self.collective_rpc(lambda worker: func(worker.model()))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -198,6 +255,112 @@ class LLMEngine:
                 self._forget(request_id)
                 for engine in self.engines:
                     engine.abort(request_id)
+
+
+class Worker:
+    """What `collective_rpc` calls, one per data-parallel replica (vLLM's worker): the replica's
+    `Engine` (its attributes read through: `self.config`, `self.runner`, ...), with the methods
+    of `worker_extension_cls` mixed in."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def model(self):
+        """The replica's model: its Flax NNX module with the weights it runs."""
+        if self.engine.is_sleeping:
+            raise RuntimeError("the LLM is asleep (its weights may be freed): call wake_up first")
+        return nnx.merge(self.engine.runner.graphdef, self.engine.runner.state)
+
+
+def load_class(qualified: str) -> type:
+    """"package.module.Class" -> the class; ValueError where it is not one."""
+    module, _, name = qualified.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_extension_cls {qualified!r} cannot be imported: {e}") from e
+    if not isinstance(found, type):
+        raise ValueError(f"worker_extension_cls must name a class as 'module.Class', got {qualified!r}")
+    return found
+
+
+class Batch:
+    """The requests of `LLM.generate` and `LLM.enqueue`: added to the replicas (each to the one the
+    router picks), then run to their end together (`run`), their outputs in the order they were added."""
+
+    def __init__(self, llm_engine: LLMEngine):
+        self.llm_engine = llm_engine
+        self.collectors: dict[str, OutputCollector] = {}
+        self.timers: dict[str, RequestTimer] = {}
+        self.replica: dict[str, Engine] = {}
+        self.loads = [0] * len(llm_engine.engines)  # (the requests of this batch each replica runs)
+
+    def add(self, request_id: str, prompt: PromptType, params: SamplingParams | PoolingParams, priority: int,
+            lora: LoRARequest | None, tokenization: Tokenization) -> None:
+        engine, self.collectors[request_id], self.timers[request_id] = self.llm_engine.admit(
+            request_id, prompt, params, priority, lora, tokenization, self.loads)
+        self.loads[self.llm_engine.engines.index(engine)] += 1
+        self.replica[request_id] = engine
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in list(request_ids):
+            self.replica.pop(request_id).abort(request_id)
+            del self.collectors[request_id]
+            self.timers.pop(request_id).close()
+
+    def run(self, use_tqdm: bool | Callable[..., tqdm]) -> list[RequestOutput]:
+        """Step the replicas until every request of the batch has finished; the batch is then empty. A
+        failure (a step's, Ctrl-C) ends all of its requests."""
+        self.llm_engine.batch = Batch(self.llm_engine)
+        try:
+            with progress_bar(use_tqdm, total=len(self.collectors), desc="generating") as bar:
+                _run([e for e in self.llm_engine.engines if e.has_unfinished()], self.collectors, self.timers, bar)
+        except BaseException:
+            for request_id, engine in self.replica.items():
+                engine.abort(request_id)
+            raise
+        finally:
+            for timer in self.timers.values():
+                timer.close()
+        return [c.output(self.llm_engine.tokenizer) for c in self.collectors.values()]
+
+
+def progress_bar(use_tqdm, **options) -> tqdm:
+    """vLLM's `use_tqdm`: a bool (tqdm's bar, or none), or what makes the bar (a tqdm class or function)."""
+    return use_tqdm(**options) if callable(use_tqdm) else tqdm(**options, disable=not use_tqdm)
+
+
+def _run(engines: list[Engine], collectors: dict[str, OutputCollector], timers: dict[str, RequestTimer],
+         bar: tqdm) -> None:
+    """Step the engines until their requests finish: each data-parallel replica in a thread of its own
+    (a step waits for its devices without the GIL), one alone in this one. A failure (or Ctrl-C)
+    stops them all after their step in flight."""
+    stop = threading.Event()
+
+    def run(engine: Engine) -> None:
+        while engine.has_unfinished() and not stop.is_set():
+            for update in engine.step():
+                collectors[update.request_id].add(update)
+                timers[update.request_id].observe(update)
+            if len(engines) == 1:
+                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+
+    if len(engines) <= 1:
+        return run(engines[0]) if engines else None
+    with ThreadPoolExecutor(len(engines), thread_name_prefix="replica") as pool:
+        running = [pool.submit(run, engine) for engine in engines]
+        try:
+            while not all(f.done() for f in running) and not any(f.done() and f.exception() for f in running):
+                wait(running, timeout=0.2, return_when=FIRST_EXCEPTION)
+                bar.update(sum(c.finished for c in collectors.values()) - bar.n)
+        finally:
+            stop.set()
+    for f in running:
+        f.result()  # (a step's exception, raised here)
+
 
 
 def engine_config(model: str | None = None, **options) -> EngineConfig:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -15,8 +16,8 @@ from conftest import SMALL_ENGINE, needs_cpu_backend
 from tqdm import tqdm
 
 from checkpoints.default_model import write_byte_tokenizer
-from jaxserve import (LLM, EngineArgs, LLMEngine, Logprob, LoRARequest, RequestOutputKind, SamplingParams, TextPrompt,
-                      TokensPrompt)
+from jaxserve import (LLM, EngineArgs, LLMEngine, Logprob, LoRARequest, RequestOutput, RequestOutputKind,
+                      SamplingParams, TextPrompt, TokensPrompt)
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.chat_template import loops_over_content
 from jaxserve.engine.commands import Abort, Add, Subscriber
@@ -595,3 +596,62 @@ def test_llm_engine_choices_new_weights_and_failed_steps(default_llm, monkeypatc
     monkeypatch.undo()
     with pytest.raises(ValueError, match="LoRARequest"):
         engine.add_request("lora", "hello", SamplingParams(), lora_request="adapter")
+
+
+class RpcExtension:
+    """A `worker_extension_cls`, as an RL trainer's: its methods reach the replica and each other."""
+
+    def seed_and_double(self, x):
+        return self.config.seed, self.double(x)
+
+    def double(self, x):
+        return 2 * x
+
+
+def test_enqueue_tokenization_and_worker_calls_as_vllms(default_llm, monkeypatch):
+    """vLLM 0.32's LLM: enqueue / wait_for_completion (outputs in the order added, a refused prompt
+    refusing its call alone), tokenization_kwargs (truncation's sides, add_special_tokens; chat's
+    default off), a priority for all prompts, collective_rpc / apply_model on each replica's worker
+    (a callable, a method of worker_extension_cls), get_world_size, from_engine_args."""
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    alone = [default_llm.generate(p, greedy, use_tqdm=False)[0].outputs[0].token_ids for p in ("hi", "a b")]
+    assert all(isinstance(i, str) for i in default_llm.enqueue(["hi"], greedy, use_tqdm=False))
+    first = default_llm.enqueue(["a b"], greedy, use_tqdm=False)
+    with pytest.raises(ValueError):
+        default_llm.enqueue(["hi", 7], greedy, use_tqdm=False)  # (the first of this call is dropped too)
+    with pytest.raises(RuntimeError, match="wait_for_completion"):
+        default_llm.llm_engine.add_request("x", "hi", greedy)
+    outs = default_llm.wait_for_completion(use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone and outs[1].request_id == first[0]
+    assert default_llm.wait_for_completion(RequestOutput, use_tqdm=False) == []
+    ids = list(range(3, 11))
+    cut = {side: default_llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False, priority=0,
+                                      tokenization_kwargs={"truncation": True, "max_length": 3,
+                                                           "truncation_side": side})[0].prompt_token_ids
+           for side in ("right", "left")}
+    assert cut == {"right": ids[:3], "left": ids[-3:]}
+    flags = []
+    encode = default_llm.tokenizer.encode
+    monkeypatch.setattr(default_llm.tokenizer, "encode", lambda text, add_special_tokens=True:
+                        flags.append(add_special_tokens) or encode(text, add_special_tokens))
+    default_llm.generate("hi", greedy, use_tqdm=False, tokenization_kwargs={"add_special_tokens": False})
+    default_llm.chat([{"role": "user", "content": "hi"}], greedy, use_tqdm=False)
+    default_llm.generate("hi", greedy, use_tqdm=False)
+    assert flags == [False, False, True]
+    with pytest.raises(ValueError, match="padding"):
+        default_llm.generate("hi", tokenization_kwargs={"padding": "longest"})
+    with pytest.raises(ValueError, match="priority"):
+        default_llm.generate(["hi", "a"], greedy, use_tqdm=False, priority=1)  # (one for both; not enabled)
+    assert default_llm.collective_rpc(lambda worker, k: (type(worker).__name__, k), kwargs={"k": 1}) == \
+        [("Worker", 1)]
+    assert default_llm.apply_model(lambda model: type(model).__name__) == ["LlamaDecoder"]
+    with pytest.raises(TimeoutError):
+        default_llm.collective_rpc(lambda worker: time.sleep(2), timeout=0.05)
+    with pytest.raises(ValueError, match="worker_extension_cls"):
+        default_llm.collective_rpc("update_weights")
+    assert default_llm.get_world_size() == 1 and default_llm.wake_up() is True
+    extended = LLM.from_engine_args(EngineArgs("jaxserve-tiny", **SMALL_ENGINE, seed=5,
+                                               worker_extension_cls=f"{__name__}.RpcExtension"))
+    assert extended.collective_rpc("seed_and_double", args=(4,), timeout=60) == [(5, 8)]
+    with pytest.raises(ValueError, match="cannot be imported"):
+        LLM("jaxserve-tiny", **SMALL_ENGINE, worker_extension_cls="no_such_module.Extension")
