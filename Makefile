@@ -11,10 +11,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
-# The tests run in three processes, not one: XLA:CPU maps three memory regions for each compiled
+# The tests run in three groups, not one process: XLA:CPU maps three memory regions for each compiled
 # kernel (thousands for an engine), and the whole suite's engines and jitted helpers in one process
-# pass Linux's vm.max_map_count (65530), where loading the next executable segfaults.
+# pass Linux's vm.max_map_count (65530), where loading the next executable segfaults. Each group runs
+# on TEST_WORKERS processes (pytest-xdist), a test file to one worker (its shared server and engines
+# with it): compiling a step is mostly one thread, so two workers keep two cores busy (more than the
+# cores starve the servers the tests start).
 TEST_GROUPS := 'tests/test_[a-l]*.py' 'tests/test_[m-r]*.py' 'tests/test_[s-z]*.py'
+TEST_WORKERS ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: serve test test-all bench soak docs clean
 
@@ -34,10 +39,10 @@ serve: $(VENV)/.installed
 	$(PY) run_server.py $(ARGS)
 
 test: $(VENV)/.installed-test
-	status=0; for group in $(TEST_GROUPS); do $(PY) -m pytest -q $$group || status=1; done; exit $$status
+	status=0; for group in $(TEST_GROUPS); do $(PYTEST) $$group || status=1; done; exit $$status
 
 test-all: $(VENV)/.installed-test
-	status=0; for group in $(TEST_GROUPS); do $(PY) -m pytest -q -m '' $$group || status=1; done; exit $$status
+	status=0; for group in $(TEST_GROUPS); do $(PYTEST) -m '' $$group || status=1; done; exit $$status
 
 $(VENV)/.installed-bench: pyproject.toml | $(PY)
 	$(PY) -m pip install --quiet -e '.[bench]'

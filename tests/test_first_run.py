@@ -12,11 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from checkpoints import DEFAULT_MODEL_NAME, builtin
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # (CI runs tests/first_run.py in the base install, without torch at all: .ci/base-serve)
 def test_the_default_model_serves_with_torch_unimportable_from_an_empty_cache(tmp_path):
     fetched = builtin.fetch(DEFAULT_MODEL_NAME)
     home = tmp_path / "home"
