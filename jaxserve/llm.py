@@ -313,7 +313,7 @@ class LLM:
             raise ValueError("LLM.embed needs an embedding model: LLM(model, runner=\"pooling\") (an LLM of a base "
                              "model's checkpoint, or of one with sentence-transformers' files, is one by default)")
         prompts = prompt_list(prompts)
-        each = pooling_params if isinstance(pooling_params, list) else [pooling_params] * len(prompts)
+        each = per_prompt(pooling_params, prompts, "PoolingParams")
         for p in each:
             (p or PoolingParams()).check(self.engine.model_config.hidden_size)
         params = dataclasses.replace(pooler.params(), truncate_prompt_tokens=truncate_prompt_tokens)
