@@ -15,8 +15,8 @@ ARGS ?=
 # kernel (thousands for an engine), and the whole suite's engines and jitted helpers in one process
 # pass Linux's vm.max_map_count (65530), where loading the next executable segfaults. Each group runs
 # on TEST_WORKERS processes (pytest-xdist), a test file to one worker (its shared server and engines
-# with it): compiling a step is mostly one thread, so two workers keep two cores busy (more than the
-# cores starve the servers the tests start).
+# with it): with the executable cache warm, two workers halve the time (cold, XLA's compiles fill both
+# cores either way); more workers than cores starve the servers the tests start.
 TEST_GROUPS := 'tests/test_[a-l]*.py' 'tests/test_[m-r]*.py' 'tests/test_[s-z]*.py'
 TEST_WORKERS ?= 2
 PYTEST := $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
