@@ -26,8 +26,8 @@ from jaxserve.worker.weight_update import StagedWeights
 training = Blueprint("training", __name__)
 # the routes --api-key guards, beside /v1's
 PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
-         "/start_weight_update", "/update_weights", "/finish_weight_update", "/update_weights_from_disk",
-         "/get_weight_version", "/get_world_size")
+         "/release_kv_cache_memory", "/start_weight_update", "/update_weights", "/finish_weight_update",
+         "/update_weights_from_disk", "/get_weight_version", "/get_world_size")
 
 
 class UnboundedWeights(Request):
@@ -83,33 +83,48 @@ async def is_paused():
 @training.post("/sleep")
 @hide
 async def sleep():
-    """vLLM's: ?level=1 frees the KV cache and keeps the weights on the host; 2 frees both."""
+    """vLLM's: ?level=0 pauses (requests wait), 1 also frees the KV cache and keeps the weights on the
+    host (the default), 2 frees both; ?mode=abort (default) | wait | keep, as /pause's."""
     level = request.args.get("level", "1")
-    if level not in ("1", "2"):
-        raise APIError(f"'level' must be 1 or 2, not {level!r}", param="level")
-    await _on_every_replica("sleep", int(level))
+    if level not in ("0", "1", "2"):
+        raise APIError(f"'level' must be 0, 1 or 2, not {level!r}", param="level")
+    await _on_every_replica("sleep", int(level), request.args.get("mode", "abort"))
     return {"status": "sleeping", "level": int(level)}
+
+
+@training.post("/release_kv_cache_memory")
+@hide
+async def release_kv_cache_memory():
+    """vLLM's: after /sleep?level=0 (or /pause), free the KV cache until /wake_up?tags=kv_cache."""
+    await _on_every_replica("release_kv_cache_memory")
+    return {"status": "kv_cache_released"}
 
 
 @training.post("/wake_up")
 @hide
 async def wake_up():
-    """vLLM's: ?tags=weights&tags=kv_cache (default: both)."""
-    await _on_every_replica("wake_up", request.args.getlist("tags") or None)
-    return {"status": "awake" if not any(await _on_every_replica("is_sleeping")) else "partly awake"}
+    """vLLM's: ?tags=weights&tags=kv_cache&tags=scheduling (default: all); once all is awake, the
+    engine resumes."""
+    tags = request.args.getlist("tags") or None
+    awake = all(await _on_every_replica("wake_up", tags))
+    return {"status": "awake" if awake else "sleeping", "tags": tags}
 
 
 @training.get("/is_sleeping")
 @hide
 async def is_sleeping():
+    """vLLM's: paused (/sleep at any level, or /pause) or memory freed."""
     return {"is_sleeping": any(await _on_every_replica("is_sleeping"))}
 
 
 @training.post("/reset_prefix_cache")
 @hide
 async def reset_prefix_cache():
-    """vLLM's: forget the prefix cache's pages (false, and nothing forgotten, while requests run)."""
-    return {"success": all(await _on_every_replica("reset_prefix_cache"))}
+    """vLLM's: forget the prefix cache's pages (false, and nothing forgotten, while requests run, unless
+    ?reset_running_requests=true: they drop their KV first, to recompute it); ?reset_external=true
+    has no KV connector to reset here."""
+    flags = _flag("reset_running_requests", False), _flag("reset_external", False)
+    return {"success": all(await _on_every_replica("reset_prefix_cache", *flags))}
 
 
 @training.get("/get_weight_version")

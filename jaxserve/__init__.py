@@ -16,7 +16,7 @@ reuse_freed_memory()  # (before JAX's CPU client starts its threads)
 _EXPORTS = {
     "LLM": "jaxserve.llm",
     "LLMEngine": "jaxserve.llm_engine",
-    "EngineArgs": "jaxserve.llm_engine",
+    "EngineArgs": "jaxserve.config.engine_args",
     "Engine": "jaxserve.engine.core",
     "EngineConfig": "jaxserve.config.engine",
     "RequestOutput": "jaxserve.engine.outputs",

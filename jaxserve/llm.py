@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from checkpoints import DEFAULT_MODEL_NAME, resolve_model
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.engine_args import EngineArgs, engine_config
 from jaxserve.config.fields import fields
 from jaxserve.config.lora import LoRARequest
 from jaxserve.config.vllm import VLLM_OPTIONS
@@ -25,8 +26,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput, Pooler, PoolingParams
 from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.request_metrics import reader_request_metrics
-from jaxserve.errors import StepFailed
-from jaxserve.llm_engine import EngineArgs, LLMEngine, check_lora_request, engine_config, progress_bar
+from jaxserve.llm_engine import LLMEngine, check_lora_request, progress_bar
 from jaxserve.sample.params import SamplingParams
 from jaxserve.worker.weight_update import params_from_hf
 
@@ -223,12 +223,8 @@ class LLM:
                                "\"torch_profiler_dir\": DIR} (or set VLLM_TORCH_PROFILER_DIR)")
         return Profiler(self.engine.config.profiler)
 
-    def reset_prefix_cache(self) -> bool:
-        """vLLM's: forget the prefix cache's pages (of every replica); False (and nothing forgotten) while
-        a request runs."""
-        if any(engine.has_unfinished() for engine in self.engines):
-            return False
-        return all([engine.scheduler.allocator.reset_prefix_cache() for engine in self.engines])
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        return self.llm_engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     # --- the rollout engine of a trainer: new weights, sleep mode (docs/rl.md) ---
 
@@ -272,31 +268,20 @@ class LLM:
     def _update(self, loaded: list[dict], weight_version: int | None) -> int:
         leaves = [engine.weight_layout.leaves(each) for engine, each in zip(self.engines, loaded)]
         version = next_weight_version(self.engine.weight_version, weight_version)
-        self._between_steps(lambda i, engine: engine.update_weights(leaves[i], version))
+        self.llm_engine.between_steps(lambda i, engine: engine.update_weights(leaves[i], version))
         return version
 
-    def sleep(self, level: int = 1) -> None:
-        """vLLM's: free the KV cache (level 1: and keep the weights on the host; level 2: free them too,
-        for new weights, or the checkpoint reloaded when waking). `generate` refuses until `wake_up`."""
-        self._between_steps(lambda i, engine: engine.sleep(level))
-
-    def _between_steps(self, act: Callable) -> None:
-        """`act(i, engine)` for each replica; they finish their step in flight first, and what it
-        released goes to `llm_engine`'s next step (its requests may be running)."""
-        for i, engine in enumerate(self.engines):
-            try:
-                released = act(i, engine)
-            except StepFailed as e:
-                self.llm_engine.failed(e)
-                raise
-            self.llm_engine.take(released)
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's (`LLMEngine.sleep`): level 0 pauses, 1 frees the KV cache and keeps the weights on the
+        host, 2 frees both (for new weights, or the checkpoint reloaded when waking); `generate`
+        refuses until `wake_up`."""
+        self.llm_engine.sleep(level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
-        """vLLM's: restore what `sleep` freed ("weights", "kv_cache"; default both), compiling nothing
-        -> whether the LLM is fully awake."""
-        for engine in self.engines:
-            engine.wake_up(tags)
-        return not self.is_sleeping()
+        return self.llm_engine.wake_up(tags)
+
+    def release_kv_cache_memory(self) -> None:
+        self.llm_engine.release_kv_cache_memory()
 
     def is_sleeping(self) -> bool:
         return self.llm_engine.is_sleeping()
@@ -375,8 +360,8 @@ def beam_search(llm: LLM, prompts: list[PromptType], params: BeamSearchParams,
     """`search` with each round run by `LLM.generate`; a beam's text is that of all its tokens,
     prompt included (as vLLM's `LLM.beam_search`)."""
     engine = llm.engine
-    run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params, frozenset(engine.model_config.eos_token_ids),
-                 engine.config)
+    run = search([tokenize_prompt(p, llm.tokenizer)[1] for p in prompts], params,
+                 frozenset(engine.model_config.eos_token_ids), engine.config)
     step = round_params(params)
     with progress_bar(use_tqdm, total=params.max_tokens, desc="beam search") as bar:
         try:

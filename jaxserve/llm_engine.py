@@ -5,7 +5,6 @@ caller, each step returning the `RequestOutput`s of the requests it moved, as ea
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import threading
@@ -19,41 +18,19 @@ from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
 from checkpoints import DEFAULT_MODEL_NAME
-from jaxserve.config import fields
 from jaxserve.config.engine import EngineConfig
+from jaxserve.config.engine_args import EngineArgs, engine_config
 from jaxserve.config.lora import LoRARequest
-from jaxserve.config.profiler import profiler_config_from_env
-from jaxserve.config.vllm import VLLM_OPTIONS, add_vllm_arguments
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.core import Engine
 from jaxserve.engine.inputs import PromptType, Tokenization, tokenize_prompt
 from jaxserve.engine.pooling import PoolingParams
 from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
+from jaxserve.engine.pausing import PAUSE_MODES, SLEEP_LEVELS
 from jaxserve.engine.replicas import Router
 from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer
 from jaxserve.errors import StepFailed
 from jaxserve.sample.params import RequestOutputKind, SamplingParams
-
-
-class EngineArgs:
-    """vLLM's: the engine's options for `LLMEngine.from_engine_args`, as `LLM(model, **options)` takes
-    them (attributes set afterwards count too); or from a command line (`add_cli_args`, `from_cli_args`)."""
-
-    def __init__(self, model: str | None = None, **options):
-        self.model = model
-        vars(self).update(options)
-
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """run_server.py's engine flags (EngineConfig's and vLLM's other engine options) on `parser`."""
-        fields.add_arguments(parser.add_argument_group("engine"), EngineConfig)
-        add_vllm_arguments(parser.add_argument_group("vLLM's engine options (taken where they change nothing here)"))
-        return parser
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        names = [f.name for f in fields.fields(EngineConfig) if f.metadata["setting"]["cli"]] + list(VLLM_OPTIONS)
-        return cls(**{name: value for name in names if (value := getattr(args, name, None)) is not None})
 
 
 class LLMEngine:
@@ -81,6 +58,7 @@ class LLMEngine:
         self._sent: dict[tuple[str, int], tuple[int, int]] = {}  # DELTA: (characters, tokens) of a choice sent
         self._prompt_sent: set[str] = set()  # DELTA: the requests whose prompt logprobs went out
         self._released: list[Update] = []  # (a step finished by new weights or sleep, outside `step`)
+        self.paused = False  # `sleep` (any level) until `wake_up`
         self.batch = Batch(self)  # (`LLM.generate`'s and `LLM.enqueue`'s requests)
         worker = Worker if worker_extension_cls is None else type("Worker", (load_class(worker_extension_cls),
                                                                             Worker), {})
@@ -98,9 +76,6 @@ class LLMEngine:
             raise ValueError("Unable to get tokenizer because skip_tokenizer_init=True")
         return self.tokenizer.hf
 
-    def is_sleeping(self) -> bool:
-        return any(engine.is_sleeping for engine in self.engines)
-
     def check_generates(self) -> None:
         """ValueError for an embedding model; RuntimeError while asleep."""
         if self.engine.config.runner == "pooling":
@@ -109,7 +84,7 @@ class LLMEngine:
 
     def check_awake(self) -> None:
         if self.is_sleeping():
-            raise RuntimeError("the LLM is asleep (its KV cache or weights are freed): call wake_up first")
+            raise RuntimeError("the LLM is asleep (sleep: paused, its KV cache or weights freed): call wake_up first")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, lora_request: LoRARequest | None = None,
@@ -154,6 +129,7 @@ class LLMEngine:
         """One step of each replica with requests -> the outputs of the requests it moved. Where a step
         fails, its requests end (StepFailed, raised after the other replicas' steps)."""
         self.check_no_batch()
+        self.check_awake()
         updates, self._released, failed = self._released, [], None
         for engine in self.engines:
             try:
@@ -172,11 +148,6 @@ class LLMEngine:
         for request_id in e.request_ids:
             if request_id in self._requests:
                 self._forget(request_id)
-
-    def take(self, updates: list[Update]) -> None:
-        """Updates released outside `step` (new weights or sleep finish the step in flight first): the
-        next `step` returns their outputs."""
-        self._released += updates
 
     def _outputs(self, updates: list[Update]) -> list[RequestOutput]:
         moved: dict[str, dict[int, None]] = {}
@@ -255,6 +226,66 @@ class LLMEngine:
                 self._forget(request_id)
                 for engine in self.engines:
                     engine.abort(request_id)
+
+    # --- sleep mode (vLLM's), the prefix cache: between two steps ---
+
+    def is_sleeping(self) -> bool:
+        """Paused (`sleep`, any level) or memory freed: nothing steps until `wake_up`."""
+        return self.paused or any(engine.is_sleeping for engine in self.engines)
+
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """vLLM's: level 0 pauses (`generate` and `step` refuse until `wake_up`), 1 also frees the KV
+        cache and keeps the weights on the host, 2 frees both. `mode`: the requests not finished end
+        ("abort": no output follows) or wait to go on once awake ("keep"; from level 1 they recompute
+        their KV); "wait" takes none (nothing in this process would run them while sleep waits)."""
+        if level not in SLEEP_LEVELS or mode not in PAUSE_MODES:
+            raise ValueError(f"sleep takes a level of {list(SLEEP_LEVELS)} and a mode of {list(PAUSE_MODES)}, "
+                             f"not {level!r} and {mode!r}")
+        pending = [*self._requests, *self.batch.collectors]
+        if mode == "wait" and pending:
+            raise ValueError(f"sleep(mode='wait'): nothing runs the {len(pending)} unfinished requests while it waits; "
+                             "finish them first (step, wait_for_completion), or sleep with mode 'abort' or 'keep'")
+        if mode == "abort":
+            self.abort_request(list(self._requests))
+            self.batch.abort(list(self.batch.collectors))
+        if level >= 1:
+            self.between_steps(lambda i, engine: engine.sleep(level))
+        self.paused = True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """vLLM's: restore what `sleep` freed (`tags` "weights", "kv_cache"; default all), compiling
+        nothing; once all is awake, the pause ends ("scheduling" alone ends a level 0 one) -> whether
+        it has."""
+        for engine in self.engines:
+            engine.wake_up(tags)
+        self.paused = self.paused and any(engine.is_sleeping for engine in self.engines)
+        return not self.is_sleeping()
+
+    def release_kv_cache_memory(self) -> None:
+        """vLLM's: after `sleep(level=0)`, free the KV cache (kept requests recompute theirs) until woken."""
+        if not self.paused or any(engine.is_sleeping for engine in self.engines):
+            raise RuntimeError("release_kv_cache_memory needs sleep(level=0) first, and no memory freed yet")
+        self.between_steps(lambda i, engine: engine.release_kv_cache())
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget the prefix cache's pages (of every replica); False, forgetting nothing, while
+        requests run, unless `reset_running_requests` (they drop their KV first, to recompute it). No
+        KV connector here: `reset_connector` has nothing more to reset."""
+        if reset_running_requests:
+            self.between_steps(lambda i, engine: engine.preempt_running())
+        elif any(engine.has_unfinished() for engine in self.engines):
+            return False
+        return all([engine.scheduler.allocator.reset_prefix_cache() for engine in self.engines])
+
+    def between_steps(self, act: Callable[[int, Engine], list[Update]]) -> None:
+        """`act(i, engine)` for each replica, which finishes its step in flight first: what that released,
+        the next `step` returns (its requests may be running)."""
+        for i, engine in enumerate(self.engines):
+            try:
+                self._released += act(i, engine)
+            except StepFailed as e:
+                self.failed(e)
+                raise
 
 
 class Worker:
@@ -360,14 +391,6 @@ def _run(engines: list[Engine], collectors: dict[str, OutputCollector], timers: 
             stop.set()
     for f in running:
         f.result()  # (a step's exception, raised here)
-
-
-
-def engine_config(model: str | None = None, **options) -> EngineConfig:
-    """The configuration of `LLM(model, **options)` (`EngineConfig`'s fields under their names or
-    vLLM's, vLLM's other options, `profiler_config` from VLLM_TORCH_PROFILER_DIR where not given)."""
-    options.setdefault("profiler_config", profiler_config_from_env())
-    return EngineConfig.from_options(model=model, **options)
 
 
 def check_lora_request(lora: object) -> None:

@@ -142,6 +142,61 @@ def test_sleep_and_wake_compile_nothing():
         llm.wake_up(["everything"])
 
 
+def _run_to_end(engine) -> dict[str, list[int]]:
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step() if o.finished})
+    return done
+
+
+def test_sleep_levels_modes_and_prefix_resets_as_vllm_032s():
+    """vLLM 0.32's sleep(level, mode): level 0 pauses alone, "keep" holds the requests (they finish as
+    greedy decoding from where they stopped gives), "abort" ends them, "wait" takes none here;
+    release_kv_cache_memory after a level 0 pause; reset_prefix_cache(reset_running_requests)."""
+    llm = LLM("jaxserve-tiny", **SMALL, dtype="float32")
+    engine, prompt = llm.llm_engine, PROMPTS[2]
+    for level, then in ((0, None), (0, "kv"), (1, None), (2, None), ("reset", None)):
+        engine.add_request("r", {"prompt_token_ids": prompt}, GREEDY)
+        before = []
+        while len(before) < 3:  # (outputs are cumulative)
+            before = next((list(o.outputs[0].token_ids) for o in engine.step()), before)
+        if level == "reset":
+            assert llm.reset_prefix_cache() is False  # (a request runs)
+            assert llm.reset_prefix_cache(reset_running_requests=True) is True
+        else:
+            llm.sleep(level, mode="keep")
+            assert llm.is_sleeping()
+            for refused in (engine.step, lambda: outputs(llm)):
+                with pytest.raises(RuntimeError, match="asleep"):
+                    refused()
+            if then == "kv":
+                llm.release_kv_cache_memory()
+                assert llm.wake_up(["scheduling"]) is False  # (the KV cache is still freed)
+                assert llm.wake_up(["kv_cache"]) is True
+            else:
+                assert llm.wake_up(["scheduling"] if level == 0 else None) is True
+        assert not llm.is_sleeping()
+        assert _run_to_end(engine)["r"] == before + greedy(llm, prompt + before, 12 - len(before)), (level, then)
+    with pytest.raises(RuntimeError, match="sleep\\(level=0\\)"):
+        llm.release_kv_cache_memory()
+    engine.add_request("a", {"prompt_token_ids": prompt}, GREEDY)
+    engine.step()
+    with pytest.raises(ValueError, match="wait"):
+        llm.sleep(1, mode="wait")
+    llm.sleep(1)  # (mode "abort", the default: the request ends, no output follows)
+    assert not engine.has_unfinished_requests()
+    llm.sleep(0, mode="wait")  # (nothing unfinished: nothing to wait for)
+    assert llm.wake_up() is True
+    for level, mode in ((3, "abort"), (1, "later")):
+        with pytest.raises(ValueError, match="level"):
+            llm.sleep(level, mode)
+
+
+def greedy(llm: LLM, prompt: list[int], count: int) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=count, ignore_eos=True)
+    return list(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
 def test_update_weights_refuses_what_does_not_fit():
     llm = LLM("jaxserve-tiny", **SMALL, dtype="bfloat16")
     params = llm.get_weights()
@@ -285,6 +340,39 @@ def test_sleep_wake_and_checkpoint_updates(server, trained, tmp_path):
     assert httpx.post(server + "/finish_weight_update").status_code == 400  # (incomplete: dropped)
     assert httpx.get(server + "/get_weight_version").json() == {"weight_version": 100}
     assert httpx.post(server + "/reset_prefix_cache").json() == {"success": True}
+
+
+def test_sleep_levels_modes_and_prefix_resets_over_http(server):
+    """vLLM 0.32's routes: /sleep?level=0 holds a request until /wake_up, with the KV cache freed
+    meanwhile by /release_kv_cache_memory; /sleep's mode "abort" (the default) ends a stream;
+    /reset_prefix_cache?reset_running_requests=true under a stream that then completes."""
+    want = generate(server, PROMPTS[1])["choices"]
+    assert httpx.post(server + "/release_kv_cache_memory").status_code == 400  # (not paused)
+    assert httpx.post(server + "/sleep", params={"level": 0}).json() == {"status": "sleeping", "level": 0}
+    assert httpx.get(server + "/is_sleeping").json() == {"is_sleeping": True}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(generate, server, PROMPTS[1])
+        assert httpx.post(server + "/release_kv_cache_memory").json() == {"status": "kv_cache_released"}
+        assert httpx.post(server + "/wake_up", params={"tags": "scheduling"}).json() == {
+            "status": "sleeping", "tags": ["scheduling"]}  # (the KV cache is still freed)
+        assert not held.done()
+        assert httpx.post(server + "/wake_up", params={"tags": "kv_cache"}, timeout=60).json()["status"] == "awake"
+        assert held.result(120)["choices"] == want
+    for params in ({"level": 3}, {"mode": "later"}):
+        assert httpx.post(server + "/sleep", params=params).status_code == 400
+    assert httpx.get(server + "/is_sleeping").json() == {"is_sleeping": False}
+    for route, params, ends in (("/sleep", {"level": 1}, "abort"),
+                                ("/reset_prefix_cache", {"reset_running_requests": "true"}, "length")):
+        chunks = []
+        stream = threading.Thread(target=_stream, args=(server, PROMPTS[2], chunks))
+        stream.start()
+        while not chunks:  # (under way)
+            threading.Event().wait(0.05)
+        answer = httpx.post(server + route, params=params, timeout=60).json()
+        assert answer in ({"status": "sleeping", "level": 1}, {"success": True})
+        stream.join(300)
+        assert (sum(len(ids) for ids, _ in chunks) == STREAMED) == (ends == "length"), route
+        httpx.post(server + "/wake_up", timeout=60).raise_for_status()
 
 
 def test_min_weight_version_waits_for_new_weights(server):

@@ -32,14 +32,13 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 
-from checkpoints import resolve_model
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.commands import Abort, AbortAll, Add, Control, Subscriber
 from jaxserve.engine.core import Engine
 from jaxserve.engine.output_processor import update_of
-from jaxserve.engine.pausing import CONTROLS, Holding
+from jaxserve.engine.pausing import Controls, Holding
 from jaxserve.engine.outputs import Logprob, Update, logprob_entries
 from jaxserve.engine.tokenizer import Tokenizer
 from jaxserve.errors import StepFailed, WarmupCancelled
@@ -51,7 +50,7 @@ from jaxserve.structured_output.grammar import Constraint
 log = logging.getLogger(__name__)
 
 
-class AsyncEngine:
+class AsyncEngine(Controls):
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None, *, max_queued_requests: int | None = None,
                  max_queued_tokens: int | None = None):
         """`max_queued_requests` / `max_queued_tokens` (None: unbounded) bound the requests waiting to
@@ -179,57 +178,12 @@ class AsyncEngine:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    async def call(self, method: str, *args) -> object:
-        """One of a trainer's controls (`CONTROLS`) by name: what a replica elsewhere is asked for."""
-        if method not in CONTROLS:
-            raise ValueError(f"unknown control {method!r}: choose from {list(CONTROLS)}")
-        return await getattr(self, method)(*args)
-
     async def control(self, fn: Callable[[], object]) -> object:
         """fn() on the engine thread, between steps -> its result (its exception raised here)."""
         done: Future = Future()
         if not self._send(Control(fn, done)):
             raise RuntimeError("the engine is not running")
         return await asyncio.wrap_future(done)
-
-    async def pause(self, mode: str = "abort", clear_cache: bool = True) -> None:
-        """vLLM's pause_generation (`Holding.pause`; "abort" ends the requests in flight first)."""
-        drained = await self.control(lambda: self._pause(mode, clear_cache))
-        if drained is not None:
-            await asyncio.wrap_future(drained)
-
-    async def resume(self) -> None:
-        await self.control(lambda: self._add_all(self.holding.resume()))
-
-    async def is_paused(self) -> bool:
-        return self.holding.paused is not None
-
-    async def is_sleeping(self) -> bool:
-        return self.engine.is_sleeping
-
-    async def update_weights(self, leaves: list, weight_version: int) -> int:
-        """`Engine.update_weights` between steps; requests held for these weights start. -> the version."""
-        return await self.control(lambda: self._update_weights(leaves, weight_version))
-
-    async def update_weights_from_path(self, path: str, weight_version: int) -> int:
-        """`update_weights` from a checkpoint, read off the engine thread (steps go on meanwhile)."""
-        layout = self.engine.weight_layout
-        loaded = await asyncio.to_thread(lambda: layout.leaves(layout.from_checkpoint(resolve_model(path))))
-        return await self.update_weights(loaded, weight_version)
-
-    async def check_adapter(self, lora_request: LoRARequest) -> None:
-        """`Engine.check_adapter`, its files read off the engine thread (steps go on meanwhile)."""
-        await asyncio.to_thread(self.engine.check_adapter, lora_request)
-
-    async def sleep(self, level: int = 1) -> None:
-        """`Engine.sleep`, pausing the engine ("keep") until `wake_up` if it was not paused."""
-        await self.control(lambda: self.holding.sleep(level))
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self.control(lambda: self._add_all(self.holding.wake_up(tags)))
-
-    async def reset_prefix_cache(self) -> bool:
-        return await self.control(self.engine.scheduler.allocator.reset_prefix_cache)
 
     def _send(self, command: Add | Abort | AbortAll | Control) -> bool:
         with self._lock:
@@ -343,15 +297,6 @@ class AsyncEngine:
     def _add_all(self, commands: list[Add]) -> None:
         for command in commands:
             self._add(command)
-
-    def _pause(self, mode: str, clear_cache: bool) -> Future | None:
-        if mode == "abort":
-            self._abort_all()
-        return self.holding.pause(mode, clear_cache)
-
-    def _update_weights(self, leaves: list, weight_version: int) -> int:
-        self._add_all(self.holding.update_weights(leaves, weight_version))
-        return self.engine.weight_version
 
     def _add(self, command: Add) -> None:
         if self.holding.holds(command):

@@ -50,6 +50,7 @@ from jaxserve.worker.weights import load_weights, weight_target
 log = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up restores (vLLM's tags)
+SCHEDULING = "scheduling"  # vLLM's wake_up tag of a pause (sleep level 0): its caller's, not the engine's
 
 
 def next_weight_version(current: int, asked: int | None) -> int:
@@ -224,8 +225,7 @@ class Engine:
         prefix cache is reset. -> what the step in flight released."""
         if jax.process_count() > 1:
             raise ValueError("new weights reach one process's engine only: a multi-host replica keeps its weights")
-        released = self.drain(on_release)
-        self.scheduler.preempt_all()
+        released = self.preempt_running(on_release)
         self.runner.weights = leaves  # (one swap: no step runs on half of them)
         self._asleep.pop("weights", None)
         self._reload_weights = False
@@ -248,21 +248,32 @@ class Engine:
             raise StepFailed(self._fail(None), e) from e
 
     def sleep(self, level: int = 1, on_release: Callable[[Update], None] | None = None) -> list[Update]:
-        """vLLM's sleep mode: free the KV cache and, at level 2, the weights too (level 1 keeps a host
-        copy of them). The running sequences wait, to recompute their KV once awake (`wake_up`);
-        the compiled steps stay. -> what the step in flight released."""
+        """vLLM's sleep mode: free the KV cache and, at level 2, the weights too (level 1 keeps a host copy
+        of them); the compiled steps stay. (Level 0, a pause alone, is the caller's.) -> `preempt_running`'s."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (free the KV cache, keep the weights on the host) or 2 (free "
                              f"both), not {level}")
-        released = self.drain(on_release)
-        self.scheduler.preempt_all()
+        released = self.release_kv_cache(on_release)
+        if "weights" not in self._asleep and not self._reload_weights:
+            self._asleep["weights"] = self.weight_layout.to_host(self.runner.weights) if level == 1 else None
+            self.runner.release_weights()
+        return released
+
+    def release_kv_cache(self, on_release: Callable[[Update], None] | None = None) -> list[Update]:
+        """Free the KV cache alone (vLLM's release_kv_cache_memory; `wake_up(["kv_cache"])` restores it).
+        -> `preempt_running`'s."""
+        released = self.preempt_running(on_release)
         self.scheduler.allocator.reset_prefix_cache()
         if "kv_cache" not in self._asleep:
             self.runner.release_kv()
             self._asleep["kv_cache"] = None
-        if "weights" not in self._asleep and not self._reload_weights:
-            self._asleep["weights"] = self.weight_layout.to_host(self.runner.weights) if level == 1 else None
-            self.runner.release_weights()
+        self.stats = self.scheduler.stats()
+        return released
+
+    def preempt_running(self, on_release: Callable[[Update], None] | None = None) -> list[Update]:
+        """Finish the step in flight, drop the running sequences' KV (to recompute) -> what the step released."""
+        released = self.drain(on_release)
+        self.scheduler.preempt_all()
         self.stats = self.scheduler.stats()
         return released
 
@@ -270,9 +281,9 @@ class Engine:
         """Restore what `sleep` freed (`tags`: "weights", "kv_cache"; default both). Weights freed at
         level 2 come back as new ones (`update_weights`, woken or not) or, where none came by the time
         all is awake, reloaded from the checkpoint, whose version is 0."""
-        tags = set(tags or WAKE_TAGS)
+        tags = set(tags or WAKE_TAGS) - {SCHEDULING}
         if unknown := tags - set(WAKE_TAGS):
-            raise ValueError(f"wake_up tags {sorted(unknown)}: choose from {list(WAKE_TAGS)}")
+            raise ValueError(f"wake_up tags {sorted(unknown)}: choose from {[*WAKE_TAGS, SCHEDULING]}")
         if "weights" in tags and "weights" in self._asleep:
             host = self._asleep.pop("weights")
             if host is None:
