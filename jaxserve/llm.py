@@ -19,7 +19,7 @@ from jaxserve.config.lora import LoRARequest
 from jaxserve.config.vllm import VLLM_OPTIONS
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
 from jaxserve.engine.chat_template import template_message
-from jaxserve.engine.core import Engine, next_weight_version
+from jaxserve.engine.core import Engine
 from jaxserve.engine.figures import Metric, reader_metrics
 from jaxserve.engine.inputs import PromptType, TextPrompt, Tokenization, prompt_list, tokenize_prompt
 from jaxserve.engine.outputs import RequestOutput
@@ -28,7 +28,7 @@ from jaxserve.engine.profiling import Profiler
 from jaxserve.engine.request_metrics import reader_request_metrics
 from jaxserve.llm_engine import LLMEngine, check_lora_request, progress_bar
 from jaxserve.sample.params import SamplingParams
-from jaxserve.worker.weight_update import params_from_hf
+from jaxserve.worker.weight_update import next_weight_version, params_from_hf
 
 
 def _unsupported(task: str):

@@ -6,14 +6,12 @@ caller, each step returning the `RequestOutput`s of the requests it moved, as ea
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import jax
-from flax import nnx
 from prometheus_client import CollectorRegistry
 from tqdm import tqdm
 
@@ -21,6 +19,7 @@ from checkpoints import DEFAULT_MODEL_NAME
 from jaxserve.config.engine import EngineConfig
 from jaxserve.config.engine_args import EngineArgs, engine_config
 from jaxserve.config.lora import LoRARequest
+from jaxserve.config.plugins import import_class
 from jaxserve.engine.build import build_engines
 from jaxserve.engine.core import Engine
 from jaxserve.engine.inputs import PromptType, Tokenization, tokenize_prompt
@@ -29,6 +28,7 @@ from jaxserve.engine.outputs import OutputCollector, RequestOutput, Update
 from jaxserve.engine.pausing import PAUSE_MODES, SLEEP_LEVELS
 from jaxserve.engine.replicas import Router
 from jaxserve.engine.request_metrics import RequestMetrics, RequestTimer
+from jaxserve.engine.workers import Worker
 from jaxserve.errors import StepFailed
 from jaxserve.sample.params import RequestOutputKind, SamplingParams
 
@@ -60,8 +60,8 @@ class LLMEngine:
         self._released: list[Update] = []  # (a step finished by new weights or sleep, outside `step`)
         self.paused = False  # `sleep` (any level) until `wake_up`
         self.batch = Batch(self)  # (`LLM.generate`'s and `LLM.enqueue`'s requests)
-        worker = Worker if worker_extension_cls is None else type("Worker", (load_class(worker_extension_cls),
-                                                                            Worker), {})
+        extension = () if worker_extension_cls is None else (import_class(worker_extension_cls, "worker_extension_cls"),)
+        worker = type("Worker", (*extension, Worker), {})
         self.workers = [worker(engine) for engine in self.engines]
 
     @classmethod
@@ -227,6 +227,30 @@ class LLMEngine:
                 for engine in self.engines:
                     engine.abort(request_id)
 
+    # --- LoRA adapters (vLLM's): read into each replica's host memory, up to max_cpu_loras ---
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read the adapter now (ValueError where the engine cannot serve it), for the requests naming it."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora takes a jaxserve.LoRARequest, got {type(lora_request).__name__}")
+        for engine in self.engines:
+            engine.check_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forget the adapter (a request naming it reads it again) -> whether it was held."""
+        return any([engine.adapter_store().remove(lora_id) for engine in self.engines])
+
+    def list_loras(self) -> set[int]:
+        return set().union(*(engine.adapter_store().held() for engine in self.engines))
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter in host memory past max_cpu_loras (the device's slots stay least recently
+        used first: a slot it leaves is refilled from host memory, not its files)."""
+        for engine in self.engines:
+            engine.adapter_store().pin(lora_id)
+        return True
+
     # --- sleep mode (vLLM's), the prefix cache: between two steps ---
 
     def is_sleeping(self) -> bool:
@@ -286,36 +310,6 @@ class LLMEngine:
             except StepFailed as e:
                 self.failed(e)
                 raise
-
-
-class Worker:
-    """What `collective_rpc` calls, one per data-parallel replica (vLLM's worker): the replica's
-    `Engine` (its attributes read through: `self.config`, `self.runner`, ...), with the methods
-    of `worker_extension_cls` mixed in."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def __getattr__(self, name: str):
-        return getattr(self.engine, name)
-
-    def model(self):
-        """The replica's model: its Flax NNX module with the weights it runs."""
-        if self.engine.is_sleeping:
-            raise RuntimeError("the LLM is asleep (its weights may be freed): call wake_up first")
-        return nnx.merge(self.engine.runner.graphdef, self.engine.runner.state)
-
-
-def load_class(qualified: str) -> type:
-    """"package.module.Class" -> the class; ValueError where it is not one."""
-    module, _, name = qualified.rpartition(".")
-    try:
-        found = getattr(importlib.import_module(module), name) if module else None
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"worker_extension_cls {qualified!r} cannot be imported: {e}") from e
-    if not isinstance(found, type):
-        raise ValueError(f"worker_extension_cls must name a class as 'module.Class', got {qualified!r}")
-    return found
 
 
 class Batch:

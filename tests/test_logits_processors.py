@@ -95,7 +95,7 @@ def test_bad_processors_fail_at_start_and_bad_arguments_per_request(llms):
         Processors([type("Shadows", (BanToken,), {"args": {"temperature": np.float32(0)}})], 256)
     with pytest.raises(ValueError, match="module:Class"):
         load_class("NoModule")
-    with pytest.raises(ValueError, match="cannot be loaded"):
+    with pytest.raises(ValueError, match="cannot be imported"):
         load_class("processors:Missing")
     with pytest.raises(ValueError, match="not a subclass of jaxserve.LogitsProcessor"):
         load_class("numpy:ndarray")

@@ -175,6 +175,19 @@ def test_greedy_generation_equals_the_merged_models(arch, slots, adapted):
     cached = [llm.generate(fresh, SamplingParams(max_tokens=1), lora_request=lora, use_tqdm=False)[0].num_cached_tokens
               for lora in (requests[0], requests[1], requests[0])]
     assert cached == [0, 0, 32]
+    # vLLM's LLMEngine: adapters read ahead, listed, pinned, forgotten (host memory holds two: max_loras)
+    engine, ids = llm.llm_engine, [r.lora_int_id for r in requests]
+    assert engine.add_lora(requests[0]) is True and ids[0] in engine.list_loras()
+    assert engine.pin_lora(ids[0]) is True
+    engine.add_lora(requests[1]), engine.add_lora(requests[2])
+    assert engine.list_loras() == {ids[0], ids[2]}  # (the pinned one stays)
+    assert engine.remove_lora(ids[2]) is True and engine.remove_lora(ids[2]) is False
+    with pytest.raises(ValueError, match="not registered"):
+        engine.pin_lora(ids[2])
+    with pytest.raises(ValueError, match="no LoRA adapter at"):
+        engine.add_lora(LoRARequest("missing", 9, str(model_dir / "none")))
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0), lora_request=requests[2])
+    assert out[0].outputs[0].token_ids == outputs[2].outputs[0].token_ids  # (forgotten, then served again)
 
 
 @pytest.mark.parametrize("form,skip_idle", [("masked", True), ("masked", False), ("grouped", True)])
@@ -206,6 +219,11 @@ def test_host_memory_keeps_the_most_recently_used_adapters(adapted):
     assert store.get(first) is held  # (kept: not read again)
     store.get(second), store.get(third)
     assert store.get(first) is not held  # (dropped for the third, then read again)
+    store.pin(first.lora_int_id)
+    held = store.get(first)
+    store.get(second), store.get(third)
+    assert store.get(first) is held and store.held() == {first.lora_int_id, third.lora_int_id}  # (pinned: kept)
+    assert store.remove(first.lora_int_id) and not store.remove(first.lora_int_id)
     with pytest.raises(ValueError, match="rank 16, past --max-lora-rank 8"):
         AdapterStore(cfg, adaptable_shapes(cfg, "float32"), 8, capacity=2).get(second)
 

@@ -39,7 +39,7 @@ from jaxserve.sched.sequence import Sequence
 from jaxserve.spec_decode.ngram import NgramProposer
 from jaxserve.worker.draft import DraftModel
 from jaxserve.worker.executables import compilation_cache
-from jaxserve.worker.lora import adapter_slots
+from jaxserve.worker.lora import AdapterStore, adapter_slots
 from jaxserve.worker.runner import Runner
 from jaxserve.worker.sharding import is_leader, kv_sharding, make_mesh, replicated
 from jaxserve.worker.step_fn import LaunchedStep, Staged
@@ -51,11 +51,6 @@ log = logging.getLogger(__name__)
 
 WAKE_TAGS = ("weights", "kv_cache")  # what sleep frees and wake_up restores (vLLM's tags)
 SCHEDULING = "scheduling"  # vLLM's wake_up tag of a pause (sleep level 0): its caller's, not the engine's
-
-
-def next_weight_version(current: int, asked: int | None) -> int:
-    """The version new weights take: the one asked for, else one more than `current` (the newest)."""
-    return current + 1 if asked is None else int(asked)
 
 
 class InFlight(NamedTuple):
@@ -199,12 +194,14 @@ class Engine:
     def check_adapter(self, lora_request: LoRARequest | None) -> None:
         """ValueError unless the adapter (if any) can be served: LoRA is on, and its files read
         (kept in host memory from then on, `AdapterStore`). Any thread may call it."""
-        if lora_request is None:
-            return
+        if lora_request is not None:
+            self.adapter_store(lora_request.lora_name).get(lora_request)
+
+    def adapter_store(self, name: str = "") -> AdapterStore:
+        """The adapters read into host memory; ValueError (about adapter `name`) without enable_lora."""
         if self.runner.adapters is None:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: this engine serves no adapters (start it "
-                             "with enable_lora)")
-        self.runner.adapters.store.get(lora_request)
+            raise ValueError(f"LoRA adapter {name!r}: this engine serves no adapters (start it with enable_lora)")
+        return self.runner.adapters.store
 
     def abort(self, request_id: str, reason: str = "abort") -> list[Sequence]:
         """End the request's unfinished sequences now (finish reason `reason`) -> them."""

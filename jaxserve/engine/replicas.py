@@ -28,13 +28,13 @@ from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import RESERVATION_SECONDS
 from jaxserve.engine.async_engine import AsyncEngine
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
-from jaxserve.engine.core import next_weight_version
 from jaxserve.engine.outputs import Update
 from jaxserve.errors import QueueFull, ReplicaLost
 from jaxserve.sample.params import SamplingParams
 from jaxserve.sched.pages import prefix_hashes, salt_seed
 from jaxserve.sched.plan import SchedulerStats
 from jaxserve.structured_output.grammar import Constraint
+from jaxserve.worker.weight_update import next_weight_version
 
 log = logging.getLogger(__name__)
 

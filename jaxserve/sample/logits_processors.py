@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import importlib
 import inspect
 import zlib
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.config.plugins import import_class
 from jaxserve.sample.params import SamplingParams
 
 ARG_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(bool))
@@ -105,13 +105,7 @@ class LogitsProcessor(abc.ABC):
 def load_class(spec) -> type[LogitsProcessor]:
     """A processor class, or its name as `module:Class` or `module.Class` (vLLM's form)."""
     if isinstance(spec, str):
-        module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
-        if not module:
-            raise ValueError(f"logits processor {spec!r}: give it as module:Class or module.Class")
-        try:
-            spec = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"logits processor {spec!r} cannot be loaded: {e}") from e
+        spec = import_class(spec, "logits processor")
     if not (isinstance(spec, type) and issubclass(spec, LogitsProcessor)):
         raise ValueError(f"logits processor {spec!r} is not a subclass of jaxserve.LogitsProcessor")
     return spec

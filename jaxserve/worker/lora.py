@@ -47,13 +47,15 @@ def adapter_bytes(cfg: ModelConfig, dtype, slots: int, rank: int) -> int:
 
 class AdapterStore:
     """Adapters read from their files, in host memory: the `capacity` most recently used (by
-    `LoRARequest.lora_int_id`). Any thread may call `get` (the API checks an adapter as it loads)."""
+    `LoRARequest.lora_int_id`), and those pinned. Any thread may call it (the API checks an adapter
+    as it loads)."""
 
     def __init__(self, cfg: ModelConfig, shapes: dict[str, tuple[int, int]], max_rank: int, capacity: int):
         self.hf_name_map = MODEL_REGISTRY[cfg.architecture].hf_name_map
         self.heads = cfg.num_heads, cfg.num_kv_heads
         self.shapes, self.max_rank, self.capacity = shapes, max_rank, capacity
         self._held: collections.OrderedDict[int, LoraWeights] = collections.OrderedDict()
+        self._pinned: set[int] = set()  # (never evicted)
         self._lock = threading.Lock()
 
     def get(self, request: LoRARequest) -> LoraWeights:
@@ -66,9 +68,27 @@ class AdapterStore:
         weights = self._read(request)
         with self._lock:
             self._held[request.lora_int_id] = weights
-            while len(self._held) > self.capacity:
-                self._held.popitem(last=False)
+            evictable = [i for i in self._held if i not in self._pinned]
+            for i in evictable[:max(0, len(self._held) - self.capacity)]:
+                del self._held[i]
         return weights
+
+    def held(self) -> set[int]:
+        with self._lock:
+            return set(self._held)
+
+    def remove(self, lora_int_id: int) -> bool:
+        """Forget an adapter (read again if a request names it) -> whether it was held."""
+        with self._lock:
+            self._pinned.discard(lora_int_id)
+            return self._held.pop(lora_int_id, None) is not None
+
+    def pin(self, lora_int_id: int) -> None:
+        """Never evict the adapter (held now, else ValueError)."""
+        with self._lock:
+            if lora_int_id not in self._held:
+                raise ValueError(f"Pinning failed. LoRA {lora_int_id} is not registered.")
+            self._pinned.add(lora_int_id)
 
     def _read(self, request: LoRARequest) -> LoraWeights:
         where = f"LoRA adapter {request.lora_name!r} ({request.lora_path})"

@@ -34,6 +34,11 @@ from jaxserve_kernels.matmul.grouped import BITS
 from jaxserve_kernels.matmul.quant import GroupedRows, QuantizedWeight, dequantize, group_rows, quantize
 
 
+def next_weight_version(current: int, asked: int | None) -> int:
+    """The version new weights take: the one asked for, else one more than `current` (the newest)."""
+    return current + 1 if asked is None else int(asked)
+
+
 def leaf_paths(state: nnx.State) -> list[str]:
     """Each leaf's parameter path ("layers.0.mlp.up_proj.weight"), in `jax.tree.flatten(state)`'s order."""
     keyed, _ = jax.tree_util.tree_flatten_with_path(state)
