@@ -19,6 +19,7 @@ from quart import Blueprint, Request, request
 from quart_schema import hide
 
 from api.errors import APIError
+from api import tokens_io
 from api.state import api_state, json_body
 from checkpoints.stream import SafetensorsStream
 from jaxserve.worker.weight_update import StagedWeights
@@ -26,8 +27,9 @@ from jaxserve.worker.weight_update import StagedWeights
 training = Blueprint("training", __name__)
 # the routes --api-key guards, beside /v1's
 PATHS = ("/pause", "/resume", "/is_paused", "/sleep", "/wake_up", "/is_sleeping", "/reset_prefix_cache",
-         "/release_kv_cache_memory", "/start_weight_update", "/update_weights", "/finish_weight_update",
-         "/update_weights_from_disk", "/get_weight_version", "/get_world_size")
+         "/release_kv_cache_memory", "/abort_requests", "/start_weight_update", "/update_weights",
+         "/finish_weight_update", "/update_weights_from_disk", "/get_weight_version", "/weight_info",
+         "/get_world_size")
 
 
 class UnboundedWeights(Request):
@@ -127,10 +129,27 @@ async def reset_prefix_cache():
     return {"success": all(await _on_every_replica("reset_prefix_cache", *flags))}
 
 
+@training.post("/abort_requests")
+@hide
+async def abort_requests():
+    """vLLM's: end requests in flight without pausing, {"request_ids": [...]} (a response's id, or the
+    request_id given to /inference/v1/generate; none: every request): each answers, finish reason
+    "abort"."""
+    aborted = tokens_io.abort_requests(api_state(), (await json_body()).get("request_ids"))
+    return {"status": "aborted", "aborted": aborted}
+
+
 @training.get("/get_weight_version")
 @hide
 async def get_weight_version():
     return {"weight_version": api_state().engine.weight_version}
+
+
+@training.get("/weight_info")
+@hide
+async def weight_info():
+    """vLLM's name of /get_weight_version."""
+    return await get_weight_version()
 
 
 @training.get("/get_world_size")

@@ -5,6 +5,7 @@ stop_token_ids end a choice). A trainer's rollouts come this way (docs/rl.md).""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -67,16 +68,52 @@ async def generate():
     request_id = new_id("gen")
     req = await admit(state, _parse(body, state), request_id, chat=False)
     if req.stream:
-        return Response(_events(state, req, request_id, named or request_id), content_type="text/event-stream",
+        return Response(_events(state, req, request_id, named), content_type="text/event-stream",
                         headers={"Cache-Control": "no-cache"})
     choices = [GenerateChoice(index=c, token_ids=[], logprobs=_logprobs(req, [], [])) for c in range(req.params.n)]
     response = GenerateResponse(request_id=named or request_id, choices=choices, weight_version=0)
     try:
-        async for _, update in generation(state, req, request_id):
-            _add(response, choices[update.index], update, req)
+        with _named(state, named, request_id):
+            async for _, update in generation(state, req, request_id):
+                _add(response, choices[update.index], update, req)
     except ValueError as e:
         raise APIError(str(e)) from e
     return response
+
+
+@contextlib.contextmanager
+def _named(state: APIState, named: str | None, request_id: str):
+    """While the request runs, its `request_id` (the client's) finds it (`abort_requests`)."""
+    if named is None:
+        yield
+        return
+    state.named.setdefault(named, set()).add(request_id)
+    try:
+        yield
+    finally:
+        state.named[named].discard(request_id)
+        if not state.named[named]:
+            del state.named[named]
+
+
+def abort_requests(state: APIState, request_ids: list[str] | None) -> int:
+    """End the requests in flight with these ids (a response's id, or a request_id given to
+    /inference/v1/generate; none: every request), each choice's last update saying finish reason
+    "abort" -> vLLM's count: the ids given, or the requests in flight."""
+    if request_ids and not (isinstance(request_ids, list) and all(isinstance(r, str) for r in request_ids)):
+        raise APIError("'request_ids' must be a list of strings", param="request_ids")
+    if not request_ids:
+        state.engine.abort_requests(None)
+        return state.in_flight
+    state.engine.abort_requests({own for r in request_ids for own in state.named.get(r, {r})})
+    return len(request_ids)
+
+
+@tokens_io.post("/inference/v1/abort_requests")
+async def abort():
+    """vLLM's: {"request_ids": [...]} (none: every request); an empty 200."""
+    abort_requests(api_state(), (await json_body()).get("request_ids"))
+    return Response("", status=200)
 
 
 def _parse(body: dict, state: APIState) -> GenerationRequest:
@@ -130,14 +167,16 @@ def _add(response: GenerateResponse, choice: GenerateChoice, update: Update, req
         response.prompt_logprobs = prompt_logprobs(None, req.prompts[0], update.prompt_logprobs)
 
 
-async def _events(state: APIState, req: GenerationRequest, request_id: str, named: str) -> AsyncIterator[str]:
+async def _events(state: APIState, req: GenerationRequest, request_id: str, named: str | None
+                  ) -> AsyncIterator[str]:
     """A chunk per update: the choice's new tokens (and their logprobs), its finish at the end."""
     try:
-        async for _, update in generation(state, req, request_id):
-            choice = GenerateChoice(index=update.index, token_ids=[], logprobs=_logprobs(req, [], []))
-            chunk = GenerateResponse(request_id=named, choices=[choice], weight_version=0)
-            _add(chunk, choice, update, req)
-            yield sse(chunk.dump())
+        with _named(state, named, request_id):
+            async for _, update in generation(state, req, request_id):
+                choice = GenerateChoice(index=update.index, token_ids=[], logprobs=_logprobs(req, [], []))
+                chunk = GenerateResponse(request_id=named or request_id, choices=[choice], weight_version=0)
+                _add(chunk, choice, update, req)
+                yield sse(chunk.dump())
     except Exception as e:  # after the 200, an error can only be an event in the stream
         status = stream_error_status(state, e)
         yield sse((e if isinstance(e, APIError) else APIError(str(e), status=status)).body())

@@ -375,6 +375,45 @@ def test_sleep_levels_modes_and_prefix_resets_over_http(server):
         httpx.post(server + "/wake_up", timeout=60).raise_for_status()
 
 
+def test_abort_requests_by_id_and_all_as_vllm_032s(server):
+    """/abort_requests (and /inference/v1/abort_requests) end requests in flight by the request_id a
+    client gave /inference/v1/generate or by a completion's id, or all of them (a held one too): each
+    answers, finish reason "abort"; the others go on."""
+    assert httpx.get(server + "/weight_info").json() == httpx.get(server + "/get_weight_version").json()
+    long = {"temperature": 0, "max_tokens": STREAMED, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        def ask(body: dict, route: str = "/inference/v1/generate") -> dict:
+            return httpx.post(server + route, json=body, timeout=300).json()
+
+        mine = pool.submit(ask, {"token_ids": PROMPTS[0], "request_id": "mine", "sampling_params": long})
+        other = pool.submit(ask, {"token_ids": PROMPTS[1], "sampling_params": {**long, "max_tokens": 24}})
+        chunks = []
+        model = httpx.get(server + "/v1/models").json()["data"][0]["id"]
+        with httpx.stream("POST", server + "/v1/completions", timeout=300, json={
+                "model": model, "prompt": PROMPTS[2], "stream": True, **long}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[len("data: "):]))
+                    if len(chunks) == 2:
+                        assert httpx.post(server + "/abort_requests", json={"request_ids": ["mine"]}).json() == {
+                            "status": "aborted", "aborted": 1}
+                        assert httpx.post(server + "/inference/v1/abort_requests",
+                                          json={"request_ids": [chunks[0]["id"]]}).status_code == 200
+        assert chunks[-1]["choices"][0]["finish_reason"] == "abort"
+        assert len(chunks) < STREAMED
+        assert mine.result(300)["choices"][0]["finish_reason"] == "abort"
+        assert len(mine.result()["choices"][0]["token_ids"]) < STREAMED
+        assert other.result(300)["choices"][0]["finish_reason"] == "length"
+        httpx.post(server + "/pause", timeout=60).raise_for_status()
+        held = pool.submit(ask, {"token_ids": PROMPTS[0], "sampling_params": long})
+        threading.Event().wait(1.0)  # (the request reaches the paused engine, which holds it)
+        assert httpx.post(server + "/abort_requests", json={}).json()["status"] == "aborted"
+        answer = held.result(300)["choices"][0]
+        assert answer["finish_reason"] == "abort" and answer["token_ids"] == []
+        httpx.post(server + "/resume", timeout=60).raise_for_status()
+    assert httpx.post(server + "/abort_requests", json={"request_ids": "mine"}).status_code == 400
+
+
 def test_min_weight_version_waits_for_new_weights(server):
     """A request for newer weights than the server's waits for them; pause ("wait") lets those in
     flight finish, ("abort") ends them."""

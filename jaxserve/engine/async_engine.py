@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.admission import QueueBound
 from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, round_params, search
-from jaxserve.engine.commands import Abort, AbortAll, Add, Control, Subscriber
+from jaxserve.engine.commands import Abort, AbortAll, Add, Control, End, Subscriber
 from jaxserve.engine.core import Engine
 from jaxserve.engine.output_processor import update_of
 from jaxserve.engine.pausing import Controls, Holding
@@ -60,7 +60,7 @@ class AsyncEngine(Controls):
                                     lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._deferred: Abort | AbortAll | Control | None = None  # taken from _commands mid-step, applied after it
+        self._deferred: Abort | AbortAll | End | Control | None = None  # taken from _commands mid-step, applied after it
         self._subscribers: dict[str, Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -169,6 +169,10 @@ class AsyncEngine(Controls):
     def abort(self, request_id: str) -> None:
         self._send(Abort(request_id))
 
+    def abort_requests(self, api_ids: set[str] | None) -> None:
+        """End the requests an API id names (`End`), each choice's last update saying "abort"."""
+        self._send(End(None if api_ids is None else frozenset(api_ids)))
+
     def abort_all(self) -> None:
         """End every request now: each unfinished sequence's last update says finish_reason "abort"
         (a stream then ends as usual)."""
@@ -185,7 +189,7 @@ class AsyncEngine(Controls):
             raise RuntimeError("the engine is not running")
         return await asyncio.wrap_future(done)
 
-    def _send(self, command: Add | Abort | AbortAll | Control) -> bool:
+    def _send(self, command: Add | Abort | AbortAll | End | Control) -> bool:
         with self._lock:
             if self._closed or not self._thread.is_alive():
                 return False
@@ -273,10 +277,23 @@ class AsyncEngine(Controls):
                 self._abort_all()
             elif isinstance(command, Control):
                 self._control(command)
+            elif isinstance(command, End):
+                self._end(command.api_ids)
             elif self._subscribers.pop(command.request_id, None) is not None:
                 self.engine.abort(command.request_id)
-            elif self.holding.forget(command.request_id):  # (it never started)
+            elif self.holding.forget(command.request_id) is not None:  # (it never started)
                 self.admission.arrived(command.request_id)
+
+    def _end(self, api_ids: frozenset[str] | None) -> None:
+        """`End`: a held request, which never started, starts first to end as the others do."""
+        def named(request_id: str) -> bool:
+            return api_ids is None or request_id in api_ids or request_id.rpartition("-")[0] in api_ids
+
+        for held in [held for held in self.holding.held if named(held.request_id)]:
+            self._start(self.holding.forget(held.request_id))
+        for request_id in [request_id for request_id in self._subscribers if named(request_id)]:
+            for seq in self.engine.abort(request_id):
+                self._publish_abort(seq)
 
     def _abort_all(self) -> None:
         for request_id in list(self._subscribers):
@@ -299,8 +316,10 @@ class AsyncEngine(Controls):
             self._add(command)
 
     def _add(self, command: Add) -> None:
-        if self.holding.holds(command):
-            return
+        if not self.holding.holds(command):
+            self._start(command)
+
+    def _start(self, command: Add) -> None:
         sub = command.subscriber
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,

@@ -37,6 +37,13 @@ class Abort:
 
 
 @dataclasses.dataclass(frozen=True)
+class End:
+    """End the requests an API id names (the id, or its prompts' `id-i`; None: every request), held
+    ones too, each sequence with a last update (finish reason "abort"): their consumers wait."""
+    api_ids: frozenset[str] | None
+
+
+@dataclasses.dataclass(frozen=True)
 class AbortAll:
     pass
 

@@ -57,10 +57,10 @@ class Holding:
             return True
         return False
 
-    def forget(self, request_id: str) -> bool:
-        """Drop a held request (aborted before it started) -> whether it was held."""
-        kept = [held for held in self.held if held.request_id != request_id]
-        found, self.held = len(kept) < len(self.held), kept
+    def forget(self, request_id: str) -> Held | None:
+        """Drop a held request (aborted before it started) -> it, where it was held."""
+        found = next((held for held in self.held if held.request_id == request_id), None)
+        self.held = [held for held in self.held if held is not found]
         return found
 
     def pause(self, mode: str, clear_cache: bool) -> Future | None:

@@ -122,6 +122,9 @@ class ReplicaActor:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def abort_requests(self, api_ids: set[str] | None) -> None:
+        self.engine.abort_requests(api_ids)
+
     def abort_all(self) -> None:
         self.engine.abort_all()
 
@@ -249,6 +252,9 @@ class RayReplica:
 
     def abort(self, request_id: str) -> None:
         self.actor.abort.remote(request_id)  # (fire and forget: a dead actor has nothing to abort)
+
+    def abort_requests(self, api_ids: set[str] | None) -> None:
+        self.actor.abort_requests.remote(api_ids)
 
     def abort_all(self) -> None:
         self.actor.abort_all.remote()

@@ -263,6 +263,11 @@ class Replicas:
         for r in self.replicas if replica is None else [self.replicas[replica]]:
             r.abort(request_id)
 
+    def abort_requests(self, api_ids: set[str] | None) -> None:
+        """`AsyncEngine.abort_requests` on every replica."""
+        for replica in self.replicas:
+            replica.abort_requests(api_ids)
+
     def abort_all(self) -> None:
         for replica in self.replicas:
             replica.abort_all()
