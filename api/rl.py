@@ -18,8 +18,8 @@ import asyncio
 from quart import Blueprint, Request, request
 from quart_schema import hide
 
-from api.errors import APIError
 from api import tokens_io
+from api.errors import APIError
 from api.state import api_state, json_body
 from checkpoints.stream import SafetensorsStream
 from jaxserve.worker.weight_update import StagedWeights

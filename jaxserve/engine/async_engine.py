@@ -60,7 +60,8 @@ class AsyncEngine(Controls):
                                     lambda: (engine.stats.num_queued_requests, engine.stats.num_queued_tokens))
         self.tokenizer = tokenizer  # None: the engine runs on token ids alone (skip_tokenizer_init)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._deferred: Abort | AbortAll | End | Control | None = None  # taken from _commands mid-step, applied after it
+        # (a command taken from _commands mid-step, applied after it)
+        self._deferred: Abort | AbortAll | End | Control | None = None
         self._subscribers: dict[str, Subscriber] = {}  # engine thread only
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -291,12 +292,11 @@ class AsyncEngine(Controls):
 
         for held in [held for held in self.holding.held if named(held.request_id)]:
             self._start(self.holding.forget(held.request_id))
-        for request_id in [request_id for request_id in self._subscribers if named(request_id)]:
-            for seq in self.engine.abort(request_id):
-                self._publish_abort(seq)
+        self._abort_all(named)
 
-    def _abort_all(self) -> None:
-        for request_id in list(self._subscribers):
+    def _abort_all(self, which: Callable[[str], bool] = lambda request_id: True) -> None:
+        """Abort the running requests `which` picks, each sequence with a last update ("abort")."""
+        for request_id in [request_id for request_id in self._subscribers if which(request_id)]:
             for seq in self.engine.abort(request_id):
                 self._publish_abort(seq)
 
