@@ -19,20 +19,22 @@ from api.sse import DONE, now, sse
 from api.state import APIState
 
 
-async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool
+async def answer(state: APIState, req: GenerationRequest, request_id: str, chat: bool, shown: str | None = None
                  ) -> Response | ChatCompletion | Completion:
+    """`shown`: the answer's id, where it is not the engine's `request_id` (`generation.request_ids`)."""
     req = await admit(state, req, request_id, chat)
     if req.stream:
-        chunks = ChunkStream(state, req, request_id, chat)
+        chunks = ChunkStream(state, req, request_id, chat, shown)
         return Response(chunks.events(), content_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     created = now()
     choices = Choices(req, chat, state.engine, state.tool_parser)
     try:
-        async for i, update in generation(state, req, request_id):
+        async for i, update in generation(state, req, request_id, shown):
             choices.add(choices.choice_index(i, update), update)
     except ValueError as e:
         raise APIError(str(e)) from e
-    return choices.chat_completion(request_id, created) if chat else choices.completion(request_id, created)
+    answer_id = shown or request_id
+    return choices.chat_completion(answer_id, created) if chat else choices.completion(answer_id, created)
 
 
 async def streamed_or_whole(req: GenerationRequest, stream: Callable[[], AsyncIterator[str]],
@@ -53,8 +55,9 @@ async def streamed_or_whole(req: GenerationRequest, stream: Callable[[], AsyncIt
 class ChunkStream:
     """The chunks of one streamed chat or completions answer."""
 
-    def __init__(self, state: APIState, req: GenerationRequest, request_id: str, chat: bool):
-        self.state, self.req, self.request_id, self.chat = state, req, request_id, chat
+    def __init__(self, state: APIState, req: GenerationRequest, request_id: str, chat: bool, shown: str | None):
+        self.state, self.req, self.request_id, self.chat, self.shown = state, req, request_id, chat, shown
+        self.answer_id = shown or request_id
         self.created = now()
         self.choices = Choices(req, chat, state.engine, state.tool_parser)
         self.prompt_ids_sent = [False] * len(self.choices.texts)
@@ -64,7 +67,7 @@ class ChunkStream:
         for c in range(len(choices.texts)) if self.chat else ():
             yield self.chat_chunk(c, DeltaMessage(role=req.role, content=""))
         try:
-            async for i, update in generation(self.state, req, self.request_id):
+            async for i, update in generation(self.state, req, self.request_id, self.shown):
                 c = choices.choice_index(i, update)
                 text, logprobs = choices.add(c, update)
                 if self.chat:
@@ -84,7 +87,7 @@ class ChunkStream:
             yield sse((e if isinstance(e, APIError) else APIError(str(e), status=status, type=kind)).body())
         if req.include_usage:
             chunk = ChatCompletionChunk if self.chat else CompletionChunk
-            yield sse(chunk(id=self.request_id, created=self.created, model=req.model, choices=[],
+            yield sse(chunk(id=self.answer_id, created=self.created, model=req.model, choices=[],
                             usage=choices.usage()).dump())
         yield DONE
 
@@ -95,7 +98,7 @@ class ChunkStream:
         tokens = self.choices.to_send(c, bool(end)) if delta.role is MISSING else {}  # (not in the role's chunk)
         choice = ChatChunkChoice(index=c, delta=delta, logprobs=None if logprobs is None else ChatLogprobs(
             content=logprobs), **end, **tokens)
-        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],
+        chunk = ChatCompletionChunk(id=self.answer_id, created=self.created, model=self.req.model, choices=[choice],
                                     weight_version=self.choices.weight_version, **self._usage(c))
         if self.first_of(c):  # vLLM's return_token_ids: the prompt's in each choice's first chunk
             chunk.prompt_token_ids = self.req.prompts[c // self.req.params.n]
@@ -107,7 +110,7 @@ class ChunkStream:
                                        **self.choices.to_send(c, bool(end)))
         if self.first_of(c):
             choice.prompt_token_ids = self.req.prompts[c // self.req.params.n]
-        return sse(CompletionChunk(id=self.request_id, created=self.created, model=self.req.model, choices=[choice],
+        return sse(CompletionChunk(id=self.answer_id, created=self.created, model=self.req.model, choices=[choice],
                                    weight_version=self.choices.weight_version, **self._usage(c)).dump())
 
     def first_of(self, c: int) -> bool:

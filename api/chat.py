@@ -9,10 +9,10 @@ from quart_schema import document_request, document_response
 from api.answer import answer
 from api.chat_models import ChatCompletionRequest
 from api.completions import complete
+from api.generation import request_ids
 from api.errors import APIError
 from api.protocol import parse_chat
 from api.response_models import ChatCompletion
-from api.sse import new_id
 from api.state import api_state, json_body
 
 chat = Blueprint("chat", __name__)
@@ -21,8 +21,9 @@ chat = Blueprint("chat", __name__)
 async def chat_complete(body: dict) -> Response | ChatCompletion:
     """The answer to a chat completions request body."""
     state = api_state()
+    request_id, shown = request_ids("chatcmpl", body)
     req = await state.off_loop(parse_chat, body, state.limits, state.text_tokenizer("chat"))
-    return await answer(state, req, new_id("chatcmpl"), chat=True)
+    return await answer(state, req, request_id, chat=True, shown=shown)
 
 
 @chat.post("/v1/chat/completions")

@@ -13,9 +13,12 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
+from quart import request
+
 from api.errors import APIError
 from api.protocol import GenerationRequest
 from api.reasoning import opens_thinking, thinking_first
+from api.sse import new_id
 from api.state import APIState
 from jaxserve.config.lora import LoRARequest
 from jaxserve.engine.beam_search import BeamSearchParams
@@ -81,11 +84,15 @@ async def admit(state: APIState, req: GenerationRequest, request_id: str, chat: 
     return req
 
 
-async def generation(state: APIState, req: GenerationRequest, request_id: str) -> AsyncIterator[tuple[int, Update]]:
+async def generation(state: APIState, req: GenerationRequest, request_id: str, shown: str | None = None
+                     ) -> AsyncIterator[tuple[int, Update]]:
     """(prompt index, update) of all the request's sequences as they come (`merged`), counted in the
-    server's load meanwhile. A step that failed while computing them is a 500 (its traceback is
-    logged once, by the engine thread); a replica lost after it started answering, a 503."""
+    server's load meanwhile; `shown`, the id the client knows it by (where it is not `request_id`),
+    finds it meanwhile (`abort_requests`). A step that failed while computing them is a 500 (its
+    traceback is logged once, by the engine thread); a replica lost after it started answering, a 503."""
     state.in_flight += 1
+    if shown is not None:
+        state.named.setdefault(shown, set()).add(request_id)
     try:
         async for item in merged(_streams(state, req, request_id)):
             yield item
@@ -96,6 +103,22 @@ async def generation(state: APIState, req: GenerationRequest, request_id: str) -
                        type="service_unavailable", code="replica_lost", headers={"Retry-After": RETRY_AFTER}) from e
     finally:
         state.in_flight -= 1
+        if shown is not None:
+            state.named[shown].discard(request_id)
+            if not state.named[shown]:
+                del state.named[shown]
+
+
+def request_ids(prefix: str, body: dict) -> tuple[str, str | None]:
+    """vLLM's id of an answer, `prefix`-ID where the client names the request (its X-Request-Id header,
+    else the body's `request_id`), else a new one -> (the engine's id, unique; the answer's id where it
+    differs from the engine's: several requests may share a client's id)."""
+    given = request.headers.get("X-Request-Id") or body.get("request_id")
+    if given is None:
+        return new_id(prefix), None
+    if not isinstance(given, str) or not given:
+        raise APIError("'request_id' must be a non-empty string", param="request_id")
+    return new_id(f"{prefix}-{given}"), f"{prefix}-{given}"
 
 
 def _streams(state: APIState, req: GenerationRequest, request_id: str) -> list[AsyncIterator[Update]]:

@@ -169,6 +169,7 @@ class GenerationFields(BaseModel):
     priority: integer(-(2**63), 2**63 - 1) = None  # vLLM's: lower first (--scheduling-policy priority; else 0)
     cache_salt: Str = None  # vLLM's: only requests with the same salt share prefix-cache pages
     min_weight_version: integer(0, 2**63 - 1) = None  # jaxserve's: wait for weights of this version or newer
+    request_id: Str = None  # vLLM's: names the request, as an X-Request-Id header (the answer's id ends with it)
 
     @model_validator(mode="before")
     @classmethod

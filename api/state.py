@@ -43,7 +43,8 @@ class APIState:
     tokenizing: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tokenize"))
     in_flight: int = 0  # requests being generated (vLLM's server load)
-    # /inference/v1/generate's `request_id`s (two requests may share one) -> the server's ids, while they run
+    # the ids clients name requests by (vLLM's: X-Request-Id, `request_id`; several may share one) -> the
+    # server's ids, while they run (`generation.request_ids`)
     named: dict[str, set[str]] = dataclasses.field(default_factory=dict)
     draining: bool = False  # stopping: /health says 503, new requests get a 503, those in flight go on
     # a streamed weight update under way (`api/rl.py`): each replica's tensors so far, and the version asked for

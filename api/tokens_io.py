@@ -5,7 +5,6 @@ stop_token_ids end a choice). A trainer's rollouts come this way (docs/rl.md).""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator
 
@@ -73,27 +72,11 @@ async def generate():
     choices = [GenerateChoice(index=c, token_ids=[], logprobs=_logprobs(req, [], [])) for c in range(req.params.n)]
     response = GenerateResponse(request_id=named or request_id, choices=choices, weight_version=0)
     try:
-        with _named(state, named, request_id):
-            async for _, update in generation(state, req, request_id):
-                _add(response, choices[update.index], update, req)
+        async for _, update in generation(state, req, request_id, named):
+            _add(response, choices[update.index], update, req)
     except ValueError as e:
         raise APIError(str(e)) from e
     return response
-
-
-@contextlib.contextmanager
-def _named(state: APIState, named: str | None, request_id: str):
-    """While the request runs, its `request_id` (the client's) finds it (`abort_requests`)."""
-    if named is None:
-        yield
-        return
-    state.named.setdefault(named, set()).add(request_id)
-    try:
-        yield
-    finally:
-        state.named[named].discard(request_id)
-        if not state.named[named]:
-            del state.named[named]
 
 
 def abort_requests(state: APIState, request_ids: list[str] | None) -> int:
@@ -171,12 +154,11 @@ async def _events(state: APIState, req: GenerationRequest, request_id: str, name
                   ) -> AsyncIterator[str]:
     """A chunk per update: the choice's new tokens (and their logprobs), its finish at the end."""
     try:
-        with _named(state, named, request_id):
-            async for _, update in generation(state, req, request_id):
-                choice = GenerateChoice(index=update.index, token_ids=[], logprobs=_logprobs(req, [], []))
-                chunk = GenerateResponse(request_id=named or request_id, choices=[choice], weight_version=0)
-                _add(chunk, choice, update, req)
-                yield sse(chunk.dump())
+        async for _, update in generation(state, req, request_id, named):
+            choice = GenerateChoice(index=update.index, token_ids=[], logprobs=_logprobs(req, [], []))
+            chunk = GenerateResponse(request_id=named or request_id, choices=[choice], weight_version=0)
+            _add(chunk, choice, update, req)
+            yield sse(chunk.dump())
     except Exception as e:  # after the 200, an error can only be an event in the stream
         status = stream_error_status(state, e)
         yield sse((e if isinstance(e, APIError) else APIError(str(e), status=status)).body())

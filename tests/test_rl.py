@@ -377,7 +377,8 @@ def test_sleep_levels_modes_and_prefix_resets_over_http(server):
 
 def test_abort_requests_by_id_and_all_as_vllm_032s(server):
     """/abort_requests (and /inference/v1/abort_requests) end requests in flight by the request_id a
-    client gave /inference/v1/generate or by a completion's id, or all of them (a held one too): each
+    client gave /inference/v1/generate or by a completion's id (vLLM's: cmpl- and the client's
+    X-Request-Id or request_id, which requests may share), or all of them (held ones too): each
     answers, finish reason "abort"; the others go on."""
     assert httpx.get(server + "/weight_info").json() == httpx.get(server + "/get_weight_version").json()
     long = {"temperature": 0, "max_tokens": STREAMED, "ignore_eos": True}
@@ -410,7 +411,18 @@ def test_abort_requests_by_id_and_all_as_vllm_032s(server):
         assert httpx.post(server + "/abort_requests", json={}).json()["status"] == "aborted"
         answer = held.result(300)["choices"][0]
         assert answer["finish_reason"] == "abort" and answer["token_ids"] == []
+        # vLLM's ids: cmpl- and the client's X-Request-Id (or the body's request_id), shared or not
+        short = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        named = [pool.submit(lambda body, h: httpx.post(server + "/v1/completions", json=body, headers=h,
+                                                        timeout=300).json(), body, headers)
+                 for body, headers in ((short, {"X-Request-Id": "r-1"}), ({**short, "request_id": "r-1"}, {}),
+                                       ({**short, "request_id": "r-2"}, {}))]
+        threading.Event().wait(1.0)
+        assert httpx.post(server + "/abort_requests", json={"request_ids": ["cmpl-r-1"]}).json()["aborted"] == 1
         httpx.post(server + "/resume", timeout=60).raise_for_status()
+        answers = [f.result(300) for f in named]
+        assert [a["id"] for a in answers] == ["cmpl-r-1", "cmpl-r-1", "cmpl-r-2"]
+        assert [a["choices"][0]["finish_reason"] for a in answers] == ["abort", "abort", "length"]
     assert httpx.post(server + "/abort_requests", json={"request_ids": "mine"}).status_code == 400
 
 
