@@ -9,8 +9,8 @@ from quart_schema import document_request, document_response
 from api.answer import answer
 from api.chat_models import ChatCompletionRequest
 from api.completions import complete
-from api.generation import request_ids
 from api.errors import APIError
+from api.generation import request_ids
 from api.protocol import parse_chat
 from api.response_models import ChatCompletion
 from api.state import api_state, json_body
