@@ -255,7 +255,10 @@ class LLMEngine:
 
     def is_sleeping(self) -> bool:
         """Paused (`sleep`, any level) or memory freed: nothing steps until `wake_up`."""
-        return self.paused or any(engine.is_sleeping for engine in self.engines)
+        return self.paused or self._memory_freed()
+
+    def _memory_freed(self) -> bool:
+        return any(engine.is_sleeping for engine in self.engines)
 
     def sleep(self, level: int = 1, mode: str = "abort") -> None:
         """vLLM's: level 0 pauses (`generate` and `step` refuse until `wake_up`), 1 also frees the KV
@@ -282,12 +285,12 @@ class LLMEngine:
         it has."""
         for engine in self.engines:
             engine.wake_up(tags)
-        self.paused = self.paused and any(engine.is_sleeping for engine in self.engines)
+        self.paused = self.paused and self._memory_freed()
         return not self.is_sleeping()
 
     def release_kv_cache_memory(self) -> None:
         """vLLM's: after `sleep(level=0)`, free the KV cache (kept requests recompute theirs) until woken."""
-        if not self.paused or any(engine.is_sleeping for engine in self.engines):
+        if not self.paused or self._memory_freed():
             raise RuntimeError("release_kv_cache_memory needs sleep(level=0) first, and no memory freed yet")
         self.between_steps(lambda i, engine: engine.release_kv_cache())
 
