@@ -21,7 +21,7 @@ from test_compile import CompileCounter
 
 from jaxserve import LLM, SamplingParams
 from jaxserve.config.engine import EngineConfig
-from jaxserve.models import ModelInputs, forward, rope_table
+from jaxserve.models import ModelInputs, ReadRows, forward, rope_table
 from jaxserve.models.config import ModelConfig
 from jaxserve.worker.kv_cache import allocate_kv_cache
 from jaxserve.worker.weights import load_weights
@@ -110,6 +110,34 @@ def test_chunked_prefill_and_decode_equal_full_forward(hf_checkpoint):
     full = chunked_logits(model_dir, ids, [40])
     pieces = chunked_logits(model_dir, ids, [13, 16, 1, 1, 9])
     np.testing.assert_allclose(pieces, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3-moe"])
+def test_the_last_layer_computes_only_the_rows_a_step_reads(arch, hf_checkpoint):
+    """Two prompts in one step, some rows read (each prompt's last, two asked about): with
+    `ReadRows` (as the engine sends them where the kernels skip rows) their logits are the whole
+    step's, and the last layer's output at the other rows is not computed."""
+    _, model_dir = hf_checkpoint(arch)
+    cfg = ModelConfig.from_hf(model_dir).for_context(128)
+    engine_cfg = EngineConfig(max_model_len=128, page_size=16, num_pages=16, dtype="float32").resolve(cfg)
+    graphdef, state = load_weights(model_dir, cfg, "float32")
+    lens, pages = [23, 17], np.array([[9, 3], [14, 6]], np.int32)
+    pos = np.concatenate([np.arange(n) for n in lens])
+    seq = np.repeat([0, 1], lens)
+    read = np.array([22, 39, 5, 30], np.int32)
+    inputs = ModelInputs(
+        token_ids=np.random.default_rng(3).integers(0, cfg.vocab_size, size=40).astype(np.int32),
+        positions=pos.astype(np.int32), rope=rope_table(cfg, pos),
+        kv_write_index=(pages[seq, pos // 16] * 16 + pos % 16).astype(np.int32), kv_lens=np.array(lens, np.int32),
+        page_table=pages, query_start=np.array([0, 23, 40], np.int32), num_seqs=np.asarray(2, np.int32),
+        logits_indices=read)
+    mask = np.isin(np.arange(40), read)
+    rows = ReadRows(order=np.argsort(~mask, kind="stable").astype(np.int32), count=np.int32(len(read)))
+    _, want, whole = forward(graphdef, state, allocate_kv_cache(cfg, engine_cfg), inputs)
+    _, got, part = forward(graphdef, state, allocate_kv_cache(cfg, engine_cfg), inputs.replace(read_rows=rows))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(part)[read], np.asarray(whole)[read], atol=1e-5, rtol=0)
+    assert np.abs(np.asarray(part)[~mask] - np.asarray(whole)[~mask]).max(-1).min() > 1e-2
 
 
 def _hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec
 from jaxserve_kernels import live_rows
 
 from jaxserve.models import gemma, invariant, llama, moe, phi3
-from jaxserve.models.layers import KVCache, Linear, ModelInputs, Quantizable
+from jaxserve.models.layers import KVCache, Linear, ModelInputs, Quantizable, ReadRows
 from jaxserve.models.lora import LoraRows
 from jaxserve.models.rope import RopeConfig, rope_table, ropes_from_hf
 
@@ -181,5 +181,5 @@ def head_logits(graphdef: nnx.GraphDef, state: nnx.State, hidden: jax.Array) -> 
 
 
 __all__ = ["ADAPTABLE", "BASE_MODELS", "MODEL_REGISTRY", "KVCache", "LoraRows", "ModelFamily", "ModelInputs",
-           "ModelOptions", "abstract_model", "adaptable_modules", "attach_adapters", "forward", "forward_residual",
-           "head_logits", "quantizable_modules", "rope_table"]
+           "ModelOptions", "ReadRows", "abstract_model", "adaptable_modules", "attach_adapters", "forward",
+           "forward_residual", "head_logits", "quantizable_modules", "rope_table"]

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
-                                    mlp_rules)
+                                    ReadRows, mlp_rules, read_only, reading)
 from jaxserve.models.rope import RopeConfig, rope_from_hf
 
 if TYPE_CHECKING:
@@ -174,10 +174,11 @@ class DecoderLayer(nnx.Module):
                             activation=functools.partial(jax.nn.gelu, approximate=True))
         self.post_feedforward_layernorm = GemmaRMSNorm(d, cfg.rms_norm_eps, dtype)
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
-        x = x + self.post_attention_layernorm(h)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), inputs.lora))
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, rows: ReadRows | None = None):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs, rows)
+        with reading(rows):
+            x = read_only(rows, x) + self.post_attention_layernorm(h)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), inputs.lora))
         return x, k_pages, v_pages
 
 

@@ -18,6 +18,7 @@ those live in the family's own file.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import flax.struct
@@ -28,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.lora import LoraRows, lora_delta
 from jaxserve.models.rope import apply_rope
-from jaxserve_kernels import AXIS, cache_dtype, matmul_t, matmul_t_many, paged_attention, write_kv
+from jaxserve_kernels import AXIS, cache_dtype, live_rows, matmul_t, matmul_t_many, paged_attention, write_kv
 from jaxserve_kernels.matmul import gated_matmul_t, gated_silu
 from jaxserve_kernels.matmul.quant import BLOCK, GroupedRows, QuantizedWeight, dequantize, group_rows, take_rows
 from jaxserve_kernels.paged_attention.reference import from_cache, to_cache
@@ -43,6 +44,35 @@ class KVCache:
 
     k: list[jax.Array]
     v: list[jax.Array]
+
+
+@flax.struct.dataclass
+class ReadRows:
+    """The token rows a step reads of the last layer's output (the rows sampled, those asked about),
+    first: after its attention the last layer computes only those (`Decoder.run`). Only the C++
+    kernels skip rows (`live_rows`); elsewhere the engine sends none (`ModelInputs.read_rows`)."""
+
+    order: jax.Array  # i32[T] the rows read, then the others (a permutation of the step's rows)
+    count: jax.Array  # i32[] how many are read
+
+    def take(self, x: jax.Array) -> jax.Array:
+        """x's rows in `order`."""
+        return x[self.order]
+
+    def restore(self, x: jax.Array) -> jax.Array:
+        """Rows in `order` (`take`) back in the step's order."""
+        rows = self.order.shape[0]
+        return x[jnp.zeros(rows, jnp.int32).at[self.order].set(jnp.arange(rows, dtype=jnp.int32))]
+
+
+def read_only(rows: ReadRows | None, x: jax.Array) -> jax.Array:
+    """x, or with `rows`, its rows in their `order`."""
+    return x if rows is None else rows.take(x)
+
+
+def reading(rows: ReadRows | None):
+    """Within it the kernels compute only the rows read (`rows.count` first rows: `read_only`)."""
+    return contextlib.nullcontext() if rows is None else live_rows(rows.count)
 
 
 @flax.struct.dataclass
@@ -63,6 +93,8 @@ class ModelInputs:
     # i32[L + 1] per layer (the last: the final norm) its hidden states' slot (H: none); None: none (`Decoder.run`)
     hidden_slots: jax.Array | None = None
     num_samples: jax.Array | None = None  # i32[] logits rows the sampler reads: the LM head's `live_rows`
+    # the rows the step reads of the last layer's output (`ReadRows`); None: every row computed
+    read_rows: ReadRows | None = None
     # a batch-invariant step's tile (`invariant.tile_inputs`): attention takes each row alone
     batch_invariant: bool = flax.struct.field(pytree_node=False, default=False)
 
@@ -275,7 +307,9 @@ class Attention(nnx.Module):
         self.q_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
         self.k_norm = qk_norm(hd, cfg.rms_norm_eps, dtype) if qk_norm is not None else None
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, rows: ReadRows | None = None):
+        """-> (the output projection's rows: all, or with `rows` those it reads, in their order
+        (`read_only`), k_pages, v_pages)."""
         t = x.shape[0]
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj], inputs.lora)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -286,7 +320,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         o, k_pages, v_pages = attend(q, k, v, k_pages, v_pages, inputs, sm_scale=self.sm_scale,
                                      sliding_window=self.sliding_window, soft_cap=self.soft_cap)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim), inputs.lora), k_pages, v_pages
+        o = read_only(rows, o.reshape(t, self.num_heads * self.head_dim))
+        with reading(rows):
+            return self.o_proj(o, inputs.lora), k_pages, v_pages
 
 
 class Decoder(nnx.Module):
@@ -308,7 +344,8 @@ class Decoder(nnx.Module):
         return self.embed_tokens(token_ids)
 
     def __call__(self, kv: KVCache, inputs: ModelInputs) -> tuple[KVCache, jax.Array]:
-        """-> (updated cache, [T, hidden] the last layer's output at every token: see `logits`)."""
+        """-> (updated cache, [T, hidden] the last layer's output at every token, or with
+        `inputs.read_rows` at the rows read (the others: any values): see `logits`)."""
         kv, x, _ = self.run(kv, inputs)
         return kv, x
 
@@ -327,8 +364,13 @@ class Decoder(nnx.Module):
         if self.steering is not None and inputs.steer is not None:
             steered = jnp.any(inputs.steer < self.steering.shape[1] - 1)
         k_out, v_out = [], []
+        last = len(self.layers) - 1
         for i, (layer, k_pages, v_pages) in enumerate(zip(self.layers, kv.k, kv.v)):
-            x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
+            if i == last and inputs.read_rows is not None:  # (the rows no one reads: the cache's keys alone)
+                x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs, inputs.read_rows)
+                x = inputs.read_rows.restore(x)
+            else:
+                x, k_pages, v_pages = layer(x, k_pages, v_pages, inputs)
             if steered is not None:  # (each row's vector: its slot's; the last slot is zeros)
                 x = only_if(steered, lambda x, i=i: x + self.steering[i][inputs.steer].astype(x.dtype), x)
             if gather:

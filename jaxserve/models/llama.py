@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from flax import nnx
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
-                                    RMSNorm, mlp_rules)
+                                    ReadRows, RMSNorm, mlp_rules, read_only, reading)
 
 if TYPE_CHECKING:
     from jaxserve.models.config import ModelConfig
@@ -79,10 +79,11 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.options.mlp_bias, dtype, rngs)
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, rows: ReadRows | None = None):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs, rows)
+        with reading(rows):
+            x = read_only(rows, x) + h
+            x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 
 

@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.layers import (ATTENTION_RULES, EMBEDDING_RULES, Attention, Decoder, GatedMLP, ModelInputs,
-                                    Quantizable, RMSNorm, gated, mlp_rules)
+                                    Quantizable, ReadRows, RMSNorm, gated, mlp_rules, read_only, reading)
 from jaxserve_kernels import AXIS, grouped_matmul_t, matmul_t
 
 if TYPE_CHECKING:
@@ -215,10 +215,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = (GatedMLP(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
                     if index in options.dense_layers else SparseMoeBlock(cfg, dtype, rngs))
 
-    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs):
-        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
+    def __call__(self, x, k_pages, v_pages, inputs: ModelInputs, rows: ReadRows | None = None):
+        h, k_pages, v_pages = self.self_attn(self.input_layernorm(x), k_pages, v_pages, inputs, rows)
+        with reading(rows):
+            x = read_only(rows, x) + h
+            x = x + self.mlp(self.post_attention_layernorm(x), inputs.lora)
         return x, k_pages, v_pages
 
 

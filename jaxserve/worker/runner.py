@@ -23,9 +23,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from tqdm import tqdm
 
+from jaxserve_kernels.matmul import kernels_run
+
 from jaxserve.config.engine import MAX_LOGPROBS, EngineConfig
 from jaxserve.config.fields import compiled_fields
-from jaxserve.models import LoraRows, ModelInputs, rope_table
+from jaxserve.models import LoraRows, ModelInputs, ReadRows, rope_table
 from jaxserve.models.config import ModelConfig
 from jaxserve.sample.logits_processors import Processors, fingerprint
 from jaxserve.sample.tensors import Padding, SampleOutput, SamplingRow, SamplingTensors, needs_distribution
@@ -83,6 +85,9 @@ class Runner:
         self._leads = jax.process_count() > 1 and is_leader()  # process 0 of several: it broadcasts each step
         # the device is the host's CPU: launching a step behind the one computing takes the cores it computes on
         self.shares_host = replicated.mesh.devices.flat[0].platform == "cpu"
+        # the last layer computes only the rows the step reads (`ModelInputs.read_rows`) where the kernels
+        # skip rows; adapters' rows would need their slots in that order too
+        self.reads_rows = kernels_run(replicated.mesh.size) and adapters is None and not config.batch_invariant
         self._last_broadcast = time.monotonic()
 
     @property
@@ -314,7 +319,9 @@ class Runner:
                              num_seqs=np.asarray(len(batch.rows), np.int32), logits_indices=logits_indices,
                              lora=self._lora_rows(batch, slots or {}, num_tokens),
                              steer=self._steer_rows(batch, slots or {}, num_tokens),
-                             hidden_slots=self._hidden_slots(batch), num_samples=np.asarray(len(samples), np.int32))
+                             hidden_slots=self._hidden_slots(batch), num_samples=np.asarray(len(samples), np.int32),
+                             read_rows=self._read_rows(batch, [logits_indices[:len(samples)], prompt_rows[:asked]],
+                                                       num_tokens))
         rows = [SamplingRow(params=r.params, seed=r.seed,
                             position=r.start_position + len(r.token_ids) - len(r.draft_token_ids) + j,
                             token_ids=r.all_token_ids + r.draft_token_ids[:j] if j else r.all_token_ids,
@@ -356,6 +363,18 @@ class Runner:
                 rows[start + first:start + len(row.token_ids)] = slots[steering.key]
             start += len(row.token_ids)
         return rows
+
+    def _read_rows(self, batch: ScheduledBatch, read: list[np.ndarray], num_tokens: int) -> ReadRows | None:
+        """The token rows the step reads of the last layer's output (`read`: the rows sampled, those
+        asked about; every row where a row gathers the last layer's states) first, where the kernels
+        skip the others (`reads_rows`); else None."""
+        if not self.reads_rows:
+            return None
+        mask = np.zeros(num_tokens, bool)
+        mask[np.concatenate(read)] = True
+        if any(layer >= self.model_config.num_layers - 1 for layer in hidden_layer_slots(batch.rows)):
+            mask[:] = True
+        return ReadRows(order=np.argsort(~mask, kind="stable").astype(np.int32), count=np.int32(mask.sum()))
 
     def _hidden_slots(self, batch: ScheduledBatch) -> np.ndarray | None:
         """Per layer, and the final norm last, its slot among the hidden states the step gathers
