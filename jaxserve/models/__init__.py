@@ -147,7 +147,8 @@ def attach_adapters(model: nnx.Module, adapters: Mapping[str, tuple[jax.Array, j
 def forward(graphdef: nnx.GraphDef, state: nnx.State, kv: KVCache, inputs: ModelInputs,
             batch_invariant: bool = False, adapters: Mapping[str, tuple[jax.Array, jax.Array]] | None = None):
     """Pure form of the model for use under jit: (state, cache, inputs) -> (cache, f32[B, vocab]
-    logits of each sequence's last token, [T, hidden] output at every token: see `head_logits`).
+    logits of each sequence's last token, [T, hidden] output at every token, or with `inputs.read_rows`
+    at the rows read: see `head_logits`).
     `batch_invariant`: computed in tiles of a fixed number of rows (`invariant.py`), so that no
     row's numbers depend on the others'. `adapters`: the LoRA slots' stacks (`attach_adapters`),
     which the rows of `inputs.lora` use."""
