@@ -290,8 +290,7 @@ class Runner:
         pending = np.full(num_tokens, -1, np.int32)
         prompt_rows = np.zeros(num_tokens, np.int32)
         targets = np.full(num_tokens, -1, np.int32)
-        asked = 0
-        start = 0
+        asked = start = 0
         for b, row in enumerate(batch.rows):
             n = len(row.token_ids)
             pos = np.arange(row.start_position, row.start_position + n)
@@ -332,8 +331,7 @@ class Runner:
                                              self.model_config.eos_token_ids, batch.token_masks, keep_padding=True,
                                              processors=self.processors)
         copies = np.full((num_rows, 2), NULL_PAGE, np.int32)  # at most one copy per row
-        for c, (src, dst) in enumerate(batch.page_copies):
-            copies[c] = src, dst
+        copies[:len(batch.page_copies)] = np.reshape(batch.page_copies, (-1, 2))
         return StepInputs(page_copies=copies, pending=pending, model=model, sampling=sampling, prompt_rows=prompt_rows,
                           prompt_targets=targets)
 
