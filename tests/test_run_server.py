@@ -142,7 +142,8 @@ def test_health_says_503_while_the_first_bucket_compiles_and_the_rest_compile_wh
             assert statuses[0] == 503 and statuses[-1] == 200, statuses
             assert early.result().status_code == 200 and early.result().json()["usage"]["completion_tokens"] == 3
         while time.time() < deadline:
-            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(url + "/metrics").text.splitlines()
+            # (30 s, as /health's: a bucket's tracing holds the GIL for a while, longer on a loaded machine)
+            metrics = dict(line.rsplit(" ", 1) for line in httpx.get(url + "/metrics", timeout=30).text.splitlines()
                            if line.startswith("jaxserve:step_buckets"))
             if metrics["jaxserve:step_buckets_compiled"] == metrics["jaxserve:step_buckets"]:
                 break
