@@ -370,7 +370,7 @@ class Runner:
             return None
         mask = np.zeros(num_tokens, bool)
         mask[np.concatenate(read)] = True
-        if any(layer >= self.model_config.num_layers - 1 for layer in hidden_layer_slots(batch.rows)):
+        if self.num_hidden and max(hidden_layer_slots(batch.rows), default=-1) >= self.model_config.num_layers - 1:
             mask[:] = True
         return ReadRows(order=np.argsort(~mask, kind="stable").astype(np.int32), count=np.int32(mask.sum()))
 
